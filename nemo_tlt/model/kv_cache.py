@@ -1,0 +1,72 @@
+"""Batched, static-capacity KV cache with a per-row length.
+
+Row b's committed keys/values live at slots [0, lengths[b]). A forward pass of T
+new tokens writes them at slots lengths[b] + t without moving `lengths`; the
+caller then either commits them all (`advance`) or keeps a subset (`compact`, used
+after tree verification, where the accepted nodes are scattered through the
+block). Slots at or beyond lengths[b] are never attended to, so stale entries
+there are harmless and are simply overwritten.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        if capacity < 1:
+            raise ValueError(f"KVCache.capacity must be >= 1, got {capacity}")
+        shape = (batch, num_kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write_index(self, num_new: int) -> torch.Tensor:
+        """Slots [B, T] where a forward of `num_new` tokens writes."""
+        idx = self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)
+        if num_new and int(idx.max()) >= self.capacity:
+            raise ValueError(
+                f"KVCache overflow: writing {num_new} tokens at length {int(self.lengths.max())} "
+                f"exceeds capacity {self.capacity}"
+            )
+        return idx
+
+    def advance(self, counts: torch.Tensor | int) -> None:
+        self.lengths += counts
+
+    def compact(self, keep: torch.Tensor, counts: torch.Tensor) -> None:
+        """Keep, per row, the block entries at offsets keep[b, :counts[b]] (ascending)
+        of the last written block, moving them to offsets 0..counts[b]-1; then commit.
+
+        keep: [B, K] long offsets into the last block (entries past counts[b] are ignored
+        padding); counts: [B] long.
+        """
+        b_idx = torch.arange(self.batch, device=keep.device)[:, None]
+        src = self.lengths[:, None] + keep
+        dst = self.lengths[:, None] + torch.arange(keep.shape[1], device=keep.device)
+        valid = torch.arange(keep.shape[1], device=keep.device)[None, :] < counts[:, None]
+        # Padding entries copy a slot onto itself, which is a no-op.
+        src = torch.where(valid, src, dst)
+        for layer in range(len(self.k)):
+            for buf in (self.k[layer], self.v[layer]):
+                moved = buf[b_idx, :, src]  # gather first: sources and targets may overlap
+                buf[b_idx, :, dst] = moved
+        self.lengths += counts
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Drop finished rows: keep only `rows` (in that order)."""
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]
+        self.lengths = self.lengths.index_select(0, rows)

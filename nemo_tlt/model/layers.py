@@ -1,0 +1,99 @@
+"""Decoder building blocks for the Llama / Qwen2 families, named like HF's modules
+so that `state_dict()` keys are the project's canonical (HF) names.
+
+Attention takes an optional `KVCache` and a boolean mask over [cached prefix ;
+new block]; the new block's own mask is supplied by the caller (causal for a
+prompt, ancestor-or-self for a draft tree), which is all tree verification needs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.kv_cache import KVCache
+from nemo_tlt.model.rope import apply_rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        d, h, kv = config.head_dim, config.num_heads, config.num_kv_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(config.hidden_size, h * d, bias=bool(config.qkv_bias))
+        self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=bool(config.qkv_bias))
+        self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=bool(config.qkv_bias))
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None, layer: int, mask: torch.Tensor | None,
+                write_idx: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            keys, values = k, v
+        else:
+            prefix = mask.shape[-1] - T
+            keys = torch.cat((cache.k[layer][:, :, :prefix], k), dim=2)
+            values = torch.cat((cache.v[layer][:, :, :prefix], v), dim=2)
+            b_idx = torch.arange(B, device=x.device)[:, None]
+            cache.k[layer][b_idx, :, write_idx] = k.transpose(1, 2)
+            cache.v[layer][b_idx, :, write_idx] = v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=mask is None,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+                layer: int, mask: torch.Tensor | None, write_idx: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, write_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def attention_mask(cache_lengths: torch.Tensor, prefix: int, new_mask: torch.Tensor) -> torch.Tensor:
+    """Boolean mask [B, 1, T, prefix + T]: slot j < prefix is visible to row b iff
+    j < cache_lengths[b]; the new block is visible as `new_mask` [B, T, T] says."""
+    B, T, _ = new_mask.shape
+    slots = torch.arange(prefix, device=new_mask.device)
+    old = (slots[None, :] < cache_lengths[:, None])[:, None, :].expand(B, T, prefix)
+    return torch.cat((old, new_mask), dim=-1)[:, None]

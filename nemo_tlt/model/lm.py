@@ -1,0 +1,103 @@
+"""`DecoderLM`: the reference decoder-only LM (Llama / Qwen2 families) in plain PyTorch.
+
+Its module tree mirrors HF's `LlamaForCausalLM` / `Qwen2ForCausalLM`, so
+`state_dict()` uses the canonical (HF) names and loads HF weights as they are.
+The model knows nothing about sampling or speculation: it maps tokens at given
+positions, against an optional KV cache and a mask for the new block, to final
+hidden states; `logits()` applies the LM head. Parallelism and checkpoint
+conversion live elsewhere (nemo_tlt.weights).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.kv_cache import KVCache
+from nemo_tlt.model.layers import DecoderLayer, RMSNorm, attention_mask
+from nemo_tlt.model.rope import rope_tables
+
+
+class _Backbone(nn.Module):
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _Backbone(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+        cos, sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if int(positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(
+                f"position {int(positions.max())} is beyond max_position_embeddings="
+                f"{self.config.max_position_embeddings}"
+            )
+        return self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+
+    def run_layers(self, x: torch.Tensor, layers: nn.ModuleList, positions: torch.Tensor | None,
+                   cache: KVCache | None, new_mask: torch.Tensor | None) -> torch.Tensor:
+        """Run `layers` over embeddings x [B, T, H]. Without a cache the block is fully
+        causal at positions 0..T-1 unless `positions`/`new_mask` say otherwise."""
+        B, T, _ = x.shape
+        if positions is None:
+            start = cache.lengths[:, None] if cache is not None else 0
+            positions = start + torch.arange(T, device=x.device)[None, :].expand(B, T)
+        cos, sin = self.rope(positions)
+        mask = write_idx = None
+        if cache is not None:
+            if new_mask is None:
+                new_mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, T, T)
+            prefix = int(cache.lengths.max())
+            mask = attention_mask(cache.lengths, prefix, new_mask)
+            write_idx = cache.write_index(T)
+        elif new_mask is not None:
+            mask = new_mask[:, None]
+        for i, layer in enumerate(layers):
+            x = layer(x, cos, sin, cache, i, mask, write_idx)
+        return x
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+               cache: KVCache | None = None, new_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Last-layer hidden states after the final norm, [B, T, H]."""
+        x = self.model.embed_tokens(input_ids)
+        x = self.run_layers(x, self.model.layers, positions, cache, new_mask)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None, new_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.logits(self.hidden(input_ids, positions, cache, new_mask))
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        c = self.config
+        p = self.model.embed_tokens.weight
+        return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, p.dtype, p.device)
+
+    def num_params(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
