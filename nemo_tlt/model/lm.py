@@ -59,9 +59,12 @@ class DecoderLM(nn.Module):
         return self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
 
     def run_layers(self, x: torch.Tensor, layers: nn.ModuleList, positions: torch.Tensor | None,
-                   cache: KVCache | None, new_mask: torch.Tensor | None) -> torch.Tensor:
+                   cache: KVCache | None, new_mask: torch.Tensor | None,
+                   prefix_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run `layers` over embeddings x [B, T, H]. Without a cache the block is fully
-        causal at positions 0..T-1 unless `positions`/`new_mask` say otherwise."""
+        causal at positions 0..T-1 unless `positions`/`new_mask` say otherwise.
+        `prefix_mask` [B, T, P] replaces the default visibility of cache slots
+        (j < lengths[b]); the drafter uses it while growing a tree."""
         B, T, _ = x.shape
         if positions is None:
             start = cache.lengths[:, None] if cache is not None else 0
@@ -71,8 +74,10 @@ class DecoderLM(nn.Module):
         if cache is not None:
             if new_mask is None:
                 new_mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, T, T)
-            prefix = int(cache.lengths.max())
-            mask = attention_mask(cache.lengths, prefix, new_mask)
+            if prefix_mask is None:
+                mask = attention_mask(cache.lengths, int(cache.lengths.max()), new_mask)
+            else:
+                mask = torch.cat((prefix_mask, new_mask), dim=-1)[:, None]
             write_idx = cache.write_index(T)
         elif new_mask is not None:
             mask = new_mask[:, None]

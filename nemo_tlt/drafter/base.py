@@ -1,0 +1,64 @@
+"""The drafter protocol the rollout engine talks to, and the context it drafts from.
+
+A drafter shares the target's embedding and LM head (read through the target,
+never copied or trained) and proposes a `DraftTree` for every running row. Its
+private state (a KV cache for EAGLE, nothing for Medusa) lives in a `DraftState`
+that the engine keeps in step with its own rows.
+
+Sequence bookkeeping shared by all drafters (per row b, L = committed length):
+``tokens[b, t]`` is token x_t for t <= L (x_L is the root: produced by the target,
+not yet in its KV cache); ``features[b, t]`` for t < L is the target's final
+hidden state at position t, the one that predicted x_{t+1}.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.speculative.tree import DraftTree
+from nemo_tlt.speculative.tree_shape import TreeShape
+
+
+@dataclass
+class DraftContext:
+    target: DecoderLM
+    tokens: torch.Tensor     # [B, C] long
+    features: torch.Tensor   # [B, C, H]
+    lengths: torch.Tensor    # [B] long, committed target length L
+
+
+class DraftState(Protocol):
+    def select_rows(self, rows: torch.Tensor) -> None: ...
+
+
+class Drafter(Protocol):
+    kind: str
+
+    def init_state(self, batch: int, capacity: int) -> DraftState: ...
+
+    def propose(self, state: DraftState, ctx: DraftContext, shape: TreeShape) -> DraftTree: ...
+
+    def check_shape(self, shape: TreeShape) -> None: ...
+
+    def check_target(self, target: DecoderLM) -> None: ...
+
+    def forwards_per_draft(self, shape: TreeShape) -> int: ...
+
+
+def check_same_dims(kind: str, hidden_size: int, vocab_size: int, target: DecoderLM) -> None:
+    """A drafter built for another target is refused, naming both sizes."""
+    c = target.config
+    if hidden_size != c.hidden_size:
+        raise ValueError(f"{kind} drafter hidden_size={hidden_size} does not match the target's "
+                         f"hidden_size={c.hidden_size}")
+    if vocab_size != c.vocab_size:
+        raise ValueError(f"{kind} drafter vocab_size={vocab_size} does not match the target's "
+                         f"vocab_size={c.vocab_size}")
+
+
+class NoDraftState:
+    def select_rows(self, rows: torch.Tensor) -> None:
+        return None

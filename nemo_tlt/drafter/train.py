@@ -1,0 +1,98 @@
+"""Offline drafter training on the target's own generations.
+
+`drafter_loss` is the one loss entry point (EAGLE or Medusa, padded or packed
+batch) that the idle-time spot trainer reuses; `train_drafter` is a minimal AdamW
+loop over padded batches for a drafter trained once, e.g. for the benchmark.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from nemo_tlt.drafter.data import DrafterSample, EagleBatch, pad_eagle_batch
+from nemo_tlt.drafter.eagle import EagleDrafter
+from nemo_tlt.drafter.loss import eagle_loss, medusa_loss
+from nemo_tlt.drafter.medusa import MedusaDrafter
+from nemo_tlt.model.lm import DecoderLM
+
+
+@dataclass(frozen=True)
+class DrafterTrainConfig:
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    feature_noise: float = 0.05   # uniform noise on input features (EAGLE's robustness trick)
+    reg_weight: float = 1.0
+    ce_weight: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DrafterTrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"DrafterTrainConfig.lr must be > 0, got {self.lr}")
+        for name in ("weight_decay", "warmup_steps", "grad_clip", "feature_noise", "reg_weight", "ce_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"DrafterTrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+
+def drafter_loss(drafter: nn.Module, target: DecoderLM, batch: EagleBatch, reg_weight: float = 1.0,
+                 ce_weight: float = 0.1, noise: float = 0.0, generator: torch.Generator | None = None
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+    w = target.lm_head_weight.detach()
+    feat = batch.in_feat
+    if noise > 0:
+        feat = feat + (torch.rand(feat.shape, generator=generator) * 2 - 1).to(feat.dtype) * noise
+    if isinstance(drafter, EagleDrafter):
+        pred = drafter(target, batch.next_tokens, feat, batch.positions, None, batch.new_mask)
+        return eagle_loss(pred, batch.target_feat, w, batch.mask, reg_weight, ce_weight)
+    if isinstance(drafter, MedusaDrafter):
+        # Medusa reads f_t directly; in_feat holds f_0..f_{n-1} of each sample.
+        return medusa_loss(drafter(feat), batch.in_feat, w, batch.mask)
+    raise ValueError(f"drafter_loss: unsupported drafter type {type(drafter).__name__}")
+
+
+def lr_at(step: int, config: DrafterTrainConfig) -> float:
+    """Linear warmup then cosine decay to 10% of the peak."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def train_drafter(drafter: nn.Module, target: DecoderLM, samples: list[DrafterSample],
+                  config: DrafterTrainConfig, progress: bool = True) -> list[dict[str, float]]:
+    if not samples:
+        raise ValueError("train_drafter: no samples")
+    drafter.train()
+    gen = torch.Generator().manual_seed(config.seed)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    history = []
+    bar = tqdm(range(config.steps), desc=f"train {getattr(drafter, 'kind', 'drafter')} drafter",
+               disable=not progress, leave=False)
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, config)
+        idx = torch.randint(len(samples), (config.batch_size,), generator=gen).tolist()
+        batch = pad_eagle_batch([samples[i] for i in idx])
+        loss, stats = drafter_loss(drafter, target, batch, config.reg_weight, config.ce_weight,
+                                   config.feature_noise, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+        opt.step()
+        stats["loss"] = float(loss)
+        history.append(stats)
+        bar.set_postfix(loss=f"{stats['loss']:.3f}")
+    drafter.eval()
+    return history

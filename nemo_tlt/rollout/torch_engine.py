@@ -1,0 +1,246 @@
+"""The embedded PyTorch rollout engine: the default backend and the test oracle.
+
+One `generate` call decodes a batch of requests with a static KV cache. Every
+decode step is either *plain* (one target forward over the running rows' root
+tokens) or *speculative* (the drafter proposes a tree per row, one target forward
+verifies all trees, each row keeps its own accepted path). A `SpecPolicy` decides
+per step from the number of running rows; switching needs no re-prefill because
+the target's final hidden states are kept for every committed position and the
+drafter catches up from them. Finished rows are dropped from the batch at once,
+so the long tail runs at its true (small) batch size.
+
+Per row b the engine keeps (see nemo_tlt.drafter.base): committed length L[b]
+(slots in the target KV cache), tokens[b, :L+1] (x_L is the root, produced but not
+yet fed to the target) and features[b, :L].
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nemo_tlt.drafter.base import DraftContext, Drafter, DraftState
+from nemo_tlt.model.kv_cache import KVCache
+from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.rollout.protocol import (GenerateOutput, GenerationStats, Request, RequestResult, StepTrace)
+from nemo_tlt.speculative.acceptance import accept_greedy, accept_rejection
+from nemo_tlt.speculative.sampling import SamplingParams, draw, process_logits
+from nemo_tlt.speculative.tree import block_tokens, tree_block_mask, tree_block_positions
+from nemo_tlt.speculative.tree_shape import TreeShape
+
+
+@dataclass
+class _Batch:
+    rows: torch.Tensor          # [B] index of each running row in the request list
+    seq_ids: torch.Tensor       # [B]
+    prompt_len: torch.Tensor    # [B]
+    lengths: torch.Tensor       # [B] committed length L (shared with cache.lengths values)
+    num_gen: torch.Tensor       # [B] tokens generated so far
+    tokens: torch.Tensor        # [B, C+1]
+    features: torch.Tensor      # [B, C, H]
+    cache: KVCache
+    draft_state: DraftState | None
+
+    def select(self, keep: torch.Tensor) -> None:
+        for name in ("rows", "seq_ids", "prompt_len", "lengths", "num_gen", "tokens", "features"):
+            setattr(self, name, getattr(self, name).index_select(0, keep))
+        self.cache.select_rows(keep)
+        if self.draft_state is not None:
+            self.draft_state.select_rows(keep)
+
+
+class TorchRolloutEngine:
+    def __init__(self, target: DecoderLM, drafter: Drafter | None = None, policy=None,
+                 max_tree_nodes: int = 256) -> None:
+        if max_tree_nodes < 1:
+            raise ValueError(f"TorchRolloutEngine.max_tree_nodes must be >= 1, got {max_tree_nodes}")
+        self.target = target.eval()
+        self.max_tree_nodes = max_tree_nodes
+        self.drafter: Drafter | None = None
+        self.policy = policy
+        if drafter is not None:
+            self.load_drafter(drafter)
+
+    # ---- RolloutEngine protocol -------------------------------------------
+    def load_policy_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.target.load_state_dict(state_dict, strict=True)
+
+    def load_drafter(self, drafter: Drafter | None) -> None:
+        """Install a drafter (None: plain decoding only). A drafter built for another
+        target is refused with a ValueError naming the mismatch."""
+        if drafter is not None:
+            drafter.check_target(self.target)
+            drafter.eval()
+        self.drafter = drafter
+
+    @torch.no_grad()
+    def generate(self, requests: list[Request], sampling: SamplingParams, return_hidden: bool = False,
+                 policy=None) -> GenerateOutput:
+        """Decode `requests`; `policy` (a SpecPolicy: choose/observe) overrides the
+        engine's. Without a drafter every step is plain."""
+        policy = policy if policy is not None else self.policy
+        self._validate(requests, sampling, policy)
+        stats = GenerationStats()
+        t_start = time.perf_counter()
+        gen = torch.Generator().manual_seed(sampling.seed)
+        results: list[RequestResult | None] = [None] * len(requests)
+        batch = self._prefill(requests, sampling, gen, stats, policy)
+        self._retire(batch, sampling, results, return_hidden)
+        while batch.rows.numel():
+            running = batch.rows.numel()
+            shape = policy.choose(running) if policy is not None and self.drafter is not None else None
+            if shape is not None and not self._tree_fits(batch, shape):
+                shape = None  # a tree would run past the context or the cache: finish plainly
+            t0 = time.perf_counter()
+            if shape is None:
+                emitted, counts = self._plain_step(batch, sampling, gen, stats)
+            else:
+                emitted, counts = self._sd_step(batch, sampling, gen, stats, shape)
+            made = self._commit(batch, emitted, counts, sampling)
+            dt = time.perf_counter() - t0
+            stats.tokens_generated += made
+            stats.trace.append(StepTrace(running, shape.name if shape else None, made, made / running, dt))
+            if policy is not None:
+                policy.observe(running, shape, made, dt)
+            self._retire(batch, sampling, results, return_hidden)
+        stats.wall_s = time.perf_counter() - t_start
+        stats.time_other_s = stats.wall_s - stats.time_draft_s - stats.time_verify_s - stats.time_plain_s
+        return GenerateOutput([r for r in results if r is not None], stats)
+
+    # ---- validation ---------------------------------------------------------
+    def _validate(self, requests: list[Request], sampling: SamplingParams, policy) -> None:
+        if not requests:
+            raise ValueError("generate: requests is empty")
+        ctx = self.target.config.max_position_embeddings
+        vocab = self.target.config.vocab_size
+        for i, req in enumerate(requests):
+            if len(req.prompt) == 0:
+                raise ValueError(f"requests[{i}].prompt is empty; a prompt needs at least one token")
+            if len(req.prompt) + sampling.max_new_tokens > ctx:
+                raise ValueError(
+                    f"requests[{i}].prompt has {len(req.prompt)} tokens; with max_new_tokens="
+                    f"{sampling.max_new_tokens} it exceeds the context of {ctx} (max_position_embeddings)")
+            if min(req.prompt) < 0 or max(req.prompt) >= vocab:
+                raise ValueError(f"requests[{i}].prompt has token ids outside [0, {vocab})")
+
+    def _tree_fits(self, batch: _Batch, shape: TreeShape) -> bool:
+        L = int(batch.lengths.max())
+        need = max(shape.num_verify + 1, (shape.depth - 1) * shape.topk + 1)
+        return (L + shape.depth + 2 <= self.target.config.max_position_embeddings
+                and L + need <= batch.cache.capacity)
+
+    # ---- steps ------------------------------------------------------------------
+    def _prefill(self, requests, sampling, gen, stats, policy) -> _Batch:
+        B = len(requests)
+        lens = torch.tensor([len(r.prompt) for r in requests])
+        T = int(lens.max())
+        cap = T + sampling.max_new_tokens + self.max_tree_nodes + 2
+        ids = torch.zeros(B, T, dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, : len(r.prompt)] = torch.tensor(r.prompt)
+        cache = self.target.new_cache(B, cap)
+        valid = torch.arange(T)[None, :] < lens[:, None]
+        new_mask = torch.ones(T, T, dtype=torch.bool).tril()[None] & valid[:, None, :]
+        new_mask = new_mask | torch.eye(T, dtype=torch.bool)[None]
+        t0 = time.perf_counter()
+        hidden = self.target.hidden(ids, None, cache, new_mask)
+        stats.target_forwards += 1
+        stats.tokens_generated += B
+        cache.advance(lens)
+        last = hidden[torch.arange(B), lens - 1]
+        seq_ids = torch.tensor([r.seq_id if r.seq_id is not None else i for i, r in enumerate(requests)])
+        first = draw(self.target.logits(last), sampling, seq_ids, lens, gen)
+        stats.time_plain_s += time.perf_counter() - t0
+        tokens = torch.zeros(B, cap + 1, dtype=torch.long)
+        tokens[:, :T] = ids
+        tokens[torch.arange(B), lens] = first
+        features = hidden.new_zeros(B, cap, hidden.shape[-1])
+        features[:, :T] = hidden
+        dstate = self.drafter.init_state(B, cap) if self.drafter is not None else None
+        return _Batch(torch.arange(B), seq_ids, lens.clone(), lens.clone(), torch.ones(B, dtype=torch.long),
+                      tokens, features, cache, dstate)
+
+    def _plain_step(self, batch: _Batch, sampling, gen, stats) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        B = batch.rows.numel()
+        b_idx = torch.arange(B)
+        L = batch.lengths
+        roots = batch.tokens[b_idx, L]
+        hidden = self.target.hidden(roots[:, None], L[:, None], batch.cache)[:, 0]
+        stats.target_forwards += 1
+        batch.features[b_idx, L] = hidden
+        nxt = draw(self.target.logits(hidden), sampling, batch.seq_ids, L + 1, gen)
+        batch.cache.advance(1)
+        stats.plain_steps += 1
+        stats.time_plain_s += time.perf_counter() - t0
+        return nxt[:, None], torch.ones(B, dtype=torch.long)
+
+    def _sd_step(self, batch: _Batch, sampling, gen, stats, shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        B = batch.rows.numel()
+        b_idx = torch.arange(B)
+        L = batch.lengths
+        ctx = DraftContext(self.target, batch.tokens, batch.features, L)
+        tree = self.drafter.propose(batch.draft_state, ctx, shape)
+        stats.drafter_forwards += self.drafter.forwards_per_draft(shape)
+        t1 = time.perf_counter()
+        block = block_tokens(tree, batch.tokens[b_idx, L])
+        positions = tree_block_positions(tree, L)
+        hidden = self.target.hidden(block, positions, batch.cache, tree_block_mask(tree))
+        logits = self.target.logits(hidden)
+        stats.target_forwards += 1
+        n = block.shape[1]
+        if sampling.mode == "rejection":
+            probs = process_logits(logits, sampling).exp()
+            acc = accept_rejection(tree, probs, gen)
+        else:
+            choice = draw(logits.flatten(0, 1), sampling, batch.seq_ids.repeat_interleave(n),
+                          (positions + 1).flatten(), gen).view(B, n)
+            acc = accept_greedy(tree, choice)
+        keep = acc.kept_block_offsets()
+        counts = acc.num_accepted + 1
+        kept_hidden = hidden.gather(1, keep[..., None].expand(-1, -1, hidden.shape[-1]))
+        slots = (L[:, None] + torch.arange(keep.shape[1])).clamp(max=batch.features.shape[1] - 1)
+        batch.features[b_idx[:, None], slots] = kept_hidden
+        batch.cache.compact(keep, counts)
+        stats.sd_steps += 1
+        stats.accept_lengths.extend(counts.tolist())
+        stats.time_draft_s += t1 - t0
+        stats.time_verify_s += time.perf_counter() - t1
+        return acc.tokens(tree), counts
+
+    # ---- bookkeeping --------------------------------------------------------------
+    def _commit(self, batch: _Batch, emitted: torch.Tensor, counts: torch.Tensor, sampling: SamplingParams) -> int:
+        """Append each row's emitted tokens (cut at EOS or the token budget); the KV
+        cache was already advanced by `counts`. Returns the number of tokens kept."""
+        B, W = emitted.shape
+        L_old = batch.lengths.clone()
+        budget = sampling.max_new_tokens - batch.num_gen
+        n = torch.minimum(counts, budget)
+        if sampling.stop_on_eos:
+            is_eos = (emitted == self.target.config.eos_token_id) & (torch.arange(W)[None, :] < n[:, None])
+            first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, n)
+            n = torch.minimum(n, first_eos)
+        slots = (L_old[:, None] + 1 + torch.arange(W)).clamp(max=batch.tokens.shape[1] - 1)
+        write = torch.arange(W)[None, :] < counts[:, None]
+        cur = batch.tokens.gather(1, slots)
+        batch.tokens.scatter_(1, slots, torch.where(write, emitted.clamp(min=0), cur))
+        batch.lengths = L_old + counts
+        batch.num_gen = batch.num_gen + n
+        return int(n.sum())
+
+    def _retire(self, batch: _Batch, sampling: SamplingParams, results: list, return_hidden: bool) -> None:
+        B = batch.rows.numel()
+        b_idx = torch.arange(B)
+        last_tok = batch.tokens[b_idx, batch.prompt_len + batch.num_gen - 1]
+        hit_eos = (last_tok == self.target.config.eos_token_id) if sampling.stop_on_eos else torch.zeros(B, dtype=torch.bool)
+        done = hit_eos | (batch.num_gen >= sampling.max_new_tokens)
+        if not bool(done.any()):
+            return
+        for b in done.nonzero().flatten().tolist():
+            P, G = int(batch.prompt_len[b]), int(batch.num_gen[b])
+            hidden = batch.features[b, : P + G - 1].clone() if return_hidden else None
+            results[int(batch.rows[b])] = RequestResult(batch.tokens[b, P: P + G].tolist(),
+                                                        "eos" if bool(hit_eos[b]) else "length", hidden)
+        batch.select((~done).nonzero().flatten())

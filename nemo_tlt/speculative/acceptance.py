@@ -1,0 +1,121 @@
+"""Which drafted tokens the target accepts, as pure functions over a verified tree.
+
+Both rules walk from the root: at the current node, the target's own choice is
+made, and if a child of the node carries that token the walk moves to it; the
+walk ends with one token produced by the target itself (the bonus token), so every
+verify step yields between 1 and depth+1 tokens.
+
+* `accept_greedy` serves the ``greedy`` and ``coupled`` modes: the target's choice
+  at every node is a deterministic function of the node's context (argmax, or
+  Gumbel-argmax with noise keyed by sequence and position), so the accepted tokens
+  are exactly those plain decoding would have produced.
+* `accept_rejection` serves ``rejection``: multi-candidate rejection sampling with
+  deterministic (top-k) candidates. At a node with target distribution p, candidate
+  c is accepted with probability r(c) under the current residual r (initially p);
+  on rejection c is removed from r and r renormalised. If no candidate is accepted
+  the bonus token is drawn from r. Token x is thus produced with probability
+  p(x), whatever the drafter proposed (this is SpecInfer's rule with the draft
+  distribution a point mass on each candidate).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from nemo_tlt.speculative.tree import DraftTree
+
+
+@dataclass
+class Acceptance:
+    path: torch.Tensor          # [B, D] block indices of accepted draft nodes, -1 padded
+    num_accepted: torch.Tensor  # [B] number of accepted draft tokens (0..D)
+    bonus: torch.Tensor         # [B] the target's own token after the accepted path
+
+    def tokens(self, tree: DraftTree) -> torch.Tensor:
+        """[B, D+1] emitted tokens: accepted drafts then the bonus, -1 padded."""
+        B, D = self.path.shape
+        node_tok = torch.cat((torch.full((B, 1), -1, dtype=torch.long), tree.tokens), dim=1)
+        out = torch.where(self.path >= 0, node_tok.gather(1, self.path.clamp(min=0)), -1)
+        out = torch.cat((out, torch.full((B, 1), -1, dtype=torch.long)), dim=1)
+        out.scatter_(1, self.num_accepted[:, None], self.bonus[:, None])
+        return out
+
+    def kept_block_offsets(self) -> torch.Tensor:
+        """[B, D+1]: block offsets whose KV entries survive (root, then the path)."""
+        B = self.path.shape[0]
+        return torch.cat((torch.zeros(B, 1, dtype=torch.long), self.path.clamp(min=0)), dim=1)
+
+
+def _child_at(tree: DraftTree, cur: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block index of the rank-th child (creation order) of each row's current node."""
+    is_child = tree.parents == cur[:, None]
+    nth = (is_child.cumsum(1) - 1 == rank) & is_child
+    return nth.any(1), nth.float().argmax(1) + 1
+
+
+def accept_greedy(tree: DraftTree, target_choice: torch.Tensor) -> Acceptance:
+    """target_choice: [B, N+1] the target's deterministic token at each block node."""
+    B, _ = tree.tokens.shape
+    depth = tree.max_depth
+    cur = torch.zeros(B, dtype=torch.long)
+    alive = torch.ones(B, dtype=torch.bool)
+    path = torch.full((B, depth), -1, dtype=torch.long)
+    for step in range(depth):
+        want = target_choice.gather(1, cur[:, None])
+        match = (tree.parents == cur[:, None]) & (tree.tokens == want) & alive[:, None]
+        found = match.any(1)
+        nxt = match.float().argmax(1) + 1
+        path[:, step] = torch.where(found, nxt, -1)
+        cur = torch.where(found, nxt, cur)
+        alive &= found
+    num = (path >= 0).sum(1)
+    return Acceptance(path, num, target_choice.gather(1, cur[:, None]).squeeze(1))
+
+
+ResidualUpdate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def remove_candidate(residual: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """r <- normalise(r with r[tok] = 0): the residual after rejecting a point-mass draft."""
+    r = residual.scatter(1, tok[:, None], 0.0)
+    total = r.sum(1, keepdim=True)
+    # total is 0 only if every token of p was proposed and rejected, which has
+    # probability 0; keep the old residual rather than divide by zero.
+    return torch.where(total > 0, r / total.clamp(min=1e-30), residual)
+
+
+def accept_rejection(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None,
+                     residual_update: ResidualUpdate = remove_candidate) -> Acceptance:
+    """target_probs: [B, N+1, V] processed target distribution at each block node."""
+    B, N = tree.tokens.shape
+    depth = tree.max_depth
+    per_parent = tree.parents[:, :, None] == torch.arange(N + 1)[None, None, :]
+    max_children = int(per_parent.sum(1).max()) if N else 0
+    cur = torch.zeros(B, dtype=torch.long)
+    alive = torch.ones(B, dtype=torch.bool)
+    residual = target_probs[:, 0].clone()
+    path = torch.full((B, depth), -1, dtype=torch.long)
+    b_idx = torch.arange(B)
+    for step in range(depth):
+        moved = torch.zeros(B, dtype=torch.bool)
+        for rank in range(max_children):
+            has, child = _child_at(tree, cur, rank)
+            trying = alive & ~moved & has
+            if not bool(trying.any()):
+                break
+            tok = tree.tokens[b_idx, (child - 1).clamp(min=0)]
+            u = torch.rand(B, generator=generator)
+            ok = trying & (u < residual[b_idx, tok])
+            rejected = trying & ~ok
+            residual = torch.where(rejected[:, None], residual_update(residual, tok), residual)
+            residual = torch.where(ok[:, None], target_probs[b_idx, child], residual)
+            path[:, step] = torch.where(ok, child, path[:, step])
+            cur = torch.where(ok, child, cur)
+            moved |= ok
+        alive &= moved
+        if not bool(alive.any()):
+            break
+    bonus = torch.multinomial(residual, 1, generator=generator).squeeze(1)
+    return Acceptance(path, (path >= 0).sum(1), bonus)

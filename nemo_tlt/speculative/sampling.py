@@ -1,0 +1,99 @@
+"""How a token is drawn from the target's logits, as pure functions.
+
+Three modes, each with its speculative-decoding counterpart:
+
+* ``greedy``: argmax. SD with greedy acceptance is token-identical to it.
+* ``rejection``: an ordinary random draw from the processed distribution, using
+  an explicit `torch.Generator`. SD with rejection acceptance samples exactly this
+  distribution (tested statistically), though not the same tokens.
+* ``coupled``: argmax(log-softmax + Gumbel noise), where the noise for the token
+  at absolute `position` of sequence `seq_id` is a hash of (seed, seq_id, position,
+  vocab index). Gumbel-max makes that an exact sample of the processed
+  distribution, and because the noise does not depend on the batch, the tree or
+  the step, SD and plain decoding produce the same tokens for the same seed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Mode = Literal["greedy", "rejection", "coupled"]
+MODES: tuple[str, ...] = ("greedy", "rejection", "coupled")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    mode: Mode = "greedy"
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    seed: int = 0
+    stop_on_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"SamplingParams.mode must be one of {MODES}, got {self.mode!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"SamplingParams.temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p; returns log-probabilities (filtered entries -inf)."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.log_softmax(-1)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser on int64 lanes (products stay below 2**63)."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
+
+
+def coupled_gumbel(seed: int, seq_ids: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [N, vocab] keyed by (seed, seq_id, position, token)."""
+    key = _mix32(torch.full_like(seq_ids, seed & _M32) ^ _mix32(torch.full_like(seq_ids, (seed >> 32) & _M32)))
+    key = _mix32(key ^ (seq_ids.long() & _M32))
+    key = _mix32(key ^ (positions.long() & _M32))
+    tok = torch.arange(vocab, dtype=torch.long, device=seq_ids.device)
+    h = _mix32(key[:, None] ^ ((tok[None, :] * 0x9E3779B1) & _M32))
+    h2 = _mix32(h ^ 0x5BD1E995)
+    # 53 random bits -> a uniform strictly inside (0, 1)
+    u = ((h << 21) ^ (h2 & 0x1FFFFF)).double().add(0.5).div(2.0**53)
+    return (-torch.log(-torch.log(u))).float()
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, seq_ids: torch.Tensor, positions: torch.Tensor,
+         generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row of logits [N, V]; `positions` are the absolute positions
+    of the tokens being drawn (used by ``coupled`` only)."""
+    if params.mode == "greedy":
+        return logits.argmax(-1)
+    logp = process_logits(logits, params)
+    if params.mode == "coupled":
+        return (logp + coupled_gumbel(params.seed, seq_ids, positions, logp.shape[-1])).argmax(-1)
+    return torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)

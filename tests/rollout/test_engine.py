@@ -1,0 +1,143 @@
+"""The torch engine: lossless SD (greedy and coupled), hidden states, stops, stats, errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
+from nemo_tlt.drafter.data import DrafterSample
+from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
+from nemo_tlt.drafter.medusa import MedusaConfig, MedusaDrafter
+from nemo_tlt.drafter.train import DrafterTrainConfig, train_drafter
+from nemo_tlt.rollout.protocol import Request
+from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
+from nemo_tlt.speculative.sampling import SamplingParams
+from nemo_tlt.speculative.tree_shape import TreeShape
+from tiny import OracleDrafter, tiny_config, tiny_target
+
+SHAPES = [TreeShape(1, 1, 1), TreeShape(3, 2, 5), TreeShape(4, 3, 12), TreeShape(2, 4, 20)]
+
+
+def _requests(lengths, seed=0, vocab=32):
+    g = torch.Generator().manual_seed(seed)
+    return [Request(torch.randint(3, vocab, (n,), generator=g).tolist(), seq_id=100 + i)
+            for i, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A tiny target and EAGLE / Medusa drafters trained briefly on its own samples."""
+    target = tiny_target(seed=0)
+    reqs = _requests([4, 6, 8, 5] * 8, seed=9)
+    out = TorchRolloutEngine(target).generate(
+        reqs, SamplingParams(mode="rejection", temperature=1.0, max_new_tokens=40, seed=1, stop_on_eos=False),
+        return_hidden=True)
+    samples = [DrafterSample(torch.tensor(list(r.prompt) + res.tokens), res.hidden_states)
+               for r, res in zip(reqs, out.results)]
+    cfg = DrafterTrainConfig(steps=150, batch_size=8, lr=5e-3, warmup_steps=10)
+    eagle = EagleDrafter(EagleConfig.from_target(target.config))
+    train_drafter(eagle, target, samples, cfg, progress=False)
+    medusa = MedusaDrafter(MedusaConfig(32, 32, 4))
+    train_drafter(medusa, target, samples, cfg, progress=False)
+    return target, {"eagle": eagle, "medusa": medusa, "oracle": OracleDrafter()}
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "oracle"])
+@pytest.mark.parametrize("lengths", [[5], [3, 9, 1, 6]], ids=["batch1", "batch4"])
+def test_sd_is_token_identical_to_plain(trained, mode, kind, lengths):
+    target, drafters = trained
+    reqs = _requests(lengths, seed=len(lengths))
+    sp = SamplingParams(mode=mode, temperature=0.8, top_k=20, max_new_tokens=24, seed=7, stop_on_eos=False)
+    base = TorchRolloutEngine(target).generate(reqs, sp, return_hidden=True)
+    for shape in SHAPES:
+        out = TorchRolloutEngine(target, drafters[kind], FixedSDPolicy(shape)).generate(reqs, sp, return_hidden=True)
+        for a, b in zip(base.results, out.results):
+            assert a.tokens == b.tokens, (kind, shape)
+            torch.testing.assert_close(a.hidden_states, b.hidden_states, atol=1e-4, rtol=1e-4)
+        assert out.stats.sd_steps > 0
+        if kind != "medusa" or shape.depth > 1:
+            assert out.stats.target_forwards < base.stats.target_forwards or shape.num_verify == 1
+
+
+def test_trained_drafters_accept_more_than_one_token(trained):
+    target, drafters = trained
+    sp = SamplingParams(mode="greedy", max_new_tokens=32, stop_on_eos=False)
+    fresh = {"eagle": EagleDrafter(EagleConfig.from_target(target.config)),
+             "medusa": MedusaDrafter(MedusaConfig(32, 32, 4))}
+    for kind in ("eagle", "medusa"):
+        acc = {}
+        for name, drafter in (("trained", drafters[kind]), ("fresh", fresh[kind])):
+            out = TorchRolloutEngine(target, drafter, FixedSDPolicy(TreeShape(4, 3, 12))).generate(
+                _requests([4, 7, 5, 6]), sp)
+            acc[name] = out.stats.mean_accept_len
+        assert acc["trained"] > 1.2 and acc["trained"] > acc["fresh"] + 0.1, (kind, acc)
+
+
+def test_plain_greedy_equals_full_forward_argmax(target):
+    reqs = _requests([4, 1, 7])
+    out = TorchRolloutEngine(target).generate(reqs, SamplingParams(max_new_tokens=12, stop_on_eos=False),
+                                              return_hidden=True)
+    for r, res in zip(reqs, out.results):
+        seq = torch.tensor([list(r.prompt) + res.tokens])
+        with torch.no_grad():
+            logits = target(seq)[0]
+            hidden = target.hidden(seq)[0]
+        assert logits[len(r.prompt) - 1: -1].argmax(-1).tolist() == res.tokens
+        torch.testing.assert_close(res.hidden_states, hidden[:-1], atol=1e-4, rtol=1e-4)
+        assert res.hidden_states.shape[0] == len(r.prompt) + len(res.tokens) - 1
+
+
+def test_stop_on_eos_and_length():
+    target = tiny_target(seed=5)
+    reqs = _requests([3] * 16, seed=2)
+    sp = SamplingParams(mode="rejection", temperature=1.5, max_new_tokens=30, seed=3)
+    out = TorchRolloutEngine(target, OracleDrafter(), FixedSDPolicy(TreeShape(3, 2, 5))).generate(reqs, sp)
+    eos = target.config.eos_token_id
+    reasons = {r.stop_reason for r in out.results}
+    for res in out.results:
+        assert len(res.tokens) <= 30
+        if res.stop_reason == "eos":
+            assert res.tokens[-1] == eos and eos not in res.tokens[:-1]
+        else:
+            assert len(res.tokens) == 30 and eos not in res.tokens
+    assert reasons == {"eos", "length"}
+
+
+def test_stats_are_consistent(trained):
+    target, drafters = trained
+    sp = SamplingParams(max_new_tokens=20, stop_on_eos=False)
+    out = TorchRolloutEngine(target, drafters["eagle"], FixedSDPolicy(TreeShape(3, 2, 5))).generate(
+        _requests([4, 4, 4]), sp)
+    s = out.stats
+    assert s.tokens_generated == 60 == sum(len(r.tokens) for r in out.results)
+    assert s.target_forwards == s.sd_steps + 1            # + the prefill
+    assert s.drafter_forwards == 3 * s.sd_steps
+    assert sum(s.accept_histogram().values()) == len(s.accept_lengths)
+    assert min(s.accept_lengths) >= 1 and max(s.accept_lengths) <= 4
+    assert s.time_draft_s > 0 and s.time_verify_s > 0
+
+
+def test_finished_rows_leave_the_batch(trained):
+    target, _ = trained
+    sp = SamplingParams(max_new_tokens=16, stop_on_eos=False)
+    out = TorchRolloutEngine(target).generate(_requests([3, 3]), sp)
+    assert [t.running for t in out.stats.trace] == [2] * 15
+
+
+def test_bad_inputs_name_the_field(target):
+    engine = TorchRolloutEngine(target)
+    sp = SamplingParams(max_new_tokens=8)
+    with pytest.raises(ValueError, match=r"requests\[1\]\.prompt is empty"):
+        engine.generate([Request((3, 4)), Request(())], sp)
+    with pytest.raises(ValueError, match="exceeds the context"):
+        engine.generate([Request(tuple([3] * 510))], sp)
+    with pytest.raises(ValueError, match="requests is empty"):
+        engine.generate([], sp)
+    with pytest.raises(ValueError, match="hidden_size"):
+        engine.load_drafter(EagleDrafter(EagleConfig.from_target(tiny_config(hidden_size=48))))
+    with pytest.raises(ValueError, match="vocab_size"):
+        engine.load_drafter(MedusaDrafter(MedusaConfig(32, 40, 2)))
+    medusa = TorchRolloutEngine(target, MedusaDrafter(MedusaConfig(32, 32, 2)), FixedSDPolicy(TreeShape(3, 2, 4)))
+    with pytest.raises(ValueError, match="num_heads"):
+        medusa.generate([Request((3, 4))], sp)
