@@ -1,0 +1,188 @@
+"""Tests for the SD on/off policy: hysteresis, bandit wiring, protocol, state."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from nemo_tlt.adaptive.bandit import BanditConfig, BegMab
+from nemo_tlt.adaptive.sd_policy import AdaptiveSDPolicy, FixedSDPolicy, SDPolicyConfig, SpecPolicy
+from nemo_tlt.speculative.tree_shape import TreeShape
+
+ARMS = (TreeShape(8, 4, 32), TreeShape(4, 2, 8), TreeShape(2, 1, 2))
+SHAPE = TreeShape(6, 2, 8)
+
+
+def make_bandit(seed: int = 0, epsilon: float = 0.1) -> BegMab:
+    return BegMab(BanditConfig(arms=ARMS, bucket_edges=(4, 16), epsilon=epsilon), np.random.default_rng(seed))
+
+
+def count_switches(policy, running: list[int]) -> tuple[list[bool], int]:
+    modes = [policy.choose(n) is not None for n in running]
+    return modes, sum(a != b for a, b in zip(modes, modes[1:]))
+
+
+# A long-tail rollout: the batch drains from 128, then hovers around 32 (sequences
+# finishing while a few re-enter after tool calls / scheduling), then around 48.
+DRAIN = list(range(128, 32, -8))
+AROUND_ON = [33, 32, 33, 31, 34, 32, 33, 30, 33, 32] * 3
+AROUND_OFF = [47, 49, 47, 50, 46, 49, 47] * 3
+
+
+def test_hysteresis_does_not_flap_around_threshold_on():
+    policy = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=32, threshold_off=48), fixed_shape=SHAPE)
+    modes, switches = count_switches(policy, DRAIN + AROUND_ON)
+    assert not any(modes[: len(DRAIN)])  # large batch: plain decoding
+    assert switches == 1  # turns on once, stays on while hovering in (32, 48]
+    assert modes[-1]
+
+
+def test_hysteresis_turns_off_once_above_threshold_off_and_stays_off():
+    policy = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=32, threshold_off=48), fixed_shape=SHAPE)
+    modes, switches = count_switches(policy, [20] + AROUND_OFF)
+    assert modes[:2] == [True, True]  # 20 -> on; 47 <= 48 keeps it on
+    assert modes[2] is False  # 49 > 48 -> off
+    assert not any(modes[2:])  # 47/46 are above threshold_on, so it stays off
+    assert switches == 1
+
+
+def test_without_hysteresis_the_same_sequence_flaps():
+    # Guards the test above: a single threshold does switch on every crossing.
+    policy = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=32, threshold_off=32), fixed_shape=SHAPE)
+    _, switches = count_switches(policy, DRAIN + AROUND_ON)
+    assert switches > 10
+
+
+def test_threshold_boundaries_are_inclusive_on_exclusive_off():
+    policy = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=8, threshold_off=16), fixed_shape=SHAPE)
+    assert policy.choose(9) is None
+    assert policy.choose(8) == SHAPE and policy.sd_on
+    assert policy.choose(16) == SHAPE
+    assert policy.choose(17) is None and not policy.sd_on
+
+
+def test_disabled_policy_never_speculates():
+    policy = AdaptiveSDPolicy(SDPolicyConfig(enabled=False))
+    assert all(policy.choose(n) is None for n in (100, 8, 1))
+    assert policy.step_counts() == {"sd_steps": 0, "plain_steps": 3}
+
+
+def test_bandit_chooses_shapes_and_observe_feeds_rewards():
+    bandit = make_bandit(epsilon=0.0)
+    policy = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=32, threshold_off=48), bandit=bandit)
+    assert policy.choose(64) is None
+    policy.observe(64, None, 64, 0.5)  # plain steps teach the bandit nothing
+    assert all(sum(s.pulls) == 0 for s in bandit.stats())
+
+    tokens = {ARMS[0]: 30, ARMS[1]: 60, ARMS[2]: 10}
+    for expected in ARMS:  # untried arms come in order
+        shape = policy.choose(2)
+        assert shape == expected
+        policy.observe(2, shape, tokens[shape], 0.1)
+    stats = bandit.bucket_stats(bandit.bucket_of(2))
+    assert stats.medians == pytest.approx((300.0, 600.0, 100.0))  # tokens / elapsed_s
+    assert policy.choose(2) == ARMS[1]
+    assert policy.choose(10) == ARMS[0]  # another bucket, untried
+
+
+def test_observe_rejects_bad_outcomes():
+    policy = AdaptiveSDPolicy(SDPolicyConfig(), bandit=make_bandit())
+    for args, match in [
+        ((2, ARMS[0], 5, 0.0), "elapsed_s"),
+        ((2, ARMS[0], 5, float("nan")), "elapsed_s"),
+        ((2, ARMS[0], -1, 0.1), "tokens_generated"),
+        ((0, ARMS[0], 5, 0.1), "num_running"),
+        ((2, SHAPE, 5, 0.1), "arm"),  # not one of the bandit's arms
+    ]:
+        with pytest.raises(ValueError, match=match):
+            policy.observe(*args)
+    with pytest.raises(ValueError, match="num_running"):
+        policy.choose(0)
+
+
+def test_fixed_policies():
+    always = FixedSDPolicy(SHAPE)
+    never = FixedSDPolicy(None)
+    for n in (128, 3, 1):
+        assert always.choose(n) == SHAPE
+        assert never.choose(n) is None
+    always.observe(3, SHAPE, 10, 0.1)
+    assert always.step_counts() == {"sd_steps": 3, "plain_steps": 0}
+    with pytest.raises(ValueError, match="shape"):
+        FixedSDPolicy("6_2_8")  # type: ignore[arg-type]
+
+
+def test_policies_satisfy_protocol():
+    assert isinstance(FixedSDPolicy(None), SpecPolicy)
+    assert isinstance(AdaptiveSDPolicy(SDPolicyConfig(), fixed_shape=SHAPE), SpecPolicy)
+
+
+def test_trace_is_recorded_only_when_asked_and_drains():
+    traced_config = SDPolicyConfig(threshold_on=4, threshold_off=4, record_trace=True)
+    traced = AdaptiveSDPolicy(traced_config, fixed_shape=SHAPE)
+    for n in (8, 4, 2):
+        traced.choose(n)
+    assert traced.trace == ((8, None), (4, SHAPE.name), (2, SHAPE.name))
+    assert traced.drain_trace() == [(8, None), (4, SHAPE.name), (2, SHAPE.name)]
+    assert traced.trace == ()
+
+    untraced = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=4, threshold_off=4), fixed_shape=SHAPE)
+    untraced.choose(2)
+    assert untraced.trace == ()
+    assert untraced.step_counts() == {"sd_steps": 1, "plain_steps": 0}
+
+    fixed = FixedSDPolicy(SHAPE, record_trace=True)
+    fixed.choose(5)
+    assert fixed.drain_trace() == [(5, SHAPE.name)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(threshold_on=0), "threshold_on"),
+        (dict(threshold_on=32, threshold_off=16), "threshold_off"),
+        (dict(threshold_off=2.5), "threshold_off"),
+        (dict(enabled=1), "enabled"),
+        (dict(record_trace="yes"), "record_trace"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SDPolicyConfig(**kwargs)
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="not both"):
+        AdaptiveSDPolicy(SDPolicyConfig(), bandit=make_bandit(), fixed_shape=SHAPE)
+    with pytest.raises(ValueError, match="neither"):
+        AdaptiveSDPolicy(SDPolicyConfig())
+    with pytest.raises(ValueError, match="fixed_shape"):
+        AdaptiveSDPolicy(SDPolicyConfig(), fixed_shape="6_2_8")  # type: ignore[arg-type]
+
+
+def test_state_roundtrip_restores_mode_and_bandit():
+    def run(policy: AdaptiveSDPolicy, running: list[int], env: np.random.Generator) -> list[str | None]:
+        out = []
+        for n in running:
+            shape = policy.choose(n)
+            policy.observe(n, shape, int(env.integers(1, 50)), float(env.uniform(0.01, 0.1)))
+            out.append(None if shape is None else shape.name)
+        return out
+
+    config = SDPolicyConfig(threshold_on=8, threshold_off=20)
+    policy = AdaptiveSDPolicy(config, bandit=make_bandit(seed=1))
+    run(policy, [30, 12, 8, 6, 5, 5, 4, 3, 12, 15], np.random.default_rng(0))
+    state = json.loads(json.dumps(policy.state_dict()))
+    assert state["sd_on"] is True  # 12 and 15 are inside the hysteresis band
+    tail = [14, 9, 3, 3, 2, 2, 2, 1, 1, 1] * 5
+    original = run(policy, tail, np.random.default_rng(1))
+
+    restored = AdaptiveSDPolicy(config, bandit=make_bandit(seed=77))
+    restored.load_state_dict(state)
+    assert run(restored, tail, np.random.default_rng(1)) == original
+
+    with pytest.raises(ValueError, match="bandit"):
+        AdaptiveSDPolicy(config, fixed_shape=SHAPE).load_state_dict(state)
+    with pytest.raises(ValueError, match="shape"):
+        FixedSDPolicy(SHAPE).load_state_dict(FixedSDPolicy(None).state_dict())
