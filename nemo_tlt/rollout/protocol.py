@@ -37,6 +37,7 @@ class StepTrace:
     tokens: int                # tokens emitted in this step (all rows)
     mean_accept: float         # tokens per row in this step
     seconds: float
+    kv_bytes: int = 0          # KV cache bytes held (target + drafter) during the step
 
 
 @dataclass

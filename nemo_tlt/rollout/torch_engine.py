@@ -42,6 +42,10 @@ class _Batch:
     cache: KVCache
     draft_state: DraftState | None
 
+    def kv_bytes(self) -> int:
+        draft_cache = getattr(self.draft_state, "cache", None)
+        return self.cache.nbytes() + (draft_cache.nbytes() if draft_cache is not None else 0)
+
     def select(self, keep: torch.Tensor) -> None:
         for name in ("rows", "seq_ids", "prompt_len", "lengths", "num_gen", "tokens", "features"):
             setattr(self, name, getattr(self, name).index_select(0, keep))
@@ -100,7 +104,8 @@ class TorchRolloutEngine:
             made = self._commit(batch, emitted, counts, sampling)
             dt = time.perf_counter() - t0
             stats.tokens_generated += made
-            stats.trace.append(StepTrace(running, shape.name if shape else None, made, made / running, dt))
+            stats.trace.append(StepTrace(running, shape.name if shape else None, made, made / running, dt,
+                                         batch.kv_bytes()))
             if policy is not None:
                 policy.observe(running, shape, made, dt)
             self._retire(batch, sampling, results, return_hidden)

@@ -1,0 +1,117 @@
+"""The benchmark's models, made here and cached: no weights are ever downloaded.
+
+`prepare_assets` trains (once per configuration, then reuses from the cache):
+1. the *target*: a small Llama-family LM SFT-trained on the long-tailed synthetic
+   arithmetic task (nemo_tlt.rl.sft.cached_warm_start);
+2. an EAGLE *drafter* trained on the target's own generations (hidden states
+   returned by the rollout engine: no extra target forward);
+3. a one-layer *assistant* LM for HF assisted generation, SFT-trained on the same task.
+
+Cache root: ``$NEMO_TLT_CACHE`` or ``~/.cache/nemo_tlt``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nemo_tlt.drafter.data import DrafterSample
+from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
+from nemo_tlt.drafter.io import load_drafter, save_drafter
+from nemo_tlt.drafter.train import DrafterTrainConfig, train_drafter
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.hf_io import load_hf_folder
+from nemo_tlt.rl.sft import SFTConfig, cached_warm_start
+from nemo_tlt.rl.tasks import Problem, TaskConfig, make_problems
+from nemo_tlt.rl.tokenizer import CharTokenizer
+from nemo_tlt.rollout.protocol import Request
+from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
+from nemo_tlt.speculative.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+_VOCAB = CharTokenizer().vocab_size
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("NEMO_TLT_CACHE") or Path.home() / ".cache" / "nemo_tlt")
+
+
+@dataclass(frozen=True)
+class AssetConfig:
+    target: LMConfig = LMConfig(vocab_size=_VOCAB, hidden_size=192, intermediate_size=512, num_layers=8,
+                                num_heads=4, num_kv_heads=2, max_position_embeddings=640)
+    assistant: LMConfig = LMConfig(vocab_size=_VOCAB, hidden_size=192, intermediate_size=512, num_layers=1,
+                                   num_heads=4, num_kv_heads=2, max_position_embeddings=640)
+    task: TaskConfig = TaskConfig(name="arith", tail_exponent=1.3, max_solution_chars=400)
+    sft: SFTConfig = SFTConfig(steps=400, batch_size=16, lr=3e-3, warmup_steps=20, seq_len=640)
+    sft_examples: int = 4096
+    drafter_prompts: int = 96
+    drafter_max_new_tokens: int = 400
+    drafter_train: DrafterTrainConfig = field(default_factory=lambda: DrafterTrainConfig(
+        steps=400, batch_size=16, lr=3e-3, warmup_steps=20))
+
+
+@dataclass
+class Assets:
+    target_dir: Path
+    drafter_dir: Path
+    assistant_dir: Path
+
+
+def task_requests(task: TaskConfig, n: int, seed: int) -> tuple[list[Problem], list[Request]]:
+    """n problems and their prompts as requests (BOS + prompt), seq ids 0..n-1."""
+    tok = CharTokenizer()
+    problems = make_problems(task, n, np.random.default_rng(seed))
+    return problems, [Request(tok.encode(p.prompt, add_bos=True), seq_id=i) for i, p in enumerate(problems)]
+
+
+def _key(payload: dict) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _train_drafter_on_target(target_dir: Path, config: AssetConfig, out: Path, progress: bool) -> Path:
+    target = load_hf_folder(target_dir)
+    _, reqs = task_requests(config.task, config.drafter_prompts, seed=10_000)
+    samples: list[DrafterSample] = []
+    engine = TorchRolloutEngine(target)
+    # greedy and sampled generations, so the drafter sees both kinds of text
+    for mode, seed in (("greedy", 0), ("rejection", 1)):
+        sp = SamplingParams(mode=mode, temperature=1.0, max_new_tokens=config.drafter_max_new_tokens, seed=seed)
+        for start in range(0, len(reqs), 32):
+            chunk = reqs[start: start + 32]
+            res = engine.generate(chunk, sp, return_hidden=True).results
+            samples += [DrafterSample(torch.tensor(list(r.prompt) + o.tokens), o.hidden_states)
+                        for r, o in zip(chunk, res)]
+    drafter = EagleDrafter(EagleConfig.from_target(target.config))
+    history = train_drafter(drafter, target, samples, config.drafter_train, progress=progress)
+    tail = history[-max(1, len(history) // 10):]
+    stats = {k: float(np.mean([h[k] for h in tail])) for k in tail[0]}
+    return save_drafter(drafter, out, extra={"train_stats": stats, "num_samples": len(samples)})
+
+
+def prepare_assets(config: AssetConfig = AssetConfig(), cache_dir: str | os.PathLike | None = None,
+                   progress: bool = True) -> Assets:
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    log.info("target: SFT warm start (cached under %s)", cache)
+    target_dir = cached_warm_start(cache, config.target, config.task, config.sft, config.sft_examples, progress)
+    assistant_dir = cached_warm_start(cache, config.assistant, config.task, config.sft, config.sft_examples,
+                                      progress)
+    key = _key({"target": target_dir.name, "prompts": config.drafter_prompts,
+                "max_new": config.drafter_max_new_tokens, "train": asdict(config.drafter_train), "format": 1})
+    drafter_dir = cache / f"drafter-eagle-{key}"
+    if not (drafter_dir / "drafter.json").is_file():
+        log.info("drafter: training EAGLE on the target's generations")
+        _train_drafter_on_target(target_dir, config, drafter_dir, progress)
+    return Assets(target_dir, drafter_dir, assistant_dir)
+
+
+def load_assets(assets: Assets):
+    target = load_hf_folder(assets.target_dir)
+    return target, load_drafter(assets.drafter_dir, target)

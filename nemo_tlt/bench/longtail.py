@@ -1,0 +1,118 @@
+"""`nemo-tlt bench rollout --workload longtail`: adaptive SD on a long-tailed rollout.
+
+One rollout = P prompts x G samples (coupled sampling, so every method must emit
+the same tokens) whose lengths are long-tailed. Methods, same prompts and seeds:
+`longtail_plain`; SD always on with each fixed arm (`longtail_fixed_<d>_<k>_<n>`);
+`longtail_adaptive` (SD below a running-batch threshold, BEG-MAB picking the arm
+per batch-size bucket). Writes JSON with the adaptive run's step trace and a
+timeline PNG beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nemo_tlt.adaptive.bandit import BanditConfig, BegMab
+from nemo_tlt.adaptive.sd_policy import AdaptiveSDPolicy, FixedSDPolicy, SDPolicyConfig
+from nemo_tlt.bench.assets import AssetConfig, default_cache_dir, load_assets, prepare_assets, task_requests
+from nemo_tlt.bench.common import format_table, machine_info, write_json
+from nemo_tlt.bench.timeline import plot_rollout_timeline
+from nemo_tlt.rollout.protocol import Request
+from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
+from nemo_tlt.speculative.sampling import SamplingParams
+from nemo_tlt.speculative.tree_shape import TreeShape
+
+DEFAULT_ARMS = ("4_2_8", "6_2_12", "8_3_24")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="nemo-tlt bench rollout --workload longtail", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--workload", choices=["longtail"], default="longtail")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=4, help="samples per prompt (G)")
+    p.add_argument("--max-new-tokens", type=int, default=400)
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma-separated depth_topk_numverify")
+    p.add_argument("--threshold-on", type=int, default=8, help="SD turns on at <= this many running")
+    p.add_argument("--threshold-off", type=int, default=12, help="SD turns off above this many running")
+    p.add_argument("--bucket-edges", default="2,4", help="bandit batch-size bucket edges")
+    p.add_argument("--epsilon", type=float, default=0.1)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", default=None, help=f"default {default_cache_dir()}")
+    # accepted for compatibility with the default workload's options
+    p.add_argument("--batch-size", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no-hf", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.arm_shapes = [TreeShape.parse(s, field=f"--arms[{i}]") for i, s in enumerate(args.arms.split(","))]
+    try:
+        args.edges = tuple(int(x) for x in args.bucket_edges.split(","))
+    except ValueError:
+        p.error(f"--bucket-edges must be comma-separated integers, got {args.bucket_edges!r}")
+    return args
+
+
+def longtail_requests(task, num_prompts: int, group: int, seed: int) -> list[Request]:
+    _, prompts = task_requests(task, num_prompts, seed)
+    return [Request(r.prompt, seq_id=i * group + g) for i, r in enumerate(prompts) for g in range(group)]
+
+
+def _run(engine: TorchRolloutEngine, reqs, sp, policy) -> tuple[dict[str, Any], list[list[int]], Any]:
+    t0 = time.perf_counter()
+    out = engine.generate(reqs, sp, policy=policy)
+    wall = time.perf_counter() - t0
+    s = out.stats
+    return ({"wall_s": wall, "tokens": s.tokens_generated, "tokens_per_s": s.tokens_generated / wall,
+             "target_forwards": s.target_forwards, "sd_steps": s.sd_steps, "plain_steps": s.plain_steps,
+             "mean_accept_len": s.mean_accept_len}, [r.tokens for r in out.results], s.trace)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = AssetConfig()
+    target, drafter = load_assets(prepare_assets(config, args.cache_dir))
+    reqs = longtail_requests(config.task, args.num_prompts, args.group_size, 30_000 + args.seed)
+    sp = SamplingParams("coupled", temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                        seed=args.seed)
+    plain, sd = TorchRolloutEngine(target), TorchRolloutEngine(target, drafter)
+    sd.generate(reqs[:2], sp, policy=FixedSDPolicy(args.arm_shapes[0]))  # warm-up
+    results, outputs, traces = {}, {}, {}
+    results["longtail_plain"], outputs["plain"], traces["plain"] = _run(plain, reqs, sp, None)
+    for shape in args.arm_shapes:
+        name = f"longtail_fixed_{shape.name}"
+        results[name], outputs[name], traces[name] = _run(sd, reqs, sp, FixedSDPolicy(shape))
+    bandit = BegMab(BanditConfig(tuple(args.arm_shapes), args.edges, args.epsilon),
+                    np.random.default_rng(args.seed))
+    policy = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=args.threshold_on, threshold_off=args.threshold_off),
+                              bandit)
+    results["longtail_adaptive"], outputs["adaptive"], trace = _run(sd, reqs, sp, policy)
+    traces["adaptive"] = trace
+    identical = all(o == outputs["plain"] for o in outputs.values())
+    lengths = sorted(len(o) for o in outputs["plain"])
+    best_fixed = min((r["wall_s"], n) for n, r in results.items() if n.startswith("longtail_fixed_"))
+    ada = results["longtail_adaptive"]["wall_s"]
+    ratios = {"adaptive_vs_plain": ada / results["longtail_plain"]["wall_s"],
+              "adaptive_vs_best_fixed": ada / best_fixed[0], "best_fixed": best_fixed[1],
+              "speedup_vs_plain": results["longtail_plain"]["wall_s"] / ada}
+    png = plot_rollout_timeline({k: traces[k] for k in ("plain", "adaptive")} |
+                                {f"fixed {best_fixed[1][len('longtail_fixed_'):]}": traces[best_fixed[1]]},
+                                Path(args.out).with_suffix(".png"),
+                                title=f"{len(reqs)} sequences, response length median {lengths[len(lengths) // 2]}"
+                                      f", max {lengths[-1]}")
+    payload = {"benchmark": "rollout", "workload": "longtail", "results": results, "outputs_identical": identical,
+               "ratios": ratios, "timeline_png": str(png), "bandit": bandit.log_dict() if hasattr(bandit, "log_dict") else {},
+               "response_lengths": {"median": lengths[len(lengths) // 2], "max": lengths[-1], "min": lengths[0]},
+               "trace": [vars(t) for t in trace], "machine": machine_info(),
+               "config": {k: v for k, v in vars(args).items() if k not in ("arm_shapes",)}}
+    write_json(args.out, payload)
+    print(format_table(results, ["wall_s", "tokens_per_s", "target_forwards", "sd_steps", "mean_accept_len"]))
+    print("ratios: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in ratios.items()))
+    print(f"outputs_identical: {identical}; timeline: {png}; wrote {args.out}")
+    return 0

@@ -1,0 +1,161 @@
+"""`nemo-tlt bench rollout`: plain vs speculative decoding vs HF transformers.
+
+All methods run in one process on the same weights and prompts: the embedded
+engine plainly (`plain`) and with a fixed-shape EAGLE tree in each acceptance mode
+(`sd_greedy`, `sd_rejection`, `sd_coupled`); HF transformers `generate` on the same
+target (`hf_generate`) and HF assisted generation with a one-layer assistant LM
+(`hf_assisted`). Each method is warmed up on one prompt first. Writes JSON and
+prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
+from nemo_tlt.bench.assets import AssetConfig, default_cache_dir, load_assets, prepare_assets, task_requests
+from nemo_tlt.bench.common import format_table, machine_info, write_json
+from nemo_tlt.rollout.protocol import Request
+from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
+from nemo_tlt.speculative.sampling import SamplingParams
+from nemo_tlt.speculative.tree_shape import TreeShape
+
+log = logging.getLogger(__name__)
+COLUMNS = ["tokens_per_s", "target_forwards_per_token", "mean_accept_len", "wall_s", "tokens"]
+
+
+def _batches(reqs: list[Request], size: int) -> list[list[Request]]:
+    return [reqs[i: i + size] for i in range(0, len(reqs), size)]
+
+
+def _cut_eos(tokens: list[int], eos: int) -> list[int]:
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def run_engine(engine: TorchRolloutEngine, reqs: list[Request], sp: SamplingParams, batch: int,
+               policy=None) -> tuple[dict[str, Any], list[list[int]]]:
+    engine.generate(reqs[:1], sp, policy=policy)  # warm-up
+    outputs, forwards, tokens, accepts = [], 0, 0, []
+    t0 = time.perf_counter()
+    for chunk in _batches(reqs, batch):
+        out = engine.generate(chunk, sp, policy=policy)
+        outputs += [r.tokens for r in out.results]
+        forwards += out.stats.target_forwards
+        tokens += out.stats.tokens_generated
+        accepts += out.stats.accept_lengths
+    wall = time.perf_counter() - t0
+    mean_accept = sum(accepts) / len(accepts) if accepts else 1.0
+    return {"tokens_per_s": tokens / wall, "target_forwards_per_token": forwards / tokens,
+            "mean_accept_len": mean_accept, "wall_s": wall, "tokens": tokens}, outputs
+
+
+def run_hf(model, reqs: list[Request], max_new: int, eos: int, pad: int, assistant=None
+           ) -> tuple[dict[str, Any], list[list[int]]]:
+    calls = {"n": 0}
+    handle = model.register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+    kw: dict[str, Any] = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+    if assistant is not None:
+        kw["assistant_model"] = assistant
+
+    def gen(r: Request) -> list[int]:
+        ids = torch.tensor([r.prompt])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+        return _cut_eos(out[0, ids.shape[1]:].tolist(), eos)
+
+    with torch.no_grad():
+        gen(reqs[0])
+        calls["n"] = 0
+        t0 = time.perf_counter()
+        outputs = [gen(r) for r in reqs]
+        wall = time.perf_counter() - t0
+    handle.remove()
+    tokens = sum(len(o) for o in outputs)
+    return {"tokens_per_s": tokens / wall, "target_forwards_per_token": calls["n"] / tokens,
+            "mean_accept_len": tokens / max(1, calls["n"] - len(reqs)) if assistant is not None else 1.0,
+            "wall_s": wall, "tokens": tokens}, outputs
+
+
+def _load_hf(folder):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model.generation_config.do_sample = False
+    return model
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="nemo-tlt bench rollout", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--workload", choices=["default", "longtail"], default="default")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--num-prompts", type=int, default=12, help="workload size (prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=400)
+    p.add_argument("--shape", default="6_2_12", help="SD tree shape depth_topk_numverify")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", default=None, help=f"model cache (default {default_cache_dir()})")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers methods")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = p.parse_args(argv)
+    if args.batch_size < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
+        p.error("--batch-size, --num-prompts and --max-new-tokens must be >= 1")
+    args.tree_shape = TreeShape.parse(args.shape, field="--shape")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--workload", default="default")
+    if peek.parse_known_args(argv)[0].workload == "longtail":
+        from nemo_tlt.bench.longtail import main as longtail_main
+        return longtail_main(argv)
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = AssetConfig()
+    assets = prepare_assets(config, args.cache_dir)
+    target, drafter = load_assets(assets)
+    _, reqs = task_requests(config.task, args.num_prompts, seed=20_000 + args.seed)
+    plain_engine, sd_engine = TorchRolloutEngine(target), TorchRolloutEngine(target, drafter)
+    policy = FixedSDPolicy(args.tree_shape)
+    results: dict[str, dict[str, Any]] = {}
+    greedy_outputs: dict[str, list[list[int]]] = {}
+    methods: list[tuple[str, Callable[[], tuple[dict[str, Any], list[list[int]]]]]] = [
+        ("plain", lambda: run_engine(plain_engine, reqs, SamplingParams("greedy", max_new_tokens=args.max_new_tokens),
+                                     args.batch_size)),
+    ]
+    for mode in ("greedy", "rejection", "coupled"):
+        sp = SamplingParams(mode, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
+        methods.append((f"sd_{mode}", lambda sp=sp: run_engine(sd_engine, reqs, sp, args.batch_size, policy)))
+    if not args.no_hf:
+        eos, pad = target.config.eos_token_id, target.config.pad_token_id
+        hf_target, hf_assistant = _load_hf(assets.target_dir), _load_hf(assets.assistant_dir)
+        methods.append(("hf_generate", lambda: run_hf(hf_target, reqs, args.max_new_tokens, eos, pad)))
+        methods.append(("hf_assisted", lambda: run_hf(hf_target, reqs, args.max_new_tokens, eos, pad, hf_assistant)))
+    for name, fn in methods:
+        log.info("running %s", name)
+        results[name], outs = fn()
+        if name in ("plain", "sd_greedy", "hf_generate", "hf_assisted"):
+            greedy_outputs[name] = outs
+    ref = greedy_outputs["plain"]
+    identical = all(o == ref for o in greedy_outputs.values())
+    base = results["plain"]["tokens_per_s"]
+    ratios = {f"{m}_vs_plain": r["tokens_per_s"] / base for m, r in results.items() if m != "plain"}
+    if "hf_generate" in results:
+        ratios["plain_vs_hf_generate"] = base / results["hf_generate"]["tokens_per_s"]
+        ratios["sd_greedy_vs_hf_assisted"] = results["sd_greedy"]["tokens_per_s"] / results["hf_assisted"]["tokens_per_s"]
+    payload = {"benchmark": "rollout", "workload": args.workload, "results": results,
+               "greedy_outputs_identical": identical, "ratios": ratios, "machine": machine_info(),
+               "config": {"batch_size": args.batch_size, "num_prompts": args.num_prompts,
+                          "max_new_tokens": args.max_new_tokens, "shape": args.tree_shape.name,
+                          "target": config.target.to_dict(), "task": config.task.to_dict(),
+                          "target_dir": assets.target_dir.name, "drafter_dir": assets.drafter_dir.name}}
+    write_json(args.out, payload)
+    print(format_table(results, COLUMNS))
+    print("ratios: " + ", ".join(f"{k}={v:.2f}x" for k, v in ratios.items()))
+    print(f"greedy_outputs_identical: {identical}")
+    print(f"wrote {args.out}")
+    return 0

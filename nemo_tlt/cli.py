@@ -1,0 +1,51 @@
+"""`nemo-tlt`: the command line. Thin: parse -> build -> run.
+
+    nemo-tlt prepare                      # train and cache the demo target + drafter
+    nemo-tlt bench rollout --out F.json   # plain vs SD vs HF transformers
+    nemo-tlt bench rollout --workload longtail --out F.json
+    nemo-tlt bench drafter --out F.json
+    nemo-tlt bench reshard --out F.json
+    nemo-tlt convert ...                  # checkpoint conversion (Megatron / HF / TensorRT-LLM)
+    nemo-tlt train CONFIG.yaml [key=value ...]
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+_COMMANDS = {
+    ("bench", "rollout"): "nemo_tlt.bench.rollout",
+    ("bench", "drafter"): "nemo_tlt.bench.drafter",
+    ("bench", "reshard"): "nemo_tlt.bench.reshard",
+    ("convert",): "nemo_tlt.weights.convert_cli",
+    ("train",): "nemo_tlt.rl.train_cli",
+    ("prepare",): "nemo_tlt.bench.prepare",
+}
+
+
+def _usage() -> str:
+    names = sorted(" ".join(k) for k in _COMMANDS)
+    return "usage: nemo-tlt {" + " | ".join(names) + "} [options]   (add --help to a command)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for key, module in sorted(_COMMANDS.items(), key=lambda kv: -len(kv[0])):
+        if tuple(argv[: len(key)]) == key:
+            try:
+                mod = importlib.import_module(module)
+            except ModuleNotFoundError as err:
+                if err.name and err.name.startswith("nemo_tlt"):
+                    print(f"nemo-tlt {' '.join(key)}: not available in this build ({err.name} is missing)",
+                          file=sys.stderr)
+                    return 2
+                raise
+            return int(mod.main(argv[len(key):]) or 0)
+    print(_usage(), file=sys.stderr)
+    return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

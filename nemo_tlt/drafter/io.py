@@ -1,0 +1,77 @@
+"""Save and load drafters: `drafter.json` (kind + config) beside `drafter.safetensors`.
+
+Only the drafter's own parameters are stored; the embedding and LM head belong to
+the target. Loading checks the weights against the config and, when a target is
+given, the config against the target, with errors that name the file and tensor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
+from nemo_tlt.drafter.medusa import MedusaConfig, MedusaDrafter
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.lm import DecoderLM
+
+
+def drafter_config_dict(drafter: torch.nn.Module) -> dict:
+    if isinstance(drafter, EagleDrafter):
+        return {"kind": "eagle", "layer": drafter.config.layer.to_dict()}
+    if isinstance(drafter, MedusaDrafter):
+        return {"kind": "medusa", **asdict(drafter.config)}
+    raise ValueError(f"unsupported drafter type {type(drafter).__name__}")
+
+
+def build_drafter(config: dict, source: str = "drafter.json") -> torch.nn.Module:
+    kind = config.get("kind")
+    if kind == "eagle":
+        return EagleDrafter(EagleConfig(LMConfig(**config["layer"])))
+    if kind == "medusa":
+        return MedusaDrafter(MedusaConfig(config["hidden_size"], config["vocab_size"], config["num_heads"]))
+    raise ValueError(f"{source}: unknown drafter kind {kind!r}; expected 'eagle' or 'medusa'")
+
+
+def save_drafter(drafter: torch.nn.Module, path: str | os.PathLike, extra: dict | None = None) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+        save_file(state, str(tmp / "drafter.safetensors"))
+        (tmp / "drafter.json").write_text(json.dumps({**drafter_config_dict(drafter), **(extra or {})}, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_drafter(path: str | os.PathLike, target: DecoderLM | None = None) -> torch.nn.Module:
+    folder = Path(path)
+    cfg_path = folder / "drafter.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path}: no drafter.json in the drafter folder")
+    drafter = build_drafter(json.loads(cfg_path.read_text()), str(cfg_path))
+    state = load_file(str(folder / "drafter.safetensors"))
+    expected = drafter.state_dict()
+    if set(state) != set(expected):
+        raise ValueError(f"{folder}: drafter weights do not match drafter.json: missing "
+                         f"{sorted(set(expected) - set(state))[:5]}, unexpected {sorted(set(state) - set(expected))[:5]}")
+    for name, t in state.items():
+        if t.shape != expected[name].shape:
+            raise ValueError(f"{folder}: {name} has shape {tuple(t.shape)}, drafter.json implies "
+                             f"{tuple(expected[name].shape)}")
+    drafter.load_state_dict(state)
+    if target is not None:
+        drafter.check_target(target)
+    return drafter.eval()
