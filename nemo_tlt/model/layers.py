@@ -23,6 +23,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; same math as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -53,9 +55,9 @@ class Attention(nn.Module):
             prefix = mask.shape[-1] - T
             keys = torch.cat((cache.k[layer][:, :, :prefix], k), dim=2)
             values = torch.cat((cache.v[layer][:, :, :prefix], v), dim=2)
-            b_idx = torch.arange(B, device=x.device)[:, None]
-            cache.k[layer][b_idx, :, write_idx] = k.transpose(1, 2)
-            cache.v[layer][b_idx, :, write_idx] = v.transpose(1, 2)
+            idx = write_idx[:, None, :, None].expand(B, self.num_kv_heads, T, self.head_dim)
+            cache.k[layer].scatter_(2, idx, k)
+            cache.v[layer].scatter_(2, idx, v)
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=mask is None,
             enable_gqa=self.num_heads != self.num_kv_heads,

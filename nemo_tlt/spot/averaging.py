@@ -1,0 +1,121 @@
+"""Elastic data-parallel averaging of drafter replicas, weighted by samples seen.
+
+Contract
+--------
+``average_replicas(model, optimizer, samples_seen, group)`` is a collective: every
+rank of ``group`` calls it (at the end-of-rollout meet). Afterwards every rank holds
+
+    theta = sum_r w_r * theta_r / sum_r w_r,        w_r = samples rank r trained on
+
+for every parameter and, for Adam-family optimizers, for the moment buffers
+(``exp_avg``, ``exp_avg_sq``), with the optimizer step count set to the maximum over
+ranks. A rank that did not train contributes weight 0 and receives the average, so
+all replicas start the next rollout with the same drafter. When no rank trained
+(total weight 0) nothing changes.
+
+Everything travels in one flat float32 buffer through one ``all_reduce(SUM)`` (plus a
+one-element ``MAX`` for the step count): the sum's bits are the same on every rank,
+and each rank divides by the same total, so the results are bit-identical across
+ranks. Parameters of other dtypes (bf16) are averaged in float32 and cast back.
+Optimizers other than Adam/AdamW keep their state per rank (only weights are
+averaged); AMSGrad's ``max_exp_avg_sq`` is not averaged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class AverageStats:
+    total_samples: float  # sum of weights over ranks
+    contributing_ranks: int  # ranks with weight > 0
+    world_size: int
+
+
+def average_replicas(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    samples_seen: float,
+    group: dist.ProcessGroup | None = None,
+) -> AverageStats:
+    """Collective, weighted average of `model` (and Adam moments) over `group`. See module docstring."""
+    if samples_seen < 0:
+        raise ValueError(f"average_replicas: samples_seen must be >= 0, got {samples_seen}")
+    if not dist.is_available() or not dist.is_initialized():
+        return AverageStats(float(samples_seen), int(samples_seen > 0), 1)
+    world_size = dist.get_world_size(group)
+    params = [p for p in model.parameters()]
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        optimizer = None  # only Adam-family moments are averaged; other state stays per rank
+    moments, created = _moment_buffers(optimizer, params)
+    weight = float(samples_seen)
+    # Layout: [w * params..., w * moments..., w, (w > 0)]
+    pieces = [p.detach().float().reshape(-1) * weight for p in params]
+    pieces += [m.float().reshape(-1) * weight for m in moments]
+    pieces.append(torch.tensor([weight, float(weight > 0)], dtype=torch.float32))
+    flat = torch.cat(pieces)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    total, contributors = float(flat[-2]), int(round(float(flat[-1])))
+    step = _max_step(optimizer, params, group)
+    if total > 0:
+        averaged = flat[:-2] / total
+        offset = 0
+        with torch.no_grad():
+            for tensor in [p.data for p in params] + moments:
+                n = tensor.numel()
+                tensor.copy_(averaged[offset : offset + n].view_as(tensor))
+                offset += n
+        _set_step(optimizer, params, step)
+    else:
+        for p in created:  # nobody trained: leave the optimizer exactly as it was
+            del optimizer.state[p]
+    return AverageStats(total_samples=total, contributing_ranks=contributors, world_size=world_size)
+
+
+def _moment_buffers(
+    optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter]
+) -> tuple[list[torch.Tensor], list[nn.Parameter]]:
+    """Adam moment tensors in parameter order, created as zeros where a rank has no state
+    yet (it never trained), so every rank contributes the same buffer layout. Also
+    returns the parameters whose state was created here."""
+    if optimizer is None:
+        return [], []
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    buffers, created = [], []
+    for p in params:
+        if id(p) not in owned:
+            continue
+        if p not in optimizer.state or "exp_avg" not in optimizer.state[p]:
+            optimizer.state[p] = {name: torch.zeros_like(p, memory_format=torch.preserve_format) for name in _MOMENTS}
+            created.append(p)
+        buffers.extend(optimizer.state[p][name] for name in _MOMENTS)
+    return buffers, created
+
+
+def _max_step(optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter], group) -> float:
+    if optimizer is None:
+        return 0.0
+    steps = [float(optimizer.state[p]["step"]) for p in params if "step" in optimizer.state.get(p, {})]
+    local = torch.tensor([max(steps, default=0.0)], dtype=torch.float64)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    return float(local[0])
+
+
+def _set_step(optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter], step: float) -> None:
+    if optimizer is None:
+        return
+    for p in params:
+        state = optimizer.state.get(p)
+        if state is None or "exp_avg" not in state:
+            continue
+        # Adam keeps `step` as a float32 tensor (a scalar tensor unless capturable).
+        if "step" in state and isinstance(state["step"], torch.Tensor):
+            state["step"] = torch.full_like(state["step"], step)
+        else:
+            state["step"] = torch.tensor(step, dtype=torch.float32)

@@ -1,0 +1,267 @@
+"""`SpotTrainer`: preemptible drafter training on a worker's idle time.
+
+Contract
+--------
+* ``SpotTrainer(model, loss_fn, config)`` trains ``model`` with AdamW, linear warmup
+  then cosine decay (``lr_schedule``), and gradient-norm clipping.
+  ``loss_fn(model, samples: list[HarvestSample])`` returns the loss tensor, or
+  ``(loss, stats: dict[str, float])``; ``spot.losses.eagle_loss_fn`` builds one for
+  the EAGLE drafter.
+* ``run(coordinator, buffer)`` trains on recency-weighted batches from a
+  ``HarvestBuffer`` until ``coordinator.preempt_requested()``, checked before every
+  micro-step. A preemption in the middle of gradient accumulation drops the partial
+  gradients. So the device is handed back within one micro-step (plus an optimizer
+  step), whatever the round length; no sleeping anywhere.
+* Only samples whose gradients reached the weights count as "seen"; they are the
+  weights of the elastic averaging ``synchronize`` performs when all ranks meet.
+* ``train_while_idle`` is the whole idle-time protocol of one rank for one RL step:
+  mark idle, wait for enough idle workers, train until preempted, meet, average.
+  Every rank calls it once its rollout share is done, whether or not it will train.
+* All randomness (batch sampling) comes from a ``torch.Generator`` seeded by
+  ``(config.seed, rank)``; ``state_dict`` / ``load_state_dict`` cover optimizer,
+  step, generator and counters for exact resume through ``CheckpointManager``.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nemo_tlt.spot.averaging import AverageStats, average_replicas
+from nemo_tlt.spot.coordinator import WorkerCoordinator, WorkerState, idle_utilization
+from nemo_tlt.spot.harvest import HarvestBuffer, HarvestSample
+
+LossResult = torch.Tensor | tuple[torch.Tensor, dict[str, float]]
+LossFn = Callable[[nn.Module, list[HarvestSample]], LossResult]
+
+
+@dataclass(frozen=True)
+class SpotTrainerConfig:
+    """lr: peak learning rate; warmup_steps then cosine decay to lr * min_lr_ratio at
+    total_steps (optimizer steps over the whole run, not per round).
+    batch_size: samples per micro-step; grad_accum: micro-steps per optimizer step.
+    max_steps_per_round: cap on optimizer steps in one idle window (None: until preempted).
+    """
+
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 10
+    total_steps: int = 10_000
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_steps_per_round: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"SpotTrainerConfig.lr must be > 0, got {self.lr!r}")
+        for name in ("weight_decay", "grad_clip", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SpotTrainerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"SpotTrainerConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"SpotTrainerConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        for name in ("total_steps", "batch_size", "grad_accum"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SpotTrainerConfig.{name} must be a positive int, got {value!r}")
+        if self.max_steps_per_round is not None and self.max_steps_per_round < 1:
+            raise ValueError(
+                f"SpotTrainerConfig.max_steps_per_round must be None or >= 1, got {self.max_steps_per_round!r}"
+            )
+
+
+def lr_schedule(step: int, config: SpotTrainerConfig) -> float:
+    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    span = max(1, config.total_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    floor = config.min_lr_ratio
+    return config.lr * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+@dataclass
+class RoundStats:
+    """One idle window of one rank."""
+
+    optimizer_steps: int = 0
+    micro_steps: int = 0
+    samples: int = 0  # samples whose gradients reached the weights
+    tokens: int = 0
+    loss_sum: float = 0.0
+    preempted: bool = False
+    train_seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)  # last loss_fn stats
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.micro_steps if self.micro_steps else float("nan")
+
+
+class SpotTrainer:
+    """Holds the drafter's optimizer and schedule across idle windows. See the module docstring."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, config: SpotTrainerConfig, rank: int = 0) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        self.config = config
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("SpotTrainer: the model has no trainable parameters")
+        self.params = params
+        self.optimizer = torch.optim.AdamW(
+            params, lr=config.lr, betas=(config.beta1, config.beta2), weight_decay=config.weight_decay
+        )
+        self.generator = torch.Generator().manual_seed(config.seed * 100_003 + rank)
+        self.step = 0  # optimizer steps over the whole run (drives the schedule)
+        self.samples_since_sync = 0
+        self.tokens_trained = 0
+
+    def run(self, coordinator: WorkerCoordinator, buffer: HarvestBuffer) -> RoundStats:
+        """Train until preempted (or the round cap); returns within one micro-step of a request."""
+        stats = RoundStats()
+        if len(buffer) == 0:
+            return stats
+        start = time.perf_counter()
+        self.model.train()
+        cap = self.config.max_steps_per_round
+        while cap is None or stats.optimizer_steps < cap:
+            if not self._optimizer_step(coordinator, buffer, stats):
+                stats.preempted = True
+                break
+        self.model.eval()
+        stats.train_seconds = time.perf_counter() - start
+        return stats
+
+    def _optimizer_step(self, coordinator: WorkerCoordinator, buffer: HarvestBuffer, stats: RoundStats) -> bool:
+        """One optimizer step of `grad_accum` micro-steps; False (and no update) when preempted."""
+        cfg = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        samples = tokens = 0
+        for _ in range(cfg.grad_accum):
+            if coordinator.preempt_requested():
+                self.optimizer.zero_grad(set_to_none=True)  # drop the partial accumulation
+                return False
+            batch = buffer.sample_batch(cfg.batch_size, self.generator)
+            loss = self._loss(batch, stats)
+            (loss / cfg.grad_accum).backward()
+            samples += len(batch)
+            tokens += sum(s.length for s in batch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_schedule(self.step, cfg)
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        stats.optimizer_steps += 1
+        stats.samples += samples
+        stats.tokens += tokens
+        self.samples_since_sync += samples
+        self.tokens_trained += tokens
+        return True
+
+    def _loss(self, batch: list[HarvestSample], stats: RoundStats) -> torch.Tensor:
+        result = self.loss_fn(self.model, batch)
+        loss, extra = result if isinstance(result, tuple) else (result, {})
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"SpotTrainer: non-finite drafter loss {float(loss)} at step {self.step}")
+        stats.micro_steps += 1
+        stats.loss_sum += float(loss.detach())
+        stats.extra = dict(extra)
+        return loss
+
+    def synchronize(self, group: dist.ProcessGroup | None = None) -> AverageStats:
+        """Collective: average replicas weighted by samples seen since the last sync."""
+        result = average_replicas(self.model, self.optimizer, float(self.samples_since_sync), group)
+        self.step = max(self.step, int(self._optimizer_step_count()))
+        self.samples_since_sync = 0
+        return result
+
+    def _optimizer_step_count(self) -> float:
+        steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
+        return max(steps, default=0.0)
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "samples_since_sync": self.samples_since_sync,
+            "tokens_trained": self.tokens_trained,
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        # Optimizer.load_state_dict keeps same-device tensors by reference; copy them so the
+        # source (another live trainer, a cached checkpoint) cannot alias our moments.
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self.step = int(state["step"])
+        self.samples_since_sync = int(state["samples_since_sync"])
+        self.tokens_trained = int(state["tokens_trained"])
+        self.generator.set_state(state["generator"])
+
+
+@dataclass(frozen=True)
+class IdleRoundReport:
+    """Per-rank metrics of one RL step's idle window."""
+
+    step: int
+    rank: int
+    round: RoundStats
+    sync: AverageStats
+    idle_seconds: float  # IDLE, not training
+    training_seconds: float
+    utilization: float  # training / (idle + training)
+    stop_latency_s: float | None  # preemption requested -> trainer returned (None when not preempted)
+
+
+def train_while_idle(
+    step: int,
+    coordinator: WorkerCoordinator,
+    trainer: SpotTrainer,
+    buffer: HarvestBuffer,
+    group: dist.ProcessGroup | None = None,
+    wait_timeout_s: float | None = None,
+) -> IdleRoundReport:
+    """One rank's idle-time protocol for RL step `step` (a collective over all ranks).
+
+    Call when this rank's rollout share is done. Trains only if the buffer has data and
+    enough workers are idle; always meets the others and joins the averaging, so ranks
+    that never became idle (they call this last) cannot deadlock the ones that did.
+    """
+    window_start = coordinator.timeline[-1].time
+    coordinator.mark_idle()
+    stats, stop_latency = RoundStats(), None
+    if len(buffer) > 0 and coordinator.wait_for_work(wait_timeout_s):
+        coordinator.start_training()
+        stats = trainer.run(coordinator, buffer)
+        requested_at = coordinator.preempt_requested_at
+        if stats.preempted and requested_at is not None:
+            stop_latency = max(0.0, coordinator.now() - requested_at)
+        coordinator.stop_training()
+    coordinator.meet(step)
+    sync = trainer.synchronize(group)
+    durations = coordinator.durations(window_start)
+    return IdleRoundReport(
+        step=step,
+        rank=coordinator.rank,
+        round=stats,
+        sync=sync,
+        idle_seconds=durations[WorkerState.IDLE],
+        training_seconds=durations[WorkerState.TRAINING],
+        utilization=idle_utilization(durations),
+        stop_latency_s=stop_latency,
+    )
+
