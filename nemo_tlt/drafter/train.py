@@ -55,6 +55,9 @@ def drafter_loss(drafter: nn.Module, target: DecoderLM, batch: EagleBatch, reg_w
         pred = drafter(target, batch.next_tokens, feat, batch.positions, None, batch.new_mask)
         return eagle_loss(pred, batch.target_feat, w, batch.mask, reg_weight, ce_weight)
     if isinstance(drafter, MedusaDrafter):
+        if batch.new_mask is not None:
+            # head k at t is scored against t+k+1, which in a packed row may be the next sample
+            raise ValueError("drafter_loss: Medusa heads need a padded batch (one sample per row), got a packed one")
         # Medusa reads f_t directly; in_feat holds f_0..f_{n-1} of each sample.
         return medusa_loss(drafter(feat), batch.in_feat, w, batch.mask)
     raise ValueError(f"drafter_loss: unsupported drafter type {type(drafter).__name__}")

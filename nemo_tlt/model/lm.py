@@ -37,14 +37,18 @@ class DecoderLM(nn.Module):
         cos, sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.apply(self._init_weights)
+        self.init_weights_()
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
+    @torch.no_grad()
+    def init_weights_(self, generator: torch.Generator | None = None) -> "DecoderLM":
+        """N(0, 0.02) for Linear / Embedding weights, zero biases, unit norms; pass a
+        generator for an init that does not depend on the global RNG."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02, generator=generator)
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        return self
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -15,12 +15,15 @@ yet fed to the target) and features[b, :L].
 """
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
 from nemo_tlt.drafter.base import DraftContext, Drafter, DraftState
+from nemo_tlt.drafter.io import load_drafter
 from nemo_tlt.model.kv_cache import KVCache
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout.protocol import (GenerateOutput, GenerationStats, Request, RequestResult, StepTrace)
@@ -28,6 +31,8 @@ from nemo_tlt.speculative.acceptance import accept_greedy, accept_rejection
 from nemo_tlt.speculative.sampling import SamplingParams, draw, process_logits
 from nemo_tlt.speculative.tree import block_tokens, tree_block_mask, tree_block_positions
 from nemo_tlt.speculative.tree_shape import TreeShape
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,6 +82,18 @@ class TorchRolloutEngine:
             drafter.check_target(self.target)
             drafter.eval()
         self.drafter = drafter
+
+    def load_drafter_checkpoint(self, path: str | os.PathLike) -> bool:
+        """Load a saved drafter folder. One that does not fit the target (or cannot be
+        read) is refused with a logged error and the engine falls back to plain
+        decoding, which is still lossless: a bad drafter must not crash a run."""
+        try:
+            self.load_drafter(load_drafter(path, self.target))
+            return True
+        except (ValueError, FileNotFoundError, OSError) as err:
+            log.error("drafter checkpoint %s refused (%s); falling back to plain decoding", path, err)
+            self.drafter = None
+            return False
 
     @torch.no_grad()
     def generate(self, requests: list[Request], sampling: SamplingParams, return_hidden: bool = False,

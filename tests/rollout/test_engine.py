@@ -141,3 +141,14 @@ def test_bad_inputs_name_the_field(target):
     medusa = TorchRolloutEngine(target, MedusaDrafter(MedusaConfig(32, 32, 2)), FixedSDPolicy(TreeShape(3, 2, 4)))
     with pytest.raises(ValueError, match="num_heads"):
         medusa.generate([Request((3, 4))], sp)
+
+
+def test_mismatched_drafter_checkpoint_falls_back_to_plain(tmp_path, target):
+    from nemo_tlt.drafter.io import save_drafter
+    good = save_drafter(EagleDrafter(EagleConfig.from_target(target.config)), tmp_path / "good")
+    bad = save_drafter(EagleDrafter(EagleConfig.from_target(tiny_config(hidden_size=48))), tmp_path / "bad")
+    engine = TorchRolloutEngine(target, policy=FixedSDPolicy(TreeShape(2, 2, 3)))
+    assert engine.load_drafter_checkpoint(good) and engine.drafter is not None
+    assert not engine.load_drafter_checkpoint(bad) and engine.drafter is None
+    out = engine.generate(_requests([4]), SamplingParams(max_new_tokens=8, stop_on_eos=False))
+    assert out.stats.sd_steps == 0 and len(out.results[0].tokens) == 8

@@ -1,0 +1,54 @@
+"""Rule-based, verifiable rewards for the synthetic tasks (pure functions).
+
+The reward is outcome-only, as in the RL recipes TLT accelerates:
+
+    reward = 1.0                     if the answer after '#' equals problem.answer
+             format_bonus            if the response is well formed but wrong
+             0.0                     otherwise
+
+"Well formed" means exactly one '#', followed by a non-empty answer made only of
+digits and commas (the answer alphabet of every task). ``format_bonus``
+defaults to 0.0, which makes the reward strictly binary; a small positive value
+(e.g. 0.1) rewards a model for learning to terminate its trace properly.
+
+The response is the generated text after the prompt, as decoded by
+:class:`nemo_tlt.rl.tokenizer.CharTokenizer` (EOS renders as nothing). Trailing
+whitespace is ignored; nothing else is forgiven.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from nemo_tlt.rl.tasks import Problem
+
+_ANSWER_CHARS = frozenset("0123456789,")
+
+
+def extract_answer(response_text: str) -> str | None:
+    """The text after the single '#', or None when the response is malformed."""
+    text = response_text.rstrip()
+    if text.count("#") != 1:
+        return None
+    answer = text.split("#", 1)[1]
+    if not answer or not set(answer) <= _ANSWER_CHARS:
+        return None
+    return answer
+
+
+def reward(problem: Problem, response_text: str, format_bonus: float = 0.0) -> float:
+    """Outcome reward of one response; see the module docstring for the formula."""
+    if not 0.0 <= format_bonus < 1.0:
+        raise ValueError(f"reward: format_bonus must be in [0, 1), got {format_bonus!r}")
+    answer = extract_answer(response_text)
+    if answer is None:
+        return 0.0
+    return 1.0 if answer == problem.answer else float(format_bonus)
+
+
+def batch_rewards(
+    problems: Sequence[Problem], responses: Sequence[str], format_bonus: float = 0.0
+) -> list[float]:
+    """Rewards of ``responses[i]`` against ``problems[i]``."""
+    if len(problems) != len(responses):
+        raise ValueError(f"batch_rewards: {len(problems)} problems but {len(responses)} responses")
+    return [reward(p, r, format_bonus) for p, r in zip(problems, responses)]
