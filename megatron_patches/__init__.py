@@ -1,0 +1,10 @@
+"""Runtime patches and helpers applied to megatron-core, only when asked.
+
+* ``cpu_shims``: run real megatron-core on CPU with gloo (tests, laptops); refused on GPUs.
+* ``gpt_builder``: a megatron-core ``GPTModel`` from our ``LMConfig`` at a given TP/PP.
+* ``pipeline_forward``: forward-only pass through megatron's pipeline schedule.
+* ``hidden_capture``: final-norm hook that hands the policy's hidden states to a callback.
+* ``gloo_launch``: spawn N CPU processes joined by a gloo group.
+
+Nothing is patched on import.
+"""

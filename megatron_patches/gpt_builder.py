@@ -1,0 +1,98 @@
+"""Build a real megatron-core ``GPTModel`` that matches an ``LMConfig``.
+
+Contract: ``build_gpt_model(cfg, layout)`` returns this rank's GPTModel (its TP
+shard of its PP stage) for a Llama / Qwen2 family config: RMSNorm, SwiGLU,
+rotary position embeddings with ``rope_theta``, GQA through
+``num_query_groups``, Qwen2's q/k/v biases through ``add_qkv_bias``, tied or
+untied output layer, vocabulary padded as Megatron pads it. It uses only
+megatron-core modules (``get_gpt_layer_local_spec``: no Transformer Engine) and
+``use_cpu_initialization=True`` so the same call works under gloo on CPU (with
+``megatron_patches.cpu_shims``) and under NCCL on GPUs.
+
+``init_model_parallel`` must have been called with ``layout.tp`` / ``layout.pp``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.weights.layout import ParallelLayout
+
+
+def transformer_config(cfg: LMConfig, layout: ParallelLayout, *, dtype: torch.dtype = torch.float32):
+    """The megatron ``TransformerConfig`` equivalent of ``cfg`` under ``layout``."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    layout.stage_layer_counts(cfg.num_layers)  # fail early with our message, not megatron's assert
+    if cfg.num_kv_heads % layout.tp:
+        raise ValueError(
+            f"TP={layout.tp} does not divide num_kv_heads={cfg.num_kv_heads} (query groups are split whole)"
+        )
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_heads,
+        num_query_groups=cfg.num_kv_heads,
+        kv_channels=cfg.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(cfg.qkv_bias),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        num_layers_in_first_pipeline_stage=layout.num_layers_in_first_stage,
+        num_layers_in_last_pipeline_stage=layout.num_layers_in_last_stage,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        # Megatron's fused softmax / bias kernels need CUDA; the plain ones are exact references.
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_gpt_model(
+    cfg: LMConfig, layout: ParallelLayout, *, dtype: torch.dtype = torch.float32, vp_stage: int | None = None,
+    padded_vocab_size: int | None = None,
+):
+    """This rank's ``GPTModel`` (pre/post process decided by its PP stage).
+
+    ``padded_vocab_size`` overrides Megatron's padding rule, e.g. to load a checkpoint
+    that was written at another TP size (its padding is baked into the tensors).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if padded_vocab_size is not None and (padded_vocab_size < cfg.vocab_size or padded_vocab_size % layout.tp):
+        raise ValueError(f"padded_vocab_size={padded_vocab_size} must be >= vocab_size={cfg.vocab_size} "
+                         f"and divisible by tp={layout.tp}")
+    tconf = transformer_config(cfg, layout, dtype=dtype)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    model = GPTModel(
+        config=tconf,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size or layout.padded_vocab_size(cfg.vocab_size),
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta,
+        parallel_output=True,
+        vp_stage=vp_stage,
+    )
+    # torch-norm layers ignore params_dtype; Megatron's Float16Module casts the whole model the
+    # same way in bf16 / fp16 training, so every weight ends up in one dtype.
+    return model.to(dtype) if dtype != torch.float32 else model

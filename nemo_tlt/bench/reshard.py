@@ -1,0 +1,134 @@
+"""``nemo-tlt bench reshard``: streaming reshard vs gather-everything, TP2 x PP2 -> rollout TP1 / TP2.
+
+Contract: ``main(argv) -> int`` runs 4 CPU processes (gloo), gives every rank a
+random fp32 Megatron shard of a Llama-shaped model (about 1.03B parameters by
+default), then for each rollout TP size runs ``stream_reshard`` and
+``gather_reshard`` to the first ``tp`` ranks and writes a JSON file with:
+
+* ``peak_extra_bytes_per_rank``: ``{"streaming", "gather"}``, the largest
+  transient byte count on any rank (counted tensor by tensor by the reshard
+  code's ``ByteMeter``: receive buffers and conversion copies; the rollout
+  weights being built are the output, not extra), worst case over targets;
+* ``largest_layer_bytes``: bytes of one transformer layer (the target is a
+  streaming peak <= 2 of these);
+* ``wall_s``: ``{"streaming", "gather"}`` summed over targets (slowest rank);
+* ``bit_exact``: every rollout tensor identical between the two paths (digests);
+* ``by_target``: the same numbers per rollout TP size, plus model facts.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.weights.layout import ParallelLayout
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nemo-tlt bench reshard", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=20)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--rollout-tps", default="1,2", help="comma-separated rollout TP sizes")
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    return p
+
+
+def _digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {k: hashlib.blake2b(v.contiguous().numpy().data, digest_size=16).hexdigest() for k, v in state.items()}
+
+
+def _timed(fn, *args) -> tuple[dict | None, float]:
+    dist.barrier()
+    start = time.perf_counter()
+    out = fn(*args)
+    dist.barrier()
+    return out, time.perf_counter() - start
+
+
+def _worker(rank: int, world: int, cfg: LMConfig, layout: ParallelLayout, rollout_tps: list[int]) -> dict:
+    from megatron_patches.cpu_shims import cpu_shims, init_model_parallel
+    from nemo_tlt.weights.megatron_live import rank_coords
+    from nemo_tlt.weights.reshard import ByteMeter, ReshardPlan, gather_reshard, megatron_shard_shapes, stream_reshard
+
+    with cpu_shims():
+        init_model_parallel(layout.tp, layout.pp)
+        coords = rank_coords()
+        g = torch.Generator().manual_seed(1000 * coords[0] + coords[1])
+        shapes = megatron_shard_shapes(cfg, layout)[coords]
+        shard = {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+        report = {}
+        for rtp in rollout_tps:
+            receivers = tuple(range(rtp))
+            stream_plan = ReshardPlan(cfg, layout, rtp, receivers, meter=ByteMeter())
+            out, stream_s = _timed(stream_reshard, shard, stream_plan)
+            stream_digest = _digests(out) if out is not None else None
+            del out
+            gather_plan = ReshardPlan(cfg, layout, rtp, receivers, meter=ByteMeter())
+            out, gather_s = _timed(gather_reshard, shard, gather_plan)
+            same = out is None or _digests(out) == stream_digest
+            del out
+            report[rtp] = {"streaming_peak": stream_plan.meter.peak, "gather_peak": gather_plan.meter.peak,
+                           "streaming_s": stream_s, "gather_s": gather_s, "bit_exact": same}
+    return report
+
+
+def _summarise(cfg: LMConfig, per_rank: list[dict], rollout_tps: list[int]) -> dict:
+    layer_bytes = 4 * (2 * cfg.hidden_size + 2 * cfg.hidden_size * cfg.num_heads * cfg.head_dim
+                       + 2 * cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim
+                       + 3 * cfg.hidden_size * cfg.intermediate_size)
+    params = (cfg.num_layers * layer_bytes // 4 + 2 * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size)
+    by_target = {}
+    for rtp in rollout_tps:
+        rows = [r[rtp] for r in per_rank]
+        by_target[f"tp{rtp}"] = {
+            "peak_extra_bytes_per_rank": {"streaming": max(r["streaming_peak"] for r in rows),
+                                          "gather": max(r["gather_peak"] for r in rows)},
+            "wall_s": {"streaming": max(r["streaming_s"] for r in rows),
+                       "gather": max(r["gather_s"] for r in rows)},
+            "bit_exact": all(r["bit_exact"] for r in rows),
+        }
+    targets = by_target.values()
+    return {
+        "source_layout": "TP2xPP2",
+        "params": params,
+        "dtype": "float32",
+        "peak_extra_bytes_per_rank": {k: max(t["peak_extra_bytes_per_rank"][k] for t in targets)
+                                      for k in ("streaming", "gather")},
+        "largest_layer_bytes": layer_bytes,
+        "embedding_bytes": 4 * cfg.vocab_size * cfg.hidden_size,
+        "wall_s": {k: round(sum(t["wall_s"][k] for t in targets), 3) for k in ("streaming", "gather")},
+        "bit_exact": all(t["bit_exact"] for t in targets),
+        "by_target": by_target,
+        "memory_counting": "transient tensor bytes counted by nemo_tlt.weights.reshard.ByteMeter",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_patches.gloo_launch import run_gloo
+
+    args = _parser().parse_args(argv)
+    rollout_tps = [int(x) for x in args.rollout_tps.split(",")]
+    cfg = LMConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+                   num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads)
+    layout = ParallelLayout(tp=2, pp=2)
+    per_rank = run_gloo(_worker, 4, cfg, layout, rollout_tps, timeout_s=args.timeout_s)
+    summary = _summarise(cfg, per_rank, rollout_tps)
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=2)
+    print(json.dumps(summary, indent=2))
+    return 0 if summary["bit_exact"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

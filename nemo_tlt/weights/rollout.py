@@ -1,0 +1,63 @@
+"""Canonical weights -> the rollout engine's layout at tensor-parallel size ``tp``.
+
+Contract: the rollout engine speaks canonical (HF) names. At ``tp == 1`` its
+weights *are* the canonical state dict (what ``DecoderLM.load_state_dict``
+takes). At ``tp > 1`` rank ``r`` gets, still under canonical names, the usual
+Megatron-style split: q/k/v projections (and biases) by output rows, i.e. by
+whole heads / kv heads; ``o_proj`` and ``down_proj`` by input columns;
+``gate_proj`` / ``up_proj`` by rows; embedding and lm_head by vocab rows
+(``torch.tensor_split``: no padding, parts differ by at most one row); norms whole.
+
+``rollout_slice`` works one tensor at a time so the streaming reshard never
+holds more than one full tensor.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from nemo_tlt.model.config import LMConfig
+
+_ROW_SPLIT = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
+              "gate_proj.weight", "up_proj.weight")
+_COL_SPLIT = ("o_proj.weight", "down_proj.weight")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def check_rollout_tp(cfg: LMConfig, tp: int) -> None:
+    if tp < 1:
+        raise ValueError(f"rollout tp must be >= 1, got {tp}")
+    problems = [f"{n}={getattr(cfg, n)}" for n in ("num_heads", "num_kv_heads", "intermediate_size")
+                if getattr(cfg, n) % tp]
+    if problems:
+        raise ValueError(f"rollout TP={tp} does not divide {', '.join(problems)}")
+
+
+def vocab_rows(vocab: int, tp: int, rank: int) -> tuple[int, int]:
+    """Row range ``[lo, hi)`` of rollout rank ``rank`` in a vocab-parallel tensor (``tensor_split`` rule)."""
+    base, extra = divmod(vocab, tp)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+def rollout_slice(name: str, tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s part of one canonical tensor (a view when ``tp == 1``)."""
+    if tp == 1:
+        return tensor
+    if name in _VOCAB:
+        lo, hi = vocab_rows(tensor.shape[0], tp, rank)
+        return tensor[lo:hi]
+    if name.endswith(_ROW_SPLIT):
+        return tensor.chunk(tp, dim=0)[rank]
+    if name.endswith(_COL_SPLIT):
+        return tensor.chunk(tp, dim=1)[rank]
+    if name.endswith("norm.weight"):
+        return tensor
+    raise ValueError(f"rollout_slice: no TP rule for canonical tensor {name!r}")
+
+
+def canonical_to_rollout(canonical: Mapping[str, torch.Tensor], cfg: LMConfig, tp: int) -> list[dict[str, torch.Tensor]]:
+    """All ``tp`` rollout shards (contiguous clones) of a canonical state dict."""
+    check_rollout_tp(cfg, tp)
+    return [{name: rollout_slice(name, t, tp, r).clone() for name, t in canonical.items()} for r in range(tp)]

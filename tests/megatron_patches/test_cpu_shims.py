@@ -1,0 +1,45 @@
+"""CPU shims: applied only inside the context, cuda creations land on CPU, refused where CUDA exists."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_patches.cpu_shims import apply_cpu_shims, causal_attention_mask, cpu_shims
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the shims refuse to run on a CUDA machine")
+
+
+@needs_no_cuda
+def test_shims_redirect_and_restore():
+    original_sync = torch.cuda.synchronize
+    with cpu_shims():
+        assert torch.cuda.current_device() == torch.device("cpu")
+        torch.cuda.synchronize()  # a no-op instead of "no CUDA" error
+        assert torch.zeros(3, device="cuda").device.type == "cpu"
+        assert torch.empty(2, 2, device=torch.device("cuda", 0)).device.type == "cpu"
+        assert torch.ones(2).cuda().device.type == "cpu"
+        assert torch.ones(2).to("cuda").device.type == "cpu"
+    assert torch.cuda.synchronize is original_sync
+    with pytest.raises((RuntimeError, AssertionError, AttributeError)):
+        torch.zeros(1, device="cuda")
+
+
+@needs_no_cuda
+def test_explicit_apply_and_remove_is_idempotent():
+    shims = apply_cpu_shims()
+    shims.remove()
+    shims.remove()
+    with pytest.raises((RuntimeError, AssertionError, AttributeError)):
+        torch.zeros(1, device="cuda")
+
+
+def test_refused_where_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="must not be applied where CUDA is available"):
+        apply_cpu_shims()
+
+
+def test_causal_mask_masks_the_future():
+    mask = causal_attention_mask(3, batch=2)
+    assert mask.shape == (2, 1, 3, 3)
+    assert mask[0, 0].tolist() == [[False, True, True], [False, False, True], [False, False, False]]
