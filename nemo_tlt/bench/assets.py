@@ -44,9 +44,11 @@ def default_cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class AssetConfig:
-    target: LMConfig = LMConfig(vocab_size=_VOCAB, hidden_size=192, intermediate_size=512, num_layers=8,
+    # Deep and narrow: on a CPU, a forward pass costs mostly per-layer overhead, so
+    # depth is what makes a one-layer drafter cheap relative to the target.
+    target: LMConfig = LMConfig(vocab_size=_VOCAB, hidden_size=128, intermediate_size=384, num_layers=16,
                                 num_heads=4, num_kv_heads=2, max_position_embeddings=640)
-    assistant: LMConfig = LMConfig(vocab_size=_VOCAB, hidden_size=192, intermediate_size=512, num_layers=1,
+    assistant: LMConfig = LMConfig(vocab_size=_VOCAB, hidden_size=128, intermediate_size=384, num_layers=1,
                                    num_heads=4, num_kv_heads=2, max_position_embeddings=640)
     task: TaskConfig = TaskConfig(name="arith", tail_exponent=1.3, max_solution_chars=400)
     sft: SFTConfig = SFTConfig(steps=400, batch_size=16, lr=3e-3, warmup_steps=20, seq_len=640)
