@@ -26,7 +26,7 @@ from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.speculative.tree_shape import TreeShape
 
-DEFAULT_ARMS = ("4_2_8", "6_2_12", "8_3_24")
+DEFAULT_ARMS = ("4_1_4", "6_2_12", "8_2_16")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

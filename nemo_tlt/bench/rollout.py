@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.bench.assets import AssetConfig, default_cache_dir, load_assets, prepare_assets, task_requests
@@ -36,47 +37,57 @@ def _cut_eos(tokens: list[int], eos: int) -> list[int]:
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
 
-def run_engine(engine: TorchRolloutEngine, reqs: list[Request], sp: SamplingParams, batch: int,
-               policy=None) -> tuple[dict[str, Any], list[list[int]]]:
-    engine.generate(reqs[:1], sp, policy=policy)  # warm-up
-    outputs, forwards, tokens, accepts = [], 0, 0, []
-    t0 = time.perf_counter()
-    for chunk in _batches(reqs, batch):
+class Method:
+    """One benchmarked method: `run(chunk)` -> (outputs, target forwards, accept lengths)."""
+
+    def __init__(self, name: str, run: Callable[[list[Request]], tuple[list[list[int]], int, list[int]]]) -> None:
+        self.name, self.run = name, run
+        self.wall = 0.0
+        self.tokens = self.forwards = 0
+        self.accepts: list[int] = []
+        self.outputs: list[list[int]] = []
+
+    def measure(self, chunk: list[Request]) -> None:
+        t0 = time.perf_counter()
+        outs, forwards, accepts = self.run(chunk)
+        self.wall += time.perf_counter() - t0
+        self.outputs += outs
+        self.tokens += sum(len(o) for o in outs)
+        self.forwards += forwards
+        self.accepts += accepts
+
+    def result(self) -> dict[str, Any]:
+        mean_accept = sum(self.accepts) / len(self.accepts) if self.accepts else 1.0
+        return {"tokens_per_s": self.tokens / self.wall, "target_forwards_per_token": self.forwards / self.tokens,
+                "mean_accept_len": mean_accept, "wall_s": self.wall, "tokens": self.tokens}
+
+
+def engine_method(name: str, engine: TorchRolloutEngine, sp: SamplingParams, policy=None) -> Method:
+    def run(chunk: list[Request]):
         out = engine.generate(chunk, sp, policy=policy)
-        outputs += [r.tokens for r in out.results]
-        forwards += out.stats.target_forwards
-        tokens += out.stats.tokens_generated
-        accepts += out.stats.accept_lengths
-    wall = time.perf_counter() - t0
-    mean_accept = sum(accepts) / len(accepts) if accepts else 1.0
-    return {"tokens_per_s": tokens / wall, "target_forwards_per_token": forwards / tokens,
-            "mean_accept_len": mean_accept, "wall_s": wall, "tokens": tokens}, outputs
+        return [r.tokens for r in out.results], out.stats.target_forwards, out.stats.accept_lengths
+    return Method(name, run)
 
 
-def run_hf(model, reqs: list[Request], max_new: int, eos: int, pad: int, assistant=None
-           ) -> tuple[dict[str, Any], list[list[int]]]:
+def hf_method(name: str, model, max_new: int, eos: int, pad: int, assistant=None) -> Method:
     calls = {"n": 0}
-    handle = model.register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+    model.register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
     kw: dict[str, Any] = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=pad)
     if assistant is not None:
         kw["assistant_model"] = assistant
 
-    def gen(r: Request) -> list[int]:
-        ids = torch.tensor([r.prompt])
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
-        return _cut_eos(out[0, ids.shape[1]:].tolist(), eos)
-
-    with torch.no_grad():
-        gen(reqs[0])
-        calls["n"] = 0
-        t0 = time.perf_counter()
-        outputs = [gen(r) for r in reqs]
-        wall = time.perf_counter() - t0
-    handle.remove()
-    tokens = sum(len(o) for o in outputs)
-    return {"tokens_per_s": tokens / wall, "target_forwards_per_token": calls["n"] / tokens,
-            "mean_accept_len": tokens / max(1, calls["n"] - len(reqs)) if assistant is not None else 1.0,
-            "wall_s": wall, "tokens": tokens}, outputs
+    @torch.no_grad()
+    def run(chunk: list[Request]):
+        outs, before = [], calls["n"]
+        for r in chunk:  # HF assisted generation takes one sequence at a time
+            ids = torch.tensor([r.prompt])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+            outs.append(_cut_eos(out[0, ids.shape[1]:].tolist(), eos))
+        forwards = calls["n"] - before
+        verify_steps = forwards - len(chunk)  # all but the prefill of each sequence
+        accepts = [round(sum(len(o) for o in outs) / max(1, verify_steps))] if assistant is not None else []
+        return outs, forwards, accepts
+    return Method(name, run)
 
 
 def _load_hf(folder):
@@ -94,7 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--num-prompts", type=int, default=12, help="workload size (prompts)")
     p.add_argument("--max-new-tokens", type=int, default=400)
-    p.add_argument("--shape", default="6_2_12", help="SD tree shape depth_topk_numverify")
+    p.add_argument("--shape", default="8_2_16", help="SD tree shape depth_topk_numverify")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", default=None, help=f"model cache (default {default_cache_dir()})")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers methods")
@@ -121,25 +132,24 @@ def main(argv: list[str] | None = None) -> int:
     _, reqs = task_requests(config.task, args.num_prompts, seed=20_000 + args.seed)
     plain_engine, sd_engine = TorchRolloutEngine(target), TorchRolloutEngine(target, drafter)
     policy = FixedSDPolicy(args.tree_shape)
-    results: dict[str, dict[str, Any]] = {}
-    greedy_outputs: dict[str, list[list[int]]] = {}
-    methods: list[tuple[str, Callable[[], tuple[dict[str, Any], list[list[int]]]]]] = [
-        ("plain", lambda: run_engine(plain_engine, reqs, SamplingParams("greedy", max_new_tokens=args.max_new_tokens),
-                                     args.batch_size)),
-    ]
+    methods = [engine_method("plain", plain_engine, SamplingParams("greedy", max_new_tokens=args.max_new_tokens))]
     for mode in ("greedy", "rejection", "coupled"):
         sp = SamplingParams(mode, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
-        methods.append((f"sd_{mode}", lambda sp=sp: run_engine(sd_engine, reqs, sp, args.batch_size, policy)))
+        methods.append(engine_method(f"sd_{mode}", sd_engine, sp, policy))
     if not args.no_hf:
         eos, pad = target.config.eos_token_id, target.config.pad_token_id
         hf_target, hf_assistant = _load_hf(assets.target_dir), _load_hf(assets.assistant_dir)
-        methods.append(("hf_generate", lambda: run_hf(hf_target, reqs, args.max_new_tokens, eos, pad)))
-        methods.append(("hf_assisted", lambda: run_hf(hf_target, reqs, args.max_new_tokens, eos, pad, hf_assistant)))
-    for name, fn in methods:
-        log.info("running %s", name)
-        results[name], outs = fn()
-        if name in ("plain", "sd_greedy", "hf_generate", "hf_assisted"):
-            greedy_outputs[name] = outs
+        methods.append(hf_method("hf_generate", hf_target, args.max_new_tokens, eos, pad))
+        methods.append(hf_method("hf_assisted", hf_target, args.max_new_tokens, eos, pad, hf_assistant))
+    for m in methods:  # warm-up, not timed
+        m.run(reqs[:1])
+    # Interleave the methods chunk by chunk, so that load changes on a shared
+    # machine hit every method alike and the ratios stay meaningful.
+    for chunk in tqdm(_batches(reqs, args.batch_size), desc="bench rollout"):
+        for m in methods:
+            m.measure(chunk)
+    results = {m.name: m.result() for m in methods}
+    greedy_outputs = {m.name: m.outputs for m in methods if m.name in ("plain", "sd_greedy", "hf_generate", "hf_assisted")}
     ref = greedy_outputs["plain"]
     identical = all(o == ref for o in greedy_outputs.values())
     base = results["plain"]["tokens_per_s"]
