@@ -1,0 +1,65 @@
+"""Worker functions for tests/rl/test_megatron_policy.py, run inside gloo processes (run_gloo).
+
+Importing megatron-core dominates these tests on a small CPU machine, so one spawned
+world runs several cases in sequence; each returns small picklable results to rank 0
+and the test process does the asserting against ``PolicyTrainer``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.rl.megatron_policy import MegatronPolicyConfig, MegatronPolicyTrainer
+from nemo_tlt.rl.policy import PolicyConfig
+
+
+@dataclass(frozen=True)
+class PolicyCase:
+    name: str
+    cfg: LMConfig
+    canonical: dict
+    parallel: MegatronPolicyConfig
+    policy: PolicyConfig
+    batch: list            # [(prompt, response)] of the whole step
+    advantages: torch.Tensor
+    # data-parallel split: rank r of the DP group takes batch[i] for i in shards[r]; () = whole batch
+    shards: tuple[tuple[int, ...], ...] = field(default=())
+
+
+def _gather(value, world: int):
+    box = [None] * world if dist.get_rank() == 0 else None
+    dist.gather_object(value, box, dst=0)
+    return box
+
+
+def run_case(case: PolicyCase, world: int) -> dict | None:
+    from megatron.core import parallel_state
+
+    trainer = MegatronPolicyTrainer(case.canonical, case.cfg, case.policy, case.parallel)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    mine = case.shards[dp_rank] if case.shards else tuple(range(len(case.batch)))
+    batch = [case.batch[i] for i in mine]
+    hidden: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    old, ref = trainer.logprobs(batch, on_hidden=lambda i, tok, h: hidden.__setitem__(mine[i], (tok, h)))
+    global_tokens = sum(len(r) for _, r in case.batch)
+    stats = trainer.update(batch, case.advantages[list(mine)], old, ref, global_tokens,
+                           trainer.allreduce_data_parallel_grads)
+    canonical = trainer.canonical_state_dict()
+    rollout = trainer.rollout_state_dict(rollout_tp=1)
+    local = {"coords": trainer.coords, "dp": dp_rank, "ids": mine, "old": old, "ref": ref, "stats": stats,
+             "hidden": hidden, "rollout": rollout,
+             "norms": {k: v.clone() for k, v in trainer.model.state_dict().items() if "layernorm.weight" in k},
+             "opt_state_keys": sorted(trainer.state_dict())}
+    everyone = _gather(local, world)
+    parallel_state.destroy_model_parallel()
+    if dist.get_rank() != 0:
+        return None
+    return {"canonical": canonical, "ranks": everyone}
+
+
+def session(rank: int, world: int, cases: list[PolicyCase]) -> dict | None:
+    results = {case.name: run_case(case, world) for case in cases}
+    return results if rank == 0 else None

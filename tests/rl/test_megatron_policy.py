@@ -1,0 +1,190 @@
+"""MegatronPolicyTrainer (real megatron-core, gloo, CPU) against the plain-PyTorch PolicyTrainer.
+
+Two spawned worlds: one process at TP=1, and two processes running TP=2, PP=2
+(Qwen2-style, tied embeddings) and DP=2 (the batch split over replicas) in turn.
+Every case starts from the same canonical weights as a ``PolicyTrainer`` reference,
+and must reproduce its log-probs, update stats and updated weights.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from megatron_policy_workers import PolicyCase, session  # noqa: E402
+
+from megatron_patches.gloo_launch import run_gloo  # noqa: E402
+from nemo_tlt.model.config import LMConfig  # noqa: E402
+from nemo_tlt.model.lm import DecoderLM  # noqa: E402
+from nemo_tlt.rl.megatron_policy import MegatronPolicyConfig, MegatronPolicyTrainer  # noqa: E402
+from nemo_tlt.rl.policy import PolicyConfig, PolicyTrainer  # noqa: E402
+
+VOCAB = 100  # not a multiple of 128 * tp: padded vocab rows must be masked out of the softmax
+LLAMA = LMConfig(family="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
+                 num_heads=4, num_kv_heads=2)
+QWEN_TIED = LMConfig(family="qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2, tie_word_embeddings=True, rope_theta=1_000_000.0)
+POLICY = PolicyConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.5, kl_coef=0.05, micro_batch=2)
+
+
+def _weights(cfg: LMConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Random canonical weights with non-trivial norms and biases (unit norms would hide a swap)."""
+    g = torch.Generator().manual_seed(seed)
+    model = DecoderLM(cfg).init_weights_(g)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+            else:
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _batch(seed: int, n: int = 5) -> tuple[list, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(lo: int, hi: int) -> list[int]:
+        return torch.randint(3, VOCAB, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+
+    batch = [(tokens(2, 6), tokens(1, 9)) for _ in range(n)]
+    return batch, torch.randn(n, generator=g)
+
+
+def _case(name: str, cfg: LMConfig, parallel: MegatronPolicyConfig, seed: int, shards=()) -> PolicyCase:
+    batch, adv = _batch(seed)
+    return PolicyCase(name, cfg, _weights(cfg, seed), parallel, POLICY, batch, adv, shards)
+
+
+CASES_1 = [_case("tp1", LLAMA, MegatronPolicyConfig(), 0)]
+CASES_2 = [
+    _case("tp2", LLAMA, MegatronPolicyConfig(tensor_parallel=2), 1),
+    _case("pp2_qwen_tied", QWEN_TIED, MegatronPolicyConfig(pipeline_parallel=2), 2),
+    _case("dp2", LLAMA, MegatronPolicyConfig(), 3, shards=((0, 2, 4), (1, 3))),
+]
+CASES = CASES_1 + CASES_2
+
+
+@pytest.fixture(scope="module")
+def results():
+    out = run_gloo(session, 1, CASES_1, timeout_s=120)[0]
+    out.update(run_gloo(session, 2, CASES_2, timeout_s=150)[0])
+    return out
+
+
+def _reference(case: PolicyCase) -> dict:
+    """PolicyTrainer on the whole batch: log-probs, stats, updated weights and (clipped) grads."""
+    model = DecoderLM(case.cfg)
+    model.load_state_dict(case.canonical)
+    trainer = PolicyTrainer(model, case.policy)
+    old, ref = trainer.logprobs(case.batch)
+    tokens = sum(len(r) for _, r in case.batch)
+    stats = trainer.update(case.batch, case.advantages, old, ref, tokens)
+    return {"old": old, "ref": ref, "stats": stats,
+            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "grads": {k: p.grad.clone() for k, p in model.named_parameters()}}
+
+
+def assert_same_step(got: dict, want: dict, grads: dict, lr: float) -> None:
+    """Updated weights agree to 1e-5, except where AdamW's first step is ill-conditioned.
+
+    Its first step moves a weight by lr * g / (|g| + eps) (eps = 1e-8): where |g| is
+    below ~1e-7 (Qwen2's k_proj bias: softmax over keys is shift-invariant, only RoPE
+    leaves it a ~1e-9 gradient), float rounding of g in the 1e-9 range changes the step
+    by a good fraction of lr. Those few weights only have to stay within lr.
+    """
+    ill_total, total = 0, sum(t.numel() for t in want.values())
+    for name in want:
+        diff = (got[name] - want[name]).abs()
+        g = grads[name]
+        ill = (g != 0) & (g.abs() < 1e-7)
+        ill_total += int(ill.sum())
+        assert float(torch.where(ill, 0.0, diff).max()) <= 1e-5, name
+        assert float(torch.where(ill, diff, 0.0).max()) <= lr, name
+    assert ill_total <= total // 1000  # a handful of weights, so the check above still means something
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_logprobs_and_update_match_policy_trainer(results, case):
+    res = results[case.name]
+    want = _reference(case)
+    old, ref, stats, updated = want["old"], want["ref"], want["stats"], want["weights"]
+    for rank in res["ranks"]:  # every rank (every stage, every TP rank) returns the same log-probs
+        for j, i in enumerate(rank["ids"]):
+            torch.testing.assert_close(rank["old"][j], old[i], rtol=0, atol=2e-5)
+            torch.testing.assert_close(rank["ref"][j], ref[i], rtol=0, atol=2e-5)
+    if not case.shards:  # with DP each replica reports the stats of its own half
+        mine = res["ranks"][0]["stats"]
+        for key in ("loss", "pg_loss", "kl", "approx_kl", "grad_norm"):
+            assert mine[key] == pytest.approx(stats[key], rel=1e-4, abs=1e-6), key
+    assert stats["grad_norm"] > POLICY.grad_clip  # clipping was active, so the norm had to be global
+    canonical = res["canonical"]
+    assert sorted(canonical) == sorted(updated)
+    moved = max(float((updated[k] - case.canonical[k]).abs().max()) for k in updated)
+    assert moved > 50 * 1e-5  # the step is large against the tolerance below: a wrong update shows
+    assert_same_step(canonical, updated, want["grads"], case.policy.lr)
+    for rank in res["ranks"]:  # streamed to rollout TP=1 on every rank: the same weights
+        assert sorted(rank["rollout"]) == sorted(canonical)
+        for name, value in rank["rollout"].items():
+            assert torch.equal(value, canonical[name]), name
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_updated_canonical_weights_load_into_decoder_lm(results, case):
+    updated = _reference(case)["weights"]
+    mega = DecoderLM(case.cfg)
+    mega.load_state_dict(results[case.name]["canonical"])
+    ref = DecoderLM(case.cfg)
+    ref.load_state_dict(updated)
+    ids = torch.tensor([case.batch[0][0] + case.batch[0][1]])
+    with torch.no_grad():
+        torch.testing.assert_close(mega.eval()(ids), ref.eval()(ids), rtol=0, atol=1e-4)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_hidden_capture_during_logprobs(results, case):
+    initial = DecoderLM(case.cfg)
+    initial.load_state_dict(case.canonical)
+    seen = set()
+    for rank in results[case.name]["ranks"]:
+        last_stage = rank["coords"][0] == case.parallel.pipeline_parallel - 1
+        assert bool(rank["hidden"]) == last_stage  # only the last pipeline stage holds the final norm
+        for i, (tokens, hidden) in rank["hidden"].items():
+            prompt, response = case.batch[i]
+            assert tokens.tolist() == prompt + response
+            with torch.no_grad():
+                want = initial.eval().hidden(tokens[None])[0]
+            torch.testing.assert_close(hidden, want, rtol=0, atol=2e-5)
+            seen.add(i)
+    assert seen == set(range(len(case.batch)))
+
+
+@pytest.mark.timeout(300)
+def test_replicated_norms_stay_identical_across_tp(results):
+    ranks = results["tp2"]["ranks"]
+    assert sorted(r["coords"][1] for r in ranks) == [0, 1]
+    a, b = ranks[0]["norms"], ranks[1]["norms"]
+    assert a and sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name  # bitwise: the same gradients and AdamW step
+
+
+def test_bad_parallel_sizes_fail_before_any_collective():
+    cfg = LLAMA
+    with pytest.raises(ValueError, match=r"tensor_parallel=3.*num_heads=4"):
+        MegatronPolicyTrainer({}, cfg, POLICY, MegatronPolicyConfig(tensor_parallel=3))
+    with pytest.raises(ValueError, match=r"tensor_parallel=4.*num_kv_heads"):
+        MegatronPolicyConfig(tensor_parallel=4).check_model(cfg)
+    with pytest.raises(ValueError, match=r"pipeline_parallel=3 exceeds num_layers=2"):
+        MegatronPolicyConfig(pipeline_parallel=3).check_model(cfg)
+    with pytest.raises(ValueError, match=r"MegatronPolicyConfig.tensor_parallel"):
+        MegatronPolicyConfig(tensor_parallel=0)
+    with pytest.raises(ValueError, match=r"MegatronPolicyConfig.dtype"):
+        MegatronPolicyConfig(dtype="float16")
