@@ -32,7 +32,7 @@ def one_thread():
 
 def _seeded_model(seed=0):
     model = DecoderLM(TINY)
-    sft_module._init_weights_(model, torch.Generator().manual_seed(seed))
+    model.init_weights_(torch.Generator().manual_seed(seed))
     return model
 
 
