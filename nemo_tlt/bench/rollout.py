@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode in ("greedy", "rejection", "coupled"):
         sp = SamplingParams(mode, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
         methods.append(engine_method(f"sd_{mode}", sd_engine, sp, policy))
+        if mode != "greedy":  # the fair baseline of a sampling mode is plain decoding in that mode
+            methods.append(engine_method(f"plain_{mode}", plain_engine, sp))
     if not args.no_hf:
         eos, pad = target.config.eos_token_id, target.config.pad_token_id
         hf_target, hf_assistant = _load_hf(assets.target_dir), _load_hf(assets.assistant_dir)
@@ -150,15 +152,19 @@ def main(argv: list[str] | None = None) -> int:
             m.measure(chunk)
     results = {m.name: m.result() for m in methods}
     greedy_outputs = {m.name: m.outputs for m in methods if m.name in ("plain", "sd_greedy", "hf_generate", "hf_assisted")}
+    outputs = {m.name: m.outputs for m in methods}
+    coupled_identical = outputs["sd_coupled"] == outputs["plain_coupled"]
     ref = greedy_outputs["plain"]
     identical = all(o == ref for o in greedy_outputs.values())
     base = results["plain"]["tokens_per_s"]
     ratios = {f"{m}_vs_plain": r["tokens_per_s"] / base for m, r in results.items() if m != "plain"}
+    for mode in ("rejection", "coupled"):
+        ratios[f"sd_{mode}_vs_plain_{mode}"] = results[f"sd_{mode}"]["tokens_per_s"] / results[f"plain_{mode}"]["tokens_per_s"]
     if "hf_generate" in results:
         ratios["plain_vs_hf_generate"] = base / results["hf_generate"]["tokens_per_s"]
         ratios["sd_greedy_vs_hf_assisted"] = results["sd_greedy"]["tokens_per_s"] / results["hf_assisted"]["tokens_per_s"]
     payload = {"benchmark": "rollout", "workload": args.workload, "results": results,
-               "greedy_outputs_identical": identical, "ratios": ratios, "machine": machine_info(),
+               "greedy_outputs_identical": identical, "coupled_outputs_identical": coupled_identical, "ratios": ratios, "machine": machine_info(),
                "config": {"batch_size": args.batch_size, "num_prompts": args.num_prompts,
                           "max_new_tokens": args.max_new_tokens, "shape": args.tree_shape.name,
                           "target": config.target.to_dict(), "task": config.task.to_dict(),
@@ -166,6 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out, payload)
     print(format_table(results, COLUMNS))
     print("ratios: " + ", ".join(f"{k}={v:.2f}x" for k, v in ratios.items()))
-    print(f"greedy_outputs_identical: {identical}")
+    print(f"greedy_outputs_identical: {identical}; coupled_outputs_identical: {coupled_identical}")
     print(f"wrote {args.out}")
     return 0

@@ -39,7 +39,8 @@ def test_default_workload(tiny):
                          "--cache-dir", str(tiny / "cache")]) == 0
     payload = json.loads(out.read_text())
     assert set(payload["results"]) == {"plain", "sd_greedy", "sd_rejection", "sd_coupled", "hf_generate",
-                                       "hf_assisted"}
+                                       "hf_assisted", "plain_rejection", "plain_coupled"}
+    assert payload["coupled_outputs_identical"] is True
     for r in payload["results"].values():
         assert {"tokens_per_s", "target_forwards_per_token", "mean_accept_len", "wall_s"} <= set(r)
     assert payload["greedy_outputs_identical"] is True
