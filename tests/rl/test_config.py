@@ -1,0 +1,104 @@
+"""The typed `tlt` config: YAML + key=value merge, clear refusals naming the key,
+the demo config, and the run-folder checks of `nemo-tlt train`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nemo_tlt.config import TLTConfig, load_config
+from nemo_tlt.rl.loop import RunSpec, prepare_run_dir
+from nemo_tlt.rl.train_cli import main, parse_argv
+from nemo_tlt.speculative.tree_shape import TreeShape
+
+DEMO = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
+
+
+def test_demo_yaml_loads_and_overrides_win():
+    cfg = load_config(DEMO, ["grpo.group_size=8", "rollout.arms=['4_2_8']", "run_dir=/x/y"])
+    assert isinstance(cfg, TLTConfig)
+    assert cfg.grpo.group_size == 8 and cfg.run_dir == "/x/y"
+    assert cfg.rollout.shapes == (TreeShape(4, 2, 8),)
+    assert cfg.workers.num_workers == 2 and cfg.grpo.acceptance == "coupled"
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    cfg = load_config(DEMO, ["steps=3", "drafter.max_steps_per_idle=5"])
+    saved = tmp_path / "config.yaml"
+    saved.write_text(cfg.to_yaml())
+    assert load_config(saved) == cfg
+
+
+def test_baseline_turns_off_sd_and_drafter_training_only():
+    cfg = load_config(DEMO)
+    base = cfg.baseline()
+    assert not base.rollout.sd_enabled and not base.drafter.train_on_idle
+    assert base.grpo == cfg.grpo and base.seed == cfg.seed and base.task == cfg.task
+
+
+@pytest.mark.parametrize("override, key", [
+    ("grpo.bogus=1", "grpo.bogus"),
+    ("nonsense=3", "nonsense"),
+    ("steps=abc", "steps"),
+    ("grpo.lr=fast", "grpo.lr"),
+])
+def test_unknown_keys_and_wrong_types_name_the_key(override, key):
+    with pytest.raises(ValueError, match=f"'{key}'"):
+        load_config(DEMO, [override])
+
+
+def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo:\n  group_size: 4\n  groupsize: 8\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml.*'grpo\.groupsize'"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("grpo.group_size=-4", r"grpo\.group_size must be >= 1"),
+    ("grpo.group_size=0", r"grpo\.group_size must be >= 1"),
+    ("rollout.threshold_on=0", r"rollout\.threshold_on must be >= 1"),
+    ("rollout.threshold_on=-3", r"rollout\.threshold_on"),
+    ("rollout.threshold_off=4", r"rollout\.threshold_off=4 must be >= rollout\.threshold_on=\d+"),
+    ("grpo.acceptance=nucleus", r"grpo\.acceptance must be one of \['greedy', 'rejection', 'coupled'\]"),
+    ("grpo.clip_eps=1.5", r"grpo\.clip_eps"),
+    ("grpo.temperature=0", r"grpo\.temperature"),
+    ("rollout.arms=['8_4']", r"rollout\.arms\[0\]: malformed tree shape"),
+    ("rollout.arms=[4_2_8]", r"quote each arm"),
+    ("rollout.epsilon=2", r"rollout\.epsilon"),
+    ("drafter.min_idle_workers=3", r"drafter\.min_idle_workers=3 exceeds workers\.num_workers=2"),
+    ("workers.num_workers=0", r"workers\.num_workers"),
+    ("workers.start_method=thread", r"workers\.start_method"),
+    ("task.name=chess", r"task\.name"),
+    ("checkpoint.keep_last=0", r"checkpoint\.keep_last"),
+    ("drafter.nice=25", r"drafter\.nice must be in \[0, 19\]"),
+    ("model.target_dir=/somewhere", r"model\.target_dir and model\.drafter_dir"),
+])
+def test_bad_values_are_refused_with_the_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(DEMO, [override])
+
+
+def test_unwritable_checkpoint_dir_is_refused(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    cfg = load_config(DEMO, [f"checkpoint.dir={blocker / 'ckpt'}"])
+    spec = RunSpec(cfg, "tlt", str(tmp_path / "run"), "unused", "unused")
+    with pytest.raises(ValueError, match=r"checkpoint\.dir=.*cannot write checkpoints"):
+        prepare_run_dir(spec)
+    ok = RunSpec(load_config(DEMO), "baseline", str(tmp_path / "run"), "unused", "unused")
+    assert prepare_run_dir(ok) == tmp_path / "run" / "checkpoints" and ok.checkpoint_dir.is_dir()
+
+
+def test_cli_refuses_bad_usage_and_config(capsys, tmp_path):
+    assert main([str(DEMO), "grpo.group_size=-1"]) == 2
+    assert "grpo.group_size must be >= 1" in capsys.readouterr().err
+    assert main([str(DEMO), "grpo.nope=1"]) == 2
+    assert "'grpo.nope'" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown option"):
+        parse_argv([str(DEMO), "--fast"])
+    with pytest.raises(ValueError, match="first argument must be the config file"):
+        parse_argv(["steps=3", str(DEMO)])
+    assert parse_argv([str(DEMO), "steps=2", "--compare-baseline"]) == (str(DEMO), ["steps=2"], True)

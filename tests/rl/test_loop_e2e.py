@@ -1,0 +1,123 @@
+"""End to end: `nemo-tlt train ... --compare-baseline` on a tiny SFT'd model with 2
+worker processes. TLT must train the drafter on idle workers and use SD in the tail,
+and with coupled sampling produce exactly the baseline's rollouts, rewards and
+policy weights; checkpoints, metrics, TensorBoard events and plots are written."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
+from nemo_tlt.drafter.io import save_drafter
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.rl.policy import micro_batches
+from nemo_tlt.rl.sft import SFTConfig, cached_warm_start
+from nemo_tlt.rl.tasks import TaskConfig
+from nemo_tlt.rl.tokenizer import CharTokenizer
+from nemo_tlt.rl.train_cli import main
+from nemo_tlt.spot.checkpoint import CheckpointManager
+
+pytestmark = pytest.mark.timeout(240)
+
+TINY_TASK = dict(max_solution_chars=80, max_value=20, tail_exponent=1.1)
+
+
+def tiny_assets(root: Path) -> tuple[Path, Path]:
+    """A 2-layer, hidden-64 policy SFT'd briefly on short arithmetic traces (cached per
+    test session; it answers well-formed but often wrong, so rewards vary within a
+    group) and a randomly initialised EAGLE drafter for it."""
+    task = TaskConfig(name="arith", **TINY_TASK)
+    lm = LMConfig(vocab_size=CharTokenizer().vocab_size, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, max_position_embeddings=256)
+    sft = SFTConfig(steps=60, batch_size=16, lr=5e-3, warmup_steps=5, seq_len=128)
+    target = cached_warm_start(root, lm, task, sft, num_examples=512, progress=False)
+    drafter = root / "drafter"
+    if not (drafter / "drafter.json").is_file():
+        torch.manual_seed(0)
+        save_drafter(EagleDrafter(EagleConfig.from_target(lm)), drafter)
+    return target, drafter
+
+
+def tiny_overrides(target: Path, drafter: Path, run_dir: Path, steps: int = 3, workers: int = 2) -> list[str]:
+    task = [f"task.{k}={v}" for k, v in TINY_TASK.items()]
+    return task + [
+        f"run_dir={run_dir}", f"steps={steps}", "progress=false",
+        f"model.target_dir={target}", f"model.drafter_dir={drafter}",
+        "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.max_new_tokens=100", "grpo.lr=1e-3",
+        "grpo.format_bonus=0.1", "grpo.acceptance=coupled",
+        "rollout.threshold_on=4", "rollout.threshold_off=6",
+        f"workers.num_workers={workers}", "workers.start_method=fork", "workers.timeout_s=120",
+        # full priority for idle-time training, so a loaded test machine cannot starve it
+        "drafter.nice=0",
+    ]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets")
+
+
+def _final_policy(run: Path) -> dict[str, torch.Tensor]:
+    manager = CheckpointManager(run / "checkpoints")
+    try:
+        ck = manager.load()
+    finally:
+        manager.close()
+    return {k: v for k, v in ck.tensors.items() if k.startswith("policy/")}
+
+
+def test_tlt_vs_baseline_two_workers(tiny_models, tmp_path):
+    target, drafter = tiny_models
+    run_dir = tmp_path / "run"
+    yaml = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
+    assert main([str(yaml), *tiny_overrides(target, drafter, run_dir), "--compare-baseline"]) == 0
+
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["rollouts_identical"] and report["rewards_identical"]
+    assert report["speedup"] > 0 and len(report["tlt"]["step_times"]) == 3
+    for name in ("reward_vs_step", "step_time_breakdown", "accept_length", "worker_timeline"):
+        assert Path(report["plots"][name]).stat().st_size > 0
+    assert (run_dir / "config.yaml").read_text().count("num_workers: 2") == 1
+
+    runs = {mode: [json.loads(line) for line in (run_dir / mode / "metrics.jsonl").read_text().splitlines()]
+            for mode in ("tlt", "baseline")}
+    tlt, base = runs["tlt"], runs["baseline"]
+    assert [r["step"] for r in tlt] == [0, 1, 2] and [r["step"] for r in base] == [0, 1, 2]
+    for r in tlt + base:
+        assert all(math.isfinite(x) for x in r["rewards"]) and math.isfinite(r["loss"])
+        assert r["replicas_identical"]  # both ranks hold the same policy (and drafter) bits
+    # rewards vary inside groups, so the update is not vacuous
+    assert any(r["reward_std"] > 0 for r in tlt)
+    # TLT: the drafter trained on an idle worker, SD ran in the tail; the baseline did neither
+    assert sum(r["drafter_samples"] for r in tlt) > 0 and sum(r["drafter_steps"] for r in tlt) > 0
+    assert sum(r["sd_steps"] for r in tlt) > 0 and all(r["mean_accept_len"] >= 1 for r in tlt if r["sd_steps"])
+    assert sum(r["sd_steps"] + r["drafter_samples"] for r in base) == 0
+    assert sum(r["idle_s"] for r in base) > 0
+    # coupled sampling: same tokens, rewards, and bit-identical policy weights
+    assert [r["rollout_digest"] for r in tlt] == [r["rollout_digest"] for r in base]
+    assert [r["rewards"] for r in tlt] == [r["rewards"] for r in base]
+    w_tlt, w_base = _final_policy(run_dir / "tlt"), _final_policy(run_dir / "baseline")
+    assert w_tlt.keys() == w_base.keys()
+    assert all(torch.equal(w_tlt[k], w_base[k]) for k in w_tlt)
+    initial = load_file(str(target / "model.safetensors"))
+    assert any(not torch.equal(w_tlt[f"policy/{k}"], v) for k, v in initial.items()), "policy never changed"
+    # checkpoints (keep_last) and TensorBoard events
+    for mode in ("tlt", "baseline"):
+        assert sorted(p.name for p in (run_dir / mode / "checkpoints").glob("step-*"))[-1] == "step-00000002"
+        assert list((run_dir / mode / "tb").glob("events.out.tfevents.*"))
+
+
+def test_micro_batches_mask_response_targets():
+    batch = [([1, 5, 6], [7, 8, 2]), ([1, 9], [4])]
+    mbs = micro_batches(batch, size=8)
+    assert len(mbs) == 1
+    mb = mbs[0]
+    # sorted by length: the short sequence first; targets are input_ids[:, 1:]
+    assert mb.index.tolist() == [1, 0]
+    assert mb.input_ids[0, :3].tolist() == [1, 9, 4] and mb.mask[0].tolist() == [0, 1, 0, 0, 0]
+    assert mb.input_ids[1].tolist() == [1, 5, 6, 7, 8, 2] and mb.mask[1].tolist() == [0, 0, 1, 1, 1]
