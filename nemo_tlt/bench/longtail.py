@@ -18,7 +18,7 @@ import numpy as np
 
 from nemo_tlt.adaptive.bandit import BanditConfig, BegMab
 from nemo_tlt.adaptive.sd_policy import AdaptiveSDPolicy, FixedSDPolicy, SDPolicyConfig
-from nemo_tlt.bench.assets import AssetConfig, default_cache_dir, load_assets, prepare_assets, task_requests
+from nemo_tlt.rl.assets import AssetConfig, default_cache_dir, load_assets, prepare_assets, task_requests
 from nemo_tlt.bench.common import format_table, machine_info, write_json
 from nemo_tlt.bench.timeline import plot_rollout_timeline
 from nemo_tlt.rollout.protocol import Request

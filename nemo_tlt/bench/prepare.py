@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from nemo_tlt.bench.assets import AssetConfig, default_cache_dir, prepare_assets
+from nemo_tlt.rl.assets import AssetConfig, default_cache_dir, prepare_assets
 
 
 def main(argv: list[str] | None = None) -> int:

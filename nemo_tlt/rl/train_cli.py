@@ -48,7 +48,7 @@ def resolve_models(config: TLTConfig) -> tuple[str, str]:
     """(target_dir, drafter_dir): the configured folders, or the cached demo assets."""
     if config.model.target_dir is not None:
         return config.model.target_dir, config.model.drafter_dir
-    from nemo_tlt.bench.assets import AssetConfig, prepare_assets  # trains once, then cached
+    from nemo_tlt.rl.assets import AssetConfig, prepare_assets  # trains once, then cached
 
     assets_config = AssetConfig()
     if config.task.to_task_config() != assets_config.task:

@@ -7,7 +7,7 @@ import pytest
 
 import nemo_tlt.bench.longtail as longtail
 import nemo_tlt.bench.rollout as rollout
-from nemo_tlt.bench.assets import AssetConfig
+from nemo_tlt.rl.assets import AssetConfig
 from nemo_tlt.drafter.train import DrafterTrainConfig
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.rl.sft import SFTConfig

@@ -1,4 +1,4 @@
-"""The benchmark's models, made here and cached: no weights are ever downloaded.
+"""The demo's models (main job and benchmarks), made here and cached: nothing is downloaded.
 
 `prepare_assets` trains (once per configuration, then reuses from the cache):
 1. the *target*: a small Llama-family LM SFT-trained on the long-tailed synthetic
