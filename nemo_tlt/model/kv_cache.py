@@ -17,10 +17,17 @@ class KVCache:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         if capacity < 1:
             raise ValueError(f"KVCache.capacity must be >= 1, got {capacity}")
-        shape = (batch, num_kv_heads, capacity, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # One buffer for every layer's keys and values, so that compaction and row
+        # selection are one gather/scatter instead of one per layer and tensor.
+        self._buf = torch.zeros((2 * num_layers, batch, num_kv_heads, capacity, head_dim), dtype=dtype,
+                                device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self._views()
+
+    def _views(self) -> None:
+        n = self._buf.shape[0] // 2
+        self.k = [self._buf[i] for i in range(n)]
+        self.v = [self._buf[n + i] for i in range(n)]
 
     @property
     def batch(self) -> int:
@@ -31,7 +38,7 @@ class KVCache:
         return self.k[0].shape[2]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return self._buf.numel() * self._buf.element_size()
 
     def write_index(self, num_new: int) -> torch.Tensor:
         """Slots [B, T] where a forward of `num_new` tokens writes."""
@@ -53,20 +60,19 @@ class KVCache:
         keep: [B, K] long offsets into the last block (entries past counts[b] are ignored
         padding); counts: [B] long.
         """
-        b_idx = torch.arange(self.batch, device=keep.device)[:, None]
         src = self.lengths[:, None] + keep
         dst = self.lengths[:, None] + torch.arange(keep.shape[1], device=keep.device)
         valid = torch.arange(keep.shape[1], device=keep.device)[None, :] < counts[:, None]
         # Padding entries copy a slot onto itself, which is a no-op.
         src = torch.where(valid, src, dst)
-        for layer in range(len(self.k)):
-            for buf in (self.k[layer], self.v[layer]):
-                moved = buf[b_idx, :, src]  # gather first: sources and targets may overlap
-                buf[b_idx, :, dst] = moved
+        L2, B, H, _, D = self._buf.shape
+        shape = (L2, B, H, keep.shape[1], D)
+        moved = self._buf.gather(3, src[None, :, None, :, None].expand(shape))  # gather first: may overlap
+        self._buf.scatter_(3, dst[None, :, None, :, None].expand(shape), moved)
         self.lengths += counts
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Drop finished rows: keep only `rows` (in that order)."""
-        self.k = [t.index_select(0, rows) for t in self.k]
-        self.v = [t.index_select(0, rows) for t in self.v]
+        self._buf = self._buf.index_select(1, rows)
         self.lengths = self.lengths.index_select(0, rows)
+        self._views()

@@ -53,10 +53,10 @@ class AssetConfig:
     task: TaskConfig = TaskConfig(name="arith", tail_exponent=1.3, max_solution_chars=400)
     sft: SFTConfig = SFTConfig(steps=400, batch_size=16, lr=3e-3, warmup_steps=20, seq_len=640)
     sft_examples: int = 4096
-    drafter_prompts: int = 96
+    drafter_prompts: int = 256
     drafter_max_new_tokens: int = 400
     drafter_train: DrafterTrainConfig = field(default_factory=lambda: DrafterTrainConfig(
-        steps=400, batch_size=16, lr=3e-3, warmup_steps=20))
+        steps=1200, batch_size=16, lr=3e-3, warmup_steps=40))
 
 
 @dataclass
