@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from nemo_tlt.atomic import atomic_output_dir
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.drafter.medusa import MedusaConfig, MedusaDrafter
 from nemo_tlt.model.config import LMConfig
@@ -40,20 +39,11 @@ def build_drafter(config: dict, source: str = "drafter.json") -> torch.nn.Module
 
 
 def save_drafter(drafter: torch.nn.Module, path: str | os.PathLike, extra: dict | None = None) -> Path:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_output_dir(path, overwrite=True) as tmp:
         state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
         save_file(state, str(tmp / "drafter.safetensors"))
         (tmp / "drafter.json").write_text(json.dumps({**drafter_config_dict(drafter), **(extra or {})}, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(path)
 
 
 def load_drafter(path: str | os.PathLike, target: DecoderLM | None = None) -> torch.nn.Module:

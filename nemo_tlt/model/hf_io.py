@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from nemo_tlt.atomic import atomic_output_dir
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.lm import DecoderLM
 
@@ -65,22 +64,11 @@ def load_hf_folder(path: str | os.PathLike, dtype: torch.dtype = torch.float32) 
 
 def save_hf_folder(model: DecoderLM, path: str | os.PathLike, overwrite: bool = True,
                    extra_files: dict[str, str] | None = None) -> Path:
-    out = Path(path)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_output_dir(path, overwrite=overwrite) as tmp:
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         with open(tmp / "config.json", "w") as f:
             json.dump(model.config.to_hf_config(), f, indent=2)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(path)

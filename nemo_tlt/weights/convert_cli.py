@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from nemo_tlt.model.config import LMConfig
-from nemo_tlt.weights.atomic import atomic_output_dir
+from nemo_tlt.atomic import atomic_output_dir
 from nemo_tlt.weights.layout import ParallelLayout
 from nemo_tlt.weights.megatron_layout import check_tp
 

@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from nemo_tlt.model.config import LMConfig
-from nemo_tlt.weights.atomic import atomic_output_dir
+from nemo_tlt.atomic import atomic_output_dir
 from nemo_tlt.weights.rollout import check_rollout_tp
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}

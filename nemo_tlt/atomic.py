@@ -20,7 +20,7 @@ from typing import Iterator
 def atomic_output_dir(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     target = Path(path)
     if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} already exists; pass --overwrite to replace it")
+        raise FileExistsError(f"{target} already exists; pass overwrite=True (--overwrite on the command line) to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
