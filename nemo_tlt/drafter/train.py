@@ -94,7 +94,7 @@ def train_drafter(drafter: nn.Module, target: DecoderLM, samples: list[DrafterSa
         if config.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
         opt.step()
-        stats["loss"] = float(loss)
+        stats["loss"] = float(loss.detach())
         history.append(stats)
         bar.set_postfix(loss=f"{stats['loss']:.3f}")
     drafter.eval()
