@@ -6,7 +6,6 @@ loop over padded batches for a drafter trained once, e.g. for the benchmark.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,7 @@ from nemo_tlt.drafter.eagle import EagleDrafter
 from nemo_tlt.drafter.loss import eagle_loss, medusa_loss
 from nemo_tlt.drafter.medusa import MedusaDrafter
 from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.optim import warmup_cosine_lr
 
 
 @dataclass(frozen=True)
@@ -65,10 +65,7 @@ def drafter_loss(drafter: nn.Module, target: DecoderLM, batch: EagleBatch, reg_w
 
 def lr_at(step: int, config: DrafterTrainConfig) -> float:
     """Linear warmup then cosine decay to 10% of the peak."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+    return warmup_cosine_lr(step, config.lr, config.warmup_steps, config.steps - config.warmup_steps, 0.1)
 
 
 def train_drafter(drafter: nn.Module, target: DecoderLM, samples: list[DrafterSample],

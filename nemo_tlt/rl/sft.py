@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -38,6 +37,7 @@ from torch import nn
 from tqdm import tqdm
 
 from nemo_tlt.model.config import LMConfig
+from nemo_tlt.optim import warmup_cosine_lr
 from nemo_tlt.model.hf_io import save_hf_folder
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rl.tasks import Problem, TaskConfig, make_problems
@@ -88,12 +88,8 @@ class SFTConfig:
 def lr_at(step: int, config: SFTConfig) -> float:
     """Learning rate for 0-based ``step``: linear warmup to ``lr``, then cosine to
     ``min_lr_ratio * lr`` at the last step."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    decay_steps = max(config.steps - config.warmup_steps - 1, 1)
-    progress = min((step - config.warmup_steps) / decay_steps, 1.0)
-    floor = config.min_lr_ratio * config.lr
-    return floor + (config.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return warmup_cosine_lr(step, config.lr, config.warmup_steps, config.steps - config.warmup_steps - 1,
+                            config.min_lr_ratio)
 
 
 def encode_example(example: Example, tokenizer: CharTokenizer) -> tuple[list[int], list[int]]:

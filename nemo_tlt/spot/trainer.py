@@ -24,7 +24,6 @@ Contract
 from __future__ import annotations
 
 import copy
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nemo_tlt.optim import warmup_cosine_lr
 from nemo_tlt.spot.averaging import AverageStats, average_replicas
 from nemo_tlt.spot.coordinator import WorkerCoordinator, WorkerState, idle_utilization
 from nemo_tlt.spot.harvest import HarvestBuffer, HarvestSample
@@ -85,12 +85,8 @@ class SpotTrainerConfig:
 
 def lr_schedule(step: int, config: SpotTrainerConfig) -> float:
     """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    span = max(1, config.total_steps - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
-    floor = config.min_lr_ratio
-    return config.lr * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return warmup_cosine_lr(step, config.lr, config.warmup_steps, config.total_steps - config.warmup_steps,
+                            config.min_lr_ratio)
 
 
 @dataclass
