@@ -223,6 +223,29 @@ class CheckpointBlock:
 
 
 @dataclass(frozen=True)
+class PolicyBlock:
+    """Which policy backend trains: the plain-PyTorch ``DecoderLM`` (``torch``) or a
+    megatron-core ``GPTModel`` (``megatron``, gloo on CPU / NCCL on GPU). In the RL loop
+    each rollout worker is one data-parallel Megatron rank; tensor / pipeline
+    parallelism inside the loop is not wired yet (the backend itself supports it:
+    nemo_tlt.rl.megatron_policy)."""
+
+    backend: str = "torch"
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("torch", "megatron"):
+            raise ValueError(f"policy.backend must be 'torch' or 'megatron', got {self.backend!r}")
+        _int("policy.tensor_parallel", self.tensor_parallel, 1)
+        _int("policy.pipeline_parallel", self.pipeline_parallel, 1)
+        if (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
+            raise ValueError(
+                f"policy.tensor_parallel={self.tensor_parallel}, policy.pipeline_parallel={self.pipeline_parallel}: "
+                "the RL loop runs the megatron backend data-parallel only (1, 1) so far")
+
+
+@dataclass(frozen=True)
 class TLTConfig:
     run_dir: str = "runs/demo"
     seed: int = 0
@@ -236,8 +259,11 @@ class TLTConfig:
     drafter: DrafterBlock = field(default_factory=DrafterBlock)
     workers: WorkersBlock = field(default_factory=WorkersBlock)
     checkpoint: CheckpointBlock = field(default_factory=CheckpointBlock)
+    policy: PolicyBlock = field(default_factory=PolicyBlock)
 
     def __post_init__(self) -> None:
+        if self.policy.backend == "megatron" and self.workers.num_workers < 2:
+            raise ValueError("policy.backend=megatron needs workers.num_workers >= 2 (a gloo process group)")
         if not self.run_dir:
             raise ValueError("run_dir must not be empty")
         _int("seed", self.seed, 0, 2**31 - 1)

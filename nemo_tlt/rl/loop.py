@@ -134,10 +134,19 @@ class RLWorker:
         if policy_model.config.vocab_size != self.tok.vocab_size:
             raise ValueError(f"model.target_dir={spec.target_dir}: vocab_size {policy_model.config.vocab_size} "
                              f"does not match the task tokenizer's {self.tok.vocab_size}")
-        self.policy = PolicyTrainer(policy_model, PolicyConfig(
+        policy_config = PolicyConfig(
             lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay, grad_clip=cfg.grpo.grad_clip,
             clip_eps=cfg.grpo.clip_eps, kl_coef=cfg.grpo.kl_coef, temperature=cfg.grpo.temperature,
-            micro_batch=cfg.grpo.micro_batch))
+            micro_batch=cfg.grpo.micro_batch)
+        if cfg.policy.backend == "megatron":
+            from nemo_tlt.rl.megatron_policy import MegatronPolicyConfig, MegatronPolicyTrainer
+            self.policy = MegatronPolicyTrainer(policy_model.state_dict(), policy_model.config, policy_config,
+                                                MegatronPolicyConfig(cfg.policy.tensor_parallel,
+                                                                     cfg.policy.pipeline_parallel, seed=cfg.seed))
+            self.reduce_grads = self.policy.allreduce_data_parallel_grads
+        else:
+            self.policy = PolicyTrainer(policy_model, policy_config)
+            self.reduce_grads = comm.allreduce_grads
         self.engine = TorchRolloutEngine(load_hf_folder(spec.target_dir))
         self.sd_policy = self.trainer = self.buffer = self.idle_thread = None
         if spec.tlt:
@@ -231,10 +240,10 @@ class RLWorker:
         local_tokens = sum(len(r.tokens) for r in gen.results)
         global_tokens = int(comm.sum_(torch.tensor([float(local_tokens)])).item())
         adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), G)
-        upd = self.policy.update(batch, adv, logp_old, logp_ref, global_tokens, comm.allreduce_grads)
+        upd = self.policy.update(batch, adv, logp_old, logp_ref, global_tokens, self.reduce_grads)
         t_update = time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.engine.load_policy_weights(self.policy.model.state_dict())
+        self.engine.load_policy_weights(self._policy_weights())
         t_sync = time.perf_counter() - t0
         t_end = time.perf_counter()
         local = {"rank": comm.rank, "ids": idx, "tokens": [r.tokens for r in gen.results], "rewards": rewards,
@@ -322,9 +331,16 @@ class RLWorker:
             "t_end": self.coord.now() - self.t0,
         }
 
+    def _policy_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's canonical weights on this rank (a collective for megatron)."""
+        if self.cfg.policy.backend == "megatron":
+            return self.policy.rollout_state_dict(1)
+        return self.policy.model.state_dict()
+
     def _weights_digest(self) -> str:
+        # The engine holds the policy's weights since the last weight sync.
         h = hashlib.sha256()
-        modules = [self.policy.model] + ([self.trainer.model] if self.trainer is not None else [])
+        modules = [self.engine.target] + ([self.trainer.model] if self.trainer is not None else [])
         for module in modules:
             for t in module.state_dict().values():
                 h.update(t.detach().contiguous().numpy().tobytes())
@@ -340,7 +356,7 @@ class RLWorker:
         """Rank 0 only; the per-rank states were gathered at the end of the step."""
         if self.saved_step == step or (not final and (step + 1) % self.cfg.checkpoint.every):
             return
-        tensors = {f"policy/{k}": v for k, v in self.policy.model.state_dict().items()}
+        tensors = {f"policy/{k}": v for k, v in self.engine.target.state_dict().items()}  # synced policy
         extra: dict[str, Any] = {"policy": self.policy.state_dict()}
         if self.spec.tlt:
             tensors.update({f"drafter/{k}": v for k, v in self.trainer.model.state_dict().items()})
@@ -364,7 +380,10 @@ class RLWorker:
             raise ValueError(f"resume: {ck.path} was written by {ck.json_state['world']} workers; "
                              f"workers.num_workers={self.comm.world} cannot continue it exactly")
         policy_sd = {k[len("policy/"):]: v for k, v in ck.tensors.items() if k.startswith("policy/")}
-        self.policy.model.load_state_dict(policy_sd, strict=True)
+        if self.cfg.policy.backend == "megatron":
+            self.policy.load_canonical(policy_sd)
+        else:
+            self.policy.model.load_state_dict(policy_sd, strict=True)
         self.policy.load_state_dict(ck.extra_state["policy"])
         self.engine.load_policy_weights(policy_sd)
         if self.spec.tlt:
