@@ -226,9 +226,9 @@ class CheckpointBlock:
 class PolicyBlock:
     """Which policy backend trains: the plain-PyTorch ``DecoderLM`` (``torch``) or a
     megatron-core ``GPTModel`` (``megatron``, gloo on CPU / NCCL on GPU). In the RL loop
-    each rollout worker is one data-parallel Megatron rank; tensor / pipeline
-    parallelism inside the loop is not wired yet (the backend itself supports it:
-    nemo_tlt.rl.megatron_policy)."""
+    every rollout worker is one Megatron rank: ``num_workers`` = TP x PP x data-parallel
+    replicas; rollouts are split over all workers and each model-parallel group trains
+    on the union of its workers' rollouts."""
 
     backend: str = "torch"
     tensor_parallel: int = 1
@@ -239,10 +239,9 @@ class PolicyBlock:
             raise ValueError(f"policy.backend must be 'torch' or 'megatron', got {self.backend!r}")
         _int("policy.tensor_parallel", self.tensor_parallel, 1)
         _int("policy.pipeline_parallel", self.pipeline_parallel, 1)
-        if (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
-            raise ValueError(
-                f"policy.tensor_parallel={self.tensor_parallel}, policy.pipeline_parallel={self.pipeline_parallel}: "
-                "the RL loop runs the megatron backend data-parallel only (1, 1) so far")
+        if self.backend == "torch" and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
+            raise ValueError(f"policy.tensor_parallel / pipeline_parallel > 1 need policy.backend=megatron, "
+                             f"got backend {self.backend!r}")
 
 
 @dataclass(frozen=True)
@@ -262,8 +261,13 @@ class TLTConfig:
     policy: PolicyBlock = field(default_factory=PolicyBlock)
 
     def __post_init__(self) -> None:
-        if self.policy.backend == "megatron" and self.workers.num_workers < 2:
-            raise ValueError("policy.backend=megatron needs workers.num_workers >= 2 (a gloo process group)")
+        if self.policy.backend == "megatron":
+            if self.workers.num_workers < 2:
+                raise ValueError("policy.backend=megatron needs workers.num_workers >= 2 (a gloo process group)")
+            mp = self.policy.tensor_parallel * self.policy.pipeline_parallel
+            if self.workers.num_workers % mp:
+                raise ValueError(f"workers.num_workers={self.workers.num_workers} must be a multiple of "
+                                 f"policy.tensor_parallel x policy.pipeline_parallel = {mp}")
         if not self.run_dir:
             raise ValueError("run_dir must not be empty")
         _int("seed", self.seed, 0, 2**31 - 1)

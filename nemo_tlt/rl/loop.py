@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from nemo_tlt.adaptive.bandit import BanditConfig, BegMab
 from nemo_tlt.adaptive.sd_policy import AdaptiveSDPolicy, SDPolicyConfig
@@ -144,7 +145,12 @@ class RLWorker:
                                                 MegatronPolicyConfig(cfg.policy.tensor_parallel,
                                                                      cfg.policy.pipeline_parallel, seed=cfg.seed))
             self.reduce_grads = self.policy.allreduce_data_parallel_grads
+            self.mp_ranks = None
+            if cfg.policy.tensor_parallel * cfg.policy.pipeline_parallel > 1:
+                from megatron.core import parallel_state
+                self.mp_ranks = dist.get_process_group_ranks(parallel_state.get_model_parallel_group())
         else:
+            self.mp_ranks = None
             self.policy = PolicyTrainer(policy_model, policy_config)
             self.reduce_grads = comm.allreduce_grads
         self.engine = TorchRolloutEngine(load_hf_folder(spec.target_dir))
@@ -156,6 +162,7 @@ class RLWorker:
         self.ckpt = CheckpointManager(spec.checkpoint_dir, keep_last=cfg.checkpoint.keep_last) \
             if comm.rank == 0 else None
         self.records: list[dict[str, Any]] = []
+        self.policy_states: list[dict] = [self.policy.state_dict()]
         self.rank_states: list[dict[str, Any]] = []  # rank 0: every rank's private state, gathered per step
         self.saved_step: int | None = None
         self.start_step = 0
@@ -233,14 +240,16 @@ class RLWorker:
         rewards = [reward(problems[p // G], self.tok.decode(r.tokens), cfg.grpo.format_bonus)
                    for p, r in zip(idx, gen.results)]
         batch = [(req.prompt, r.tokens) for req, r in zip(requests, gen.results)]
+        local_tokens = sum(len(r.tokens) for r in gen.results)
+        train_batch, train_rewards = self._model_parallel_union(batch, rewards)
         t0 = time.perf_counter()
-        logp_old, logp_ref = self.policy.logprobs(batch)
+        logp_old, logp_ref = self.policy.logprobs(train_batch)
         t_logprob = time.perf_counter() - t0
         t0 = time.perf_counter()
-        local_tokens = sum(len(r.tokens) for r in gen.results)
+        # every response token of the step, counted once (each rank counts its own rollout)
         global_tokens = int(comm.sum_(torch.tensor([float(local_tokens)])).item())
-        adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), G)
-        upd = self.policy.update(batch, adv, logp_old, logp_ref, global_tokens, self.reduce_grads)
+        adv = group_advantages(torch.tensor(train_rewards, dtype=torch.float32), G)
+        upd = self.policy.update(train_batch, adv, logp_old, logp_ref, global_tokens, self.reduce_grads)
         t_update = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.engine.load_policy_weights(self._policy_weights())
@@ -250,12 +259,27 @@ class RLWorker:
                  "gen_s": t_gen, "gen": gen.stats.summary(), "accept": gen.stats.accept_lengths, **idle,
                  "upd": upd, "state": self._rank_state(), "weights": self._weights_digest()}
         per_rank = comm.gather(local)
+        # With TP x PP > 1 the optimizer state is sharded: keep every rank's. Otherwise
+        # it is identical on every rank and rank 0's is kept.
+        self.policy_states = (comm.gather(self.policy.state_dict()) if self.mp_ranks is not None
+                              else [self.policy.state_dict()])
         if comm.rank != 0:
             return {}
         self.rank_states = [r["state"] for r in per_rank]
         times = {"step_s": t_end - t_start, "rollout_s": t_meet - t_start, "logprob_s": t_logprob,
                  "update_s": t_update, "weight_sync_s": t_sync}
         return self._record(step, per_rank, times, timeline)
+
+    def _model_parallel_union(self, batch: list, rewards: list[float]) -> tuple[list, list[float]]:
+        """With TP x PP > 1 the ranks of one model-parallel group train one model replica
+        together, so each trains on the union of the group's rollouts (in rank order;
+        whole GRPO groups stay whole). Rollouts stay split over all ranks."""
+        if self.mp_ranks is None:
+            return batch, rewards
+        shares = self.comm.gather((batch, rewards))
+        union_batch = [seq for r in self.mp_ranks for seq in shares[r][0]]
+        union_rewards = [x for r in self.mp_ranks for x in shares[r][1]]
+        return union_batch, union_rewards
 
     def _rollout(self, step: int, problems: list[Problem], mine: list[int]):
         G = self.cfg.grpo.group_size
@@ -357,7 +381,7 @@ class RLWorker:
         if self.saved_step == step or (not final and (step + 1) % self.cfg.checkpoint.every):
             return
         tensors = {f"policy/{k}": v for k, v in self.engine.target.state_dict().items()}  # synced policy
-        extra: dict[str, Any] = {"policy": self.policy.state_dict()}
+        extra: dict[str, Any] = {"policy": self.policy_states}
         if self.spec.tlt:
             tensors.update({f"drafter/{k}": v for k, v in self.trainer.model.state_dict().items()})
             extra["drafter_trainer"] = self.trainer.state_dict()
@@ -384,7 +408,8 @@ class RLWorker:
             self.policy.load_canonical(policy_sd)
         else:
             self.policy.model.load_state_dict(policy_sd, strict=True)
-        self.policy.load_state_dict(ck.extra_state["policy"])
+        states = ck.extra_state["policy"]
+        self.policy.load_state_dict(states[self.comm.rank] if len(states) > 1 else states[0])
         self.engine.load_policy_weights(policy_sd)
         if self.spec.tlt:
             self.trainer.model.load_state_dict(

@@ -29,13 +29,15 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_megatron_backend_matches_torch_backend(tiny_models, tmp_path):
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["dp2", "tp2", "pp2"])
+def test_megatron_backend_matches_torch_backend(tiny_models, tmp_path, tp, pp):
     target, drafter = tiny_models
     yaml = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
     runs = {}
     for backend in ("torch", "megatron"):
         run_dir = tmp_path / backend
-        args = [str(yaml), *tiny_overrides(target, drafter, run_dir, steps=2), f"policy.backend={backend}"]
+        parallel = [f"policy.tensor_parallel={tp}", f"policy.pipeline_parallel={pp}"] if backend == "megatron" else []
+        args = [str(yaml), *tiny_overrides(target, drafter, run_dir, steps=2), f"policy.backend={backend}", *parallel]
         assert main([*args, "--compare-baseline"] if backend == "megatron" else args) == 0
         runs[backend] = run_dir
     mc = runs["megatron"]
@@ -71,7 +73,8 @@ def _initial(target: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("overrides,match", [
     (["policy.backend=jax"], "policy.backend"),
-    (["policy.backend=megatron", "policy.tensor_parallel=2"], "data-parallel only"),
+    (["policy.tensor_parallel=2"], "need policy.backend=megatron"),
+    (["policy.backend=megatron", "policy.tensor_parallel=4"], "multiple of"),
     (["policy.backend=megatron", "workers.num_workers=1", "grpo.prompts_per_step=1"], "num_workers >= 2"),
 ])
 def test_bad_policy_block(overrides, match):

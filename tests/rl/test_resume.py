@@ -21,8 +21,9 @@ pytestmark = pytest.mark.timeout(240)
 STEPS = 3
 
 
-def _spec(run_dir, target, drafter, resume: bool = False) -> RunSpec:
-    cfg = load_config(None, tiny_overrides(target, drafter, run_dir, steps=STEPS) + [f"resume={str(resume).lower()}"])
+def _spec(run_dir, target, drafter, resume: bool = False, extra: tuple[str, ...] = ()) -> RunSpec:
+    cfg = load_config(None, tiny_overrides(target, drafter, run_dir, steps=STEPS) + [f"resume={str(resume).lower()}",
+                                                                                     *extra])
     spec = RunSpec(cfg, "tlt", str(run_dir / "tlt"), str(target), str(drafter))
     prepare_run_dir(spec)
     return spec
@@ -45,19 +46,27 @@ def tiny_models(tmp_path_factory):
     return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets")
 
 
-def test_sigterm_checkpoints_and_resume_equals_uninterrupted(tiny_models, tmp_path):
+BACKENDS = {"torch": (), "megatron_tp2": ("policy.backend=megatron", "policy.tensor_parallel=2")}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_sigterm_checkpoints_and_resume_equals_uninterrupted(tiny_models, tmp_path, backend):
+    if backend != "torch":
+        pytest.importorskip("megatron.core")
     target, drafter = tiny_models
-    full = launch(_spec(tmp_path / "full", target, drafter), run_rank)
+    extra = BACKENDS[backend]
+    full = launch(_spec(tmp_path / "full", target, drafter, extra=extra), run_rank)
     assert full["status"] == "completed" and [r["step"] for r in full["records"]] == [0, 1, 2]
 
-    cut = launch(_spec(tmp_path / "cut", target, drafter), run_rank, on_step=_terminate_launcher_after_first_step)
+    cut = launch(_spec(tmp_path / "cut", target, drafter, extra=extra), run_rank,
+                 on_step=_terminate_launcher_after_first_step)
     assert cut["status"] == "interrupted"
     stopped_at = cut["next_step"]
     assert 1 <= stopped_at < STEPS  # stopped at a step boundary, before the end
     step, _, _ = _latest(tmp_path / "cut")
     assert step == stopped_at - 1  # the last completed step was checkpointed
 
-    resumed = launch(_spec(tmp_path / "cut", target, drafter, resume=True), run_rank)
+    resumed = launch(_spec(tmp_path / "cut", target, drafter, resume=True, extra=extra), run_rank)
     assert resumed["status"] == "completed"
     assert [r["step"] for r in resumed["records"]] == [0, 1, 2]
     for a, b in zip(full["records"], resumed["records"]):
@@ -71,9 +80,11 @@ def test_sigterm_checkpoints_and_resume_equals_uninterrupted(tiny_models, tmp_pa
     assert step_a == step_b == STEPS - 1
     policy = [k for k in tensors_a if k.startswith("policy/")]
     assert policy and all(torch.equal(tensors_a[k], tensors_b[k]) for k in policy)
-    moments_a = extra_a["policy"]["optimizer"]["state"]
-    moments_b = extra_b["policy"]["optimizer"]["state"]
-    assert all(torch.equal(moments_a[i]["exp_avg_sq"], moments_b[i]["exp_avg_sq"]) for i in moments_a)
+    assert len(extra_a["policy"]) == len(extra_b["policy"]) == (2 if backend == "megatron_tp2" else 1)
+    for rank_a, rank_b in zip(extra_a["policy"], extra_b["policy"]):  # every rank's optimizer shard
+        moments_a, moments_b = rank_a["optimizer"]["state"], rank_b["optimizer"]["state"]
+        assert moments_a and all(torch.equal(moments_a[i]["exp_avg_sq"], moments_b[i]["exp_avg_sq"])
+                                 for i in moments_a)
 
 
 def test_resume_without_checkpoint_starts_fresh_and_finished_run_is_a_no_op(tiny_models, tmp_path):
