@@ -123,7 +123,24 @@ class _Trace:
         return tuple(self._entries)
 
 
-class AdaptiveSDPolicy:
+class _TracedPolicy:
+    """The trace accessors both policies share; subclasses set ``self._trace``."""
+
+    _trace: _Trace
+
+    @property
+    def trace(self) -> tuple[TraceEntry, ...]:
+        return self._trace.entries
+
+    def drain_trace(self) -> list[TraceEntry]:
+        """Return and forget the recorded (num_running, shape name) steps."""
+        return self._trace.drain()
+
+    def step_counts(self) -> dict[str, int]:
+        return {"sd_steps": self._trace.sd_steps, "plain_steps": self._trace.plain_steps}
+
+
+class AdaptiveSDPolicy(_TracedPolicy):
     """SD for the long tail, with hysteresis; tree shape from a bandit or fixed."""
 
     def __init__(
@@ -184,17 +201,6 @@ class AdaptiveSDPolicy:
             return
         self.bandit.update(num_running, shape, float(tokens_generated) / float(elapsed_s))
 
-    @property
-    def trace(self) -> tuple[TraceEntry, ...]:
-        return self._trace.entries
-
-    def drain_trace(self) -> list[TraceEntry]:
-        """Return and forget the recorded (num_running, shape name) steps."""
-        return self._trace.drain()
-
-    def step_counts(self) -> dict[str, int]:
-        return {"sd_steps": self._trace.sd_steps, "plain_steps": self._trace.plain_steps}
-
     def state_dict(self) -> dict[str, Any]:
         return {
             "sd_on": self._sd_on,
@@ -215,7 +221,7 @@ class AdaptiveSDPolicy:
         self._sd_on = state["sd_on"]
 
 
-class FixedSDPolicy:
+class FixedSDPolicy(_TracedPolicy):
     """Always SD with one tree shape, or (shape None) always plain decoding."""
 
     def __init__(self, shape: TreeShape | None, record_trace: bool = False) -> None:
@@ -236,16 +242,6 @@ class FixedSDPolicy:
     ) -> None:
         _check_running(num_running)
         _check_outcome(tokens_generated, elapsed_s)
-
-    @property
-    def trace(self) -> tuple[TraceEntry, ...]:
-        return self._trace.entries
-
-    def drain_trace(self) -> list[TraceEntry]:
-        return self._trace.drain()
-
-    def step_counts(self) -> dict[str, int]:
-        return {"sd_steps": self._trace.sd_steps, "plain_steps": self._trace.plain_steps}
 
     def state_dict(self) -> dict[str, Any]:
         return {"shape": None if self.shape is None else self.shape.name}

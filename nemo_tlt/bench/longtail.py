@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                                 title=f"{len(reqs)} sequences, response length median {lengths[len(lengths) // 2]}"
                                       f", max {lengths[-1]}")
     payload = {"benchmark": "rollout", "workload": "longtail", "results": results, "outputs_identical": identical,
-               "ratios": ratios, "timeline_png": str(png), "bandit": bandit.log_dict() if hasattr(bandit, "log_dict") else {},
+               "ratios": ratios, "timeline_png": str(png), "bandit": bandit.log_dict(),
                "response_lengths": {"median": lengths[len(lengths) // 2], "max": lengths[-1], "min": lengths[0]},
                "trace": [vars(t) for t in trace], "machine": machine_info(),
                "config": {k: v for k, v in vars(args).items() if k not in ("arm_shapes",)}}
