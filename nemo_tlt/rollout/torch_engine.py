@@ -101,12 +101,12 @@ class TorchRolloutEngine:
         """Decode `requests`; `policy` (a SpecPolicy: choose/observe) overrides the
         engine's. Without a drafter every step is plain."""
         policy = policy if policy is not None else self.policy
-        self._validate(requests, sampling, policy)
+        self._validate(requests, sampling)
         stats = GenerationStats()
         t_start = time.perf_counter()
         gen = torch.Generator().manual_seed(sampling.seed)
         results: list[RequestResult | None] = [None] * len(requests)
-        batch = self._prefill(requests, sampling, gen, stats, policy)
+        batch = self._prefill(requests, sampling, gen, stats)
         self._retire(batch, sampling, results, return_hidden)
         while batch.rows.numel():
             running = batch.rows.numel()
@@ -131,7 +131,7 @@ class TorchRolloutEngine:
         return GenerateOutput([r for r in results if r is not None], stats)
 
     # ---- validation ---------------------------------------------------------
-    def _validate(self, requests: list[Request], sampling: SamplingParams, policy) -> None:
+    def _validate(self, requests: list[Request], sampling: SamplingParams) -> None:
         if not requests:
             raise ValueError("generate: requests is empty")
         ctx = self.target.config.max_position_embeddings
@@ -153,7 +153,7 @@ class TorchRolloutEngine:
                 and L + need <= batch.cache.capacity)
 
     # ---- steps ------------------------------------------------------------------
-    def _prefill(self, requests, sampling, gen, stats, policy) -> _Batch:
+    def _prefill(self, requests, sampling, gen, stats) -> _Batch:
         B = len(requests)
         lens = torch.tensor([len(r.prompt) for r in requests])
         T = int(lens.max())
