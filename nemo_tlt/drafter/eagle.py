@@ -89,11 +89,12 @@ class EagleDrafter(nn.Module):
     # ---- forward -------------------------------------------------------------
     def forward(self, target: DecoderLM, next_tokens: torch.Tensor, features: torch.Tensor,
                 positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                new_mask: torch.Tensor | None = None, prefix_mask: torch.Tensor | None = None) -> torch.Tensor:
+                new_mask: torch.Tensor | None = None, cache_mask: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Predicted (normalised) target features [B, T, H] at positions+1."""
         emb = target.model.embed_tokens(next_tokens).detach()  # shared and frozen: no gradient to the target
         x = self.fc(torch.cat((emb, features.to(self.fc.weight.dtype)), -1))
-        x = target.run_layers(x, self.layers, positions, cache, new_mask, prefix_mask)
+        x = target.run_layers(x, self.layers, positions, cache, new_mask, cache_mask, rope)
         return self.norm(x)
 
     def init_state(self, batch: int, capacity: int) -> EagleState:
@@ -126,40 +127,42 @@ class EagleDrafter(nn.Module):
         target, cache, L = ctx.target, state.cache, ctx.lengths
         root_feat = self.catch_up(state, ctx)
         B, H = root_feat.shape
-        k = shape.topk
+        k, n_fed = shape.topk, (shape.depth - 1) * shape.topk
         first_logp = F.log_softmax(target.logits(root_feat).float(), -1)
-        fed_out = root_feat.new_zeros(B, 0, H)
-        anc = torch.zeros(B, 0, 0, dtype=torch.bool)
-        slot_of_node = torch.full((B, shape.max_nodes), -1, dtype=torch.long)
+        if n_fed == 0:
+            return grow_tree(first_logp, _no_expand, shape)
+        # The frontier of expansion d (1-based) is fed at drafter-cache slots
+        # L + (d-1)k + i, past the committed length; those slots are forgotten after
+        # verification. A fed node sees the committed prefix, its fed ancestors and
+        # itself: its parent's visibility row plus its own slot. Every expansion
+        # attends over the same S slots; unwritten ones are masked.
+        S = int(L.max()) + n_fed
+        committed = (torch.arange(S)[None, :] < L[:, None])[:, None, :]                    # [B, 1, S]
+        own_slot = torch.zeros(B, n_fed, S, dtype=torch.bool).scatter_(
+            2, (L[:, None] + torch.arange(n_fed))[..., None], True)                       # [B, n_fed, S]
+        cos, sin = target.rope(L[:, None] + torch.arange(shape.depth - 1))                 # [B, 1, d-1, D]
+        prev: dict[str, torch.Tensor] = {}
 
         def expand(tokens: torch.Tensor, nodes: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:
-            nonlocal fed_out, anc
-            fed = fed_out.shape[1]
+            j0 = (depth - 1) * k
             if depth == 1:
-                parent_feat = root_feat[:, None, :].expand(B, k, H)
-                anc_parent = torch.zeros(B, k, 0, dtype=torch.bool)
-            else:
-                pslot = slot_of_node.gather(1, parents)
-                parent_feat = fed_out.gather(1, pslot[..., None].expand(B, k, H))
-                anc_parent = anc.gather(1, pslot[..., None].expand(B, k, fed))
-            P = int(L.max()) + fed
-            rel = torch.arange(P)[None, None, :] - L[:, None, None]
-            prefix_mask = (rel < 0).expand(B, k, P)
-            if fed:
-                in_fed = (rel >= 0) & (rel < fed)
-                prefix_mask = prefix_mask | (in_fed & anc_parent.gather(2, rel.clamp(0, fed - 1).expand(B, k, P)))
-            cache.lengths = L + fed
-            positions = (L + depth - 1)[:, None].expand(B, k)
-            new_mask = torch.eye(k, dtype=torch.bool).expand(B, k, k)
-            out = self(target, tokens, parent_feat, positions, cache, new_mask, prefix_mask)
-            slot_of_node.scatter_(1, nodes, fed + torch.arange(k).expand(B, k))
-            fed_out = torch.cat((fed_out, out), 1)
-            top = torch.cat((anc, torch.zeros(B, fed, k, dtype=torch.bool)), 2)
-            bottom = torch.cat((anc_parent, torch.eye(k, dtype=torch.bool).expand(B, k, k)), 2)
-            anc = torch.cat((top, bottom), 1)
+                parent_feat, parent_vis = root_feat[:, None, :].expand(B, k, H), committed
+            else:  # position of each parent in the previous frontier
+                pos = (parents[:, :, None] == prev["nodes"][:, None, :]).float().argmax(-1)
+                parent_feat = prev["out"].gather(1, pos[..., None].expand(B, k, H))
+                parent_vis = prev["vis"].gather(1, pos[..., None].expand(B, k, S))
+            vis = parent_vis | own_slot[:, j0:j0 + k]
+            cache.lengths = L + j0
+            rope = (cos[:, :, depth - 1:depth], sin[:, :, depth - 1:depth])
+            out = self(target, tokens, parent_feat, None, cache, None, vis, rope)
+            prev.update(nodes=nodes, out=out, vis=vis)
             return F.log_softmax(target.logits(out).float(), -1)
 
         try:
             return grow_tree(first_logp, expand, shape)
         finally:
             cache.lengths = L.clone()
+
+
+def _no_expand(tokens: torch.Tensor, nodes: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:
+    raise AssertionError("a depth-1 tree needs no expansion")

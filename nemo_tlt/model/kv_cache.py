@@ -22,6 +22,7 @@ class KVCache:
         self._buf = torch.zeros((2 * num_layers, batch, num_kv_heads, capacity, head_dim), dtype=dtype,
                                 device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self._alloc_rows = batch
         self._views()
 
     def _views(self) -> None:
@@ -38,7 +39,8 @@ class KVCache:
         return self.k[0].shape[2]
 
     def nbytes(self) -> int:
-        return self._buf.numel() * self._buf.element_size()
+        """Bytes held by the buffer (after in-place row drops, more than the live rows use)."""
+        return self._buf.untyped_storage().nbytes()
 
     def write_index(self, num_new: int) -> torch.Tensor:
         """Slots [B, T] where a forward of `num_new` tokens writes."""
@@ -72,7 +74,35 @@ class KVCache:
         self.lengths += counts
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Drop finished rows: keep only `rows` (in that order)."""
-        self._buf = self._buf.index_select(1, rows)
+        """Drop finished rows: keep only `rows` (in that order). Only committed slots
+        move (see `keep_rows`)."""
+        used = int(self.lengths.max()) if self.lengths.numel() else 0
+        self._buf, self._alloc_rows = keep_rows(self._buf, rows, used, 1, 3, self._alloc_rows)
         self.lengths = self.lengths.index_select(0, rows)
         self._views()
+
+
+def keep_rows(buf: torch.Tensor, rows: torch.Tensor, used: int, row_dim: int, slot_dim: int,
+              alloc_rows: int) -> tuple[torch.Tensor, int]:
+    """Keep `rows` of a slot-indexed batch buffer, carrying over only slots [0, used).
+
+    A row drop happens every time a sequence finishes, so its cost matters: the kept
+    rows move to the front of the same allocation (copying `used` slots, not the whole
+    capacity; nothing when they are already a prefix) and the buffer becomes a view.
+    Once the kept rows are at most half of the allocation (`alloc_rows`), they move to
+    a fresh zeroed buffer instead, so the memory held stays within 2x of what the
+    running rows need. Slots past `used` hold stale but finite values.
+    Returns (buffer, rows of its allocation)."""
+    n = rows.numel()
+    shrink = 2 * n <= alloc_rows
+    if not shrink and bool((rows == torch.arange(n, device=rows.device)).all()):
+        return buf.narrow(row_dim, 0, n), alloc_rows
+    moved = buf.narrow(slot_dim, 0, used).index_select(row_dim, rows)
+    if shrink:
+        shape = list(buf.shape)
+        shape[row_dim] = n
+        out, alloc_rows = buf.new_zeros(shape), n
+    else:
+        out = buf.narrow(row_dim, 0, n)
+    out.narrow(slot_dim, 0, used).copy_(moved)
+    return out, alloc_rows

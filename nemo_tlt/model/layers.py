@@ -1,9 +1,12 @@
 """Decoder building blocks for the Llama / Qwen2 families, named like HF's modules
 so that `state_dict()` keys are the project's canonical (HF) names.
 
-Attention takes an optional `KVCache` and a boolean mask over [cached prefix ;
-new block]; the new block's own mask is supplied by the caller (causal for a
-prompt, ancestor-or-self for a draft tree), which is all tree verification needs.
+Attention takes an optional `KVCache`. With a cache, the new block's keys and
+values are first written at their cache slots (`write_idx`), then the block attends
+over cache slots [0, S) under a boolean mask [B, 1, T, S] built once per forward by
+`cache_attention_mask`: committed slots, plus the new block's own slots as the caller
+says (causal for a prompt, ancestor-or-self for a draft tree). That is all tree
+verification needs, and nothing is concatenated per layer.
 """
 from __future__ import annotations
 
@@ -83,12 +86,10 @@ class Attention(nn.Module):
         if cache is None:
             keys, values = k, v
         else:
-            prefix = mask.shape[-1] - T
-            keys = torch.cat((cache.k[layer][:, :, :prefix], k), dim=2)
-            values = torch.cat((cache.v[layer][:, :, :prefix], v), dim=2)
             idx = write_idx[:, None, :, None].expand(B, self.num_kv_heads, T, self.head_dim)
             cache.k[layer].scatter_(2, idx, k)
             cache.v[layer].scatter_(2, idx, v)
+            keys, values = cache.k[layer][:, :, :mask.shape[-1]], cache.v[layer][:, :, :mask.shape[-1]]
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=mask is None,
             enable_gqa=self.num_heads != self.num_kv_heads,
@@ -128,10 +129,16 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def attention_mask(cache_lengths: torch.Tensor, prefix: int, new_mask: torch.Tensor) -> torch.Tensor:
-    """Boolean mask [B, 1, T, prefix + T]: slot j < prefix is visible to row b iff
-    j < cache_lengths[b]; the new block is visible as `new_mask` [B, T, T] says."""
+def cache_attention_mask(lengths: torch.Tensor, write_idx: torch.Tensor, new_mask: torch.Tensor,
+                         base: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean mask [B, T, S] over cache slots, S = max(write_idx) + 1.
+
+    Query t of row b sees slot j < lengths[b] (or, if given, where `base` [B, T, >=S]
+    says) and the new block's slot write_idx[b, t'] iff new_mask[b, t, t']."""
     B, T, _ = new_mask.shape
-    slots = torch.arange(prefix, device=new_mask.device)
-    old = (slots[None, :] < cache_lengths[:, None])[:, None, :].expand(B, T, prefix)
-    return torch.cat((old, new_mask), dim=-1)[:, None]
+    S = int(write_idx.max()) + 1
+    if base is None:
+        mask = (torch.arange(S, device=lengths.device)[None, :] < lengths[:, None])[:, None, :].repeat(1, T, 1)
+    else:
+        mask = base[..., :S].clone()
+    return mask.scatter_(2, write_idx[:, None, :].expand(B, T, T), new_mask)

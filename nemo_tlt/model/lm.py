@@ -15,7 +15,7 @@ from torch import nn
 
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.kv_cache import KVCache
-from nemo_tlt.model.layers import DecoderLayer, RMSNorm, attention_mask
+from nemo_tlt.model.layers import DecoderLayer, RMSNorm, cache_attention_mask
 from nemo_tlt.model.rope import rope_tables
 
 
@@ -64,25 +64,28 @@ class DecoderLM(nn.Module):
 
     def run_layers(self, x: torch.Tensor, layers: nn.ModuleList, positions: torch.Tensor | None,
                    cache: KVCache | None, new_mask: torch.Tensor | None,
-                   prefix_mask: torch.Tensor | None = None) -> torch.Tensor:
+                   cache_mask: torch.Tensor | None = None,
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Run `layers` over embeddings x [B, T, H]. Without a cache the block is fully
-        causal at positions 0..T-1 unless `positions`/`new_mask` say otherwise.
-        `prefix_mask` [B, T, P] replaces the default visibility of cache slots
-        (j < lengths[b]); the drafter uses it while growing a tree."""
+        causal at positions 0..T-1 unless `positions`/`new_mask` say otherwise. With a
+        cache the block is written at slots lengths[b] + t; `cache_mask` [B, T, S] (see
+        `cache_attention_mask`) replaces the default visibility, and `rope` the
+        (cos, sin) of `positions`: the drafter passes both while growing a tree."""
         B, T, _ = x.shape
-        if positions is None:
-            start = cache.lengths[:, None] if cache is not None else 0
-            positions = start + torch.arange(T, device=x.device)[None, :].expand(B, T)
-        cos, sin = self.rope(positions)
+        if rope is None:
+            if positions is None:
+                start = cache.lengths[:, None] if cache is not None else 0
+                positions = start + torch.arange(T, device=x.device)[None, :].expand(B, T)
+            rope = self.rope(positions)
+        cos, sin = rope
         mask = write_idx = None
         if cache is not None:
-            if new_mask is None:
-                new_mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, T, T)
-            if prefix_mask is None:
-                mask = attention_mask(cache.lengths, int(cache.lengths.max()), new_mask)
-            else:
-                mask = torch.cat((prefix_mask, new_mask), dim=-1)[:, None]
             write_idx = cache.write_index(T)
+            if cache_mask is None:
+                if new_mask is None:
+                    new_mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, T, T)
+                cache_mask = cache_attention_mask(cache.lengths, write_idx, new_mask)
+            mask = cache_mask[:, None]
         elif new_mask is not None:
             mask = new_mask[:, None]
         for i, layer in enumerate(layers):

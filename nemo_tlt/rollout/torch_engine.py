@@ -24,7 +24,7 @@ import torch
 
 from nemo_tlt.drafter.base import DraftContext, Drafter, DraftState
 from nemo_tlt.drafter.io import load_drafter
-from nemo_tlt.model.kv_cache import KVCache
+from nemo_tlt.model.kv_cache import KVCache, keep_rows
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout.protocol import (GenerateOutput, GenerationStats, Request, RequestResult, StepTrace)
 from nemo_tlt.speculative.acceptance import accept_greedy, accept_rejection
@@ -46,13 +46,18 @@ class _Batch:
     features: torch.Tensor      # [B, C, H]
     cache: KVCache
     draft_state: DraftState | None
+    alloc_rows: int = 0         # rows of the tokens / features allocations (see keep_rows)
 
     def kv_bytes(self) -> int:
         draft_cache = getattr(self.draft_state, "cache", None)
         return self.cache.nbytes() + (draft_cache.nbytes() if draft_cache is not None else 0)
 
     def select(self, keep: torch.Tensor) -> None:
-        for name in ("rows", "seq_ids", "prompt_len", "lengths", "num_gen", "tokens", "features"):
+        used = int(self.lengths.max())  # tokens[b, :L+1] and features[b, :L] are live
+        alloc = self.alloc_rows
+        self.tokens, _ = keep_rows(self.tokens, keep, used + 1, 0, 1, alloc)
+        self.features, self.alloc_rows = keep_rows(self.features, keep, used, 0, 1, alloc)
+        for name in ("rows", "seq_ids", "prompt_len", "lengths", "num_gen"):
             setattr(self, name, getattr(self, name).index_select(0, keep))
         self.cache.select_rows(keep)
         if self.draft_state is not None:
@@ -181,7 +186,7 @@ class TorchRolloutEngine:
         features[:, :T] = hidden
         dstate = self.drafter.init_state(B, cap) if self.drafter is not None else None
         return _Batch(torch.arange(B), seq_ids, lens.clone(), lens.clone(), torch.ones(B, dtype=torch.long),
-                      tokens, features, cache, dstate)
+                      tokens, features, cache, dstate, B)
 
     def _plain_step(self, batch: _Batch, sampling, gen, stats) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
@@ -209,7 +214,8 @@ class TorchRolloutEngine:
         t1 = time.perf_counter()
         block = block_tokens(tree, batch.tokens[b_idx, L])
         positions = tree_block_positions(tree, L)
-        hidden = self.target.hidden(block, positions, batch.cache, tree_block_mask(tree))
+        ancestors = tree_block_mask(tree)
+        hidden = self.target.hidden(block, positions, batch.cache, ancestors)
         logits = self.target.logits(hidden)
         stats.target_forwards += 1
         n = block.shape[1]
@@ -219,7 +225,7 @@ class TorchRolloutEngine:
         else:
             choice = draw(logits.flatten(0, 1), sampling, batch.seq_ids.repeat_interleave(n),
                           (positions + 1).flatten(), gen).view(B, n)
-            acc = accept_greedy(tree, choice)
+            acc = accept_greedy(tree, choice, ancestors)
         keep = acc.kept_block_offsets()
         counts = acc.num_accepted + 1
         kept_hidden = hidden.gather(1, keep[..., None].expand(-1, -1, hidden.shape[-1]))

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from nemo_tlt.speculative.tree import DraftTree
+from nemo_tlt.speculative.tree import DraftTree, tree_block_mask
 
 
 @dataclass
@@ -55,8 +55,34 @@ def _child_at(tree: DraftTree, cur: torch.Tensor, rank: int) -> tuple[torch.Tens
     return nth.any(1), nth.float().argmax(1) + 1
 
 
-def accept_greedy(tree: DraftTree, target_choice: torch.Tensor) -> Acceptance:
-    """target_choice: [B, N+1] the target's deterministic token at each block node."""
+def accept_greedy(tree: DraftTree, target_choice: torch.Tensor,
+                  ancestors: torch.Tensor | None = None) -> Acceptance:
+    """target_choice: [B, N+1] the target's deterministic token at each block node;
+    `ancestors` the tree's ancestor-or-self mask (`tree_block_mask`) if at hand.
+
+    Vectorised walk: a node *matches* if its token is its parent's choice, and lies on
+    the accepted path iff it and all its ancestors match. Siblings carry distinct
+    tokens (each parent's children are its top-k), so the path has one node per
+    depth; a tree that breaks that falls back to the step-by-step walk."""
+    B, N = tree.tokens.shape
+    depth = tree.max_depth
+    if ancestors is None:
+        ancestors = tree_block_mask(tree)
+    match = torch.cat((torch.ones(B, 1, dtype=torch.bool), tree.tokens == target_choice.gather(1, tree.parents)), 1)
+    on_path = ~(ancestors & ~match[:, None, :]).any(-1)                     # [B, N+1], root included
+    node_depth = torch.cat((torch.zeros(B, 1, dtype=torch.long), tree.depths), 1)
+    num = on_path.sum(1) - 1
+    last = torch.where(on_path, node_depth, -1).argmax(1)                  # deepest node on the path
+    if not bool((node_depth.gather(1, last[:, None]).squeeze(1) == num).all()):
+        return _accept_greedy_walk(tree, target_choice)
+    # the path's depth-d node goes to column d-1, every other node to a spare column
+    col = torch.where(on_path[:, 1:], tree.depths - 1, depth)
+    path = torch.full((B, depth + 1), -1, dtype=torch.long)
+    path.scatter_(1, col, torch.arange(1, N + 1).expand(B, N))
+    return Acceptance(path[:, :depth], num, target_choice.gather(1, last[:, None]).squeeze(1))
+
+
+def _accept_greedy_walk(tree: DraftTree, target_choice: torch.Tensor) -> Acceptance:
     B, _ = tree.tokens.shape
     depth = tree.max_depth
     cur = torch.zeros(B, dtype=torch.long)

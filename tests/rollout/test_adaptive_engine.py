@@ -62,6 +62,8 @@ def test_kv_memory_is_bounded(rollout):
     kv = [t.kv_bytes for t in out.stats.trace]
     assert kv[0] > 0
     assert all(b <= a for a, b in zip(kv, kv[1:])), "KV bytes must never grow during a rollout"
-    # finished rows give their cache back: bytes per running row stay constant
-    per_row = {t.kv_bytes // t.running for t in out.stats.trace}
-    assert len(per_row) == 1 and kv[-1] < kv[0]
+    # finished rows give their cache back: rows move in place until at most half of
+    # the allocation is live, then to a buffer of their own size (within 2x)
+    per_row0 = kv[0] / out.stats.trace[0].running
+    assert all(t.kv_bytes < 2 * per_row0 * t.running for t in out.stats.trace)
+    assert kv[-1] < kv[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_tlt.speculative.acceptance import accept_greedy
+from nemo_tlt.speculative.acceptance import _accept_greedy_walk, accept_greedy
 from nemo_tlt.speculative.tree import (DraftTree, chain_tree, grow_tree, tree_block_mask,
                                        tree_block_positions)
 from nemo_tlt.speculative.tree_shape import TreeShape
@@ -65,6 +65,35 @@ def test_greedy_walk_accepts_longest_matching_path():
     assert acc.tokens(tree)[0].tolist() == [5, 7, 9]
     assert acc.tokens(tree)[1].tolist()[:2] == [6, 2]
     assert acc.kept_block_offsets()[0].tolist() == [0, 1, 3]
+
+
+@pytest.mark.parametrize("shape", [TreeShape(1, 1, 1), TreeShape(4, 2, 8), TreeShape(6, 3, 14)])
+def test_vectorised_greedy_acceptance_equals_the_walk(shape):
+    V, B = 5, 64
+    g = torch.Generator().manual_seed(3)
+    tree = grow_tree(torch.randn(B, V, generator=g).log_softmax(-1), _random_expand(V, 2), shape)
+    # the target mostly agrees with the drafter's best child so that long paths occur
+    node_tok = torch.cat((torch.zeros(B, 1, dtype=torch.long), tree.tokens), 1)
+    first_child = torch.full((B, shape.num_verify + 1), -1, dtype=torch.long)
+    for b in range(B):
+        for n in reversed(range(shape.num_verify)):
+            first_child[b, tree.parents[b, n]] = node_tok[b, n + 1]
+    noise = torch.randint(0, V, first_child.shape, generator=g)
+    agree = torch.rand(first_child.shape, generator=g) < 0.8
+    choice = torch.where(agree & (first_child >= 0), first_child, noise)
+    fast, walk = accept_greedy(tree, choice), _accept_greedy_walk(tree, choice)
+    assert torch.equal(fast.path, walk.path) and torch.equal(fast.bonus, walk.bonus)
+    assert torch.equal(fast.num_accepted, walk.num_accepted)
+    assert int(fast.num_accepted.max()) >= min(2, shape.depth)
+
+
+def test_greedy_acceptance_with_duplicate_siblings_falls_back_to_the_walk():
+    # two children of the root carry token 5; the walk takes the first
+    tree = DraftTree(torch.tensor([[5, 5, 7]]), torch.tensor([[0, 0, 2]]), torch.tensor([[1, 1, 2]]),
+                     torch.zeros(1, 3))
+    choice = torch.tensor([[5, 1, 7, 2]])
+    acc = accept_greedy(tree, choice)
+    assert acc.path.tolist() == [[1, -1]] and acc.bonus.tolist() == [1]
 
 
 def test_chain_tree():
