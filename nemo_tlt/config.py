@@ -139,8 +139,11 @@ class RolloutBlock:
     bucket_edges: List[int] = field(default_factory=lambda: [2, 4])
     epsilon: float = 0.1
     window: int = 32
+    reward: str = "per_row"     # bandit reward: "per_row" (tokens / s / running row) or "throughput"
 
     def __post_init__(self) -> None:
+        if self.reward not in ("per_row", "throughput"):
+            raise ValueError(f"rollout.reward must be 'per_row' or 'throughput', got {self.reward!r}")
         _int("rollout.threshold_on", self.threshold_on, 1)
         _int("rollout.threshold_off", self.threshold_off, 1)
         if self.threshold_off < self.threshold_on:

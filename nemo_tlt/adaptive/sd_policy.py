@@ -64,8 +64,18 @@ class SDPolicyConfig:
     threshold_on: int = 32
     threshold_off: int = 48
     record_trace: bool = False
+    # The bandit's reward per step: "throughput" is TLT's tokens / second;
+    # "per_row" divides it by the running batch size (accepted length per second).
+    # Within one batch-size bucket the batch shrinks as rows finish, and with
+    # throughput an arm tried early (more rows) keeps a higher median than one tried
+    # later; per row, the arms compare on what they control. Where a step costs the
+    # same at every batch size of a bucket (overhead- or memory-bound decoding,
+    # where SD is on) both rank the arms alike at a fixed batch size.
+    reward: str = "per_row"
 
     def __post_init__(self) -> None:
+        if self.reward not in ("throughput", "per_row"):
+            raise ValueError(f"SDPolicyConfig.reward must be 'throughput' or 'per_row', got {self.reward!r}")
         for name in ("enabled", "record_trace"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SDPolicyConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -199,7 +209,10 @@ class AdaptiveSDPolicy(_TracedPolicy):
         # Plain steps carry no information about tree shapes; fixed shapes learn nothing.
         if shape is None or self.bandit is None:
             return
-        self.bandit.update(num_running, shape, float(tokens_generated) / float(elapsed_s))
+        reward = float(tokens_generated) / float(elapsed_s)
+        if self.config.reward == "per_row":
+            reward /= num_running
+        self.bandit.update(num_running, shape, reward)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threshold-off", type=int, default=48, help="SD turns off above this many running")
     p.add_argument("--bucket-edges", default="4,16", help="bandit batch-size bucket edges")
     p.add_argument("--epsilon", type=float, default=0.1)
+    p.add_argument("--reward", choices=["per_row", "throughput"], default="per_row",
+                   help="bandit reward: tokens/s per running row, or tokens/s")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2,
@@ -88,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     bandit = BegMab(BanditConfig(tuple(args.arm_shapes), args.edges, args.epsilon),
                     np.random.default_rng(args.seed))
     # One bandit for all rounds: it keeps learning across rollouts, as in training.
-    adaptive = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=args.threshold_on, threshold_off=args.threshold_off),
-                                bandit)
+    adaptive = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=args.threshold_on, threshold_off=args.threshold_off,
+                                               reward=args.reward), bandit)
     runs = [("longtail_plain", "plain", plain, lambda: None)]
     runs += [(f"longtail_fixed_{s.name}", f"longtail_fixed_{s.name}", sd, lambda s=s: FixedSDPolicy(s))
              for s in args.arm_shapes]

@@ -174,7 +174,8 @@ class RLWorker:
         bandit = BegMab(BanditConfig(cfg.rollout.shapes, cfg.rollout.bucket_edges, cfg.rollout.epsilon,
                                      cfg.rollout.window), np.random.default_rng([cfg.seed, rank, 0xB4]))
         self.sd_policy = AdaptiveSDPolicy(
-            SDPolicyConfig(cfg.rollout.sd_enabled, cfg.rollout.threshold_on, cfg.rollout.threshold_off), bandit)
+            SDPolicyConfig(cfg.rollout.sd_enabled, cfg.rollout.threshold_on, cfg.rollout.threshold_off,
+                           reward=cfg.rollout.reward), bandit)
         hidden = self.engine.target.config.hidden_size
         self.buffer = HarvestBuffer(HarvestConfig(hidden, max_bytes=cfg.drafter.harvest_max_mb << 20))
         self.idle_thread = ThreadPoolExecutor(1, "tlt-idle", initializer=_lower_priority, initargs=(cfg.drafter.nice,))

@@ -68,9 +68,10 @@ def test_disabled_policy_never_speculates():
     assert policy.step_counts() == {"sd_steps": 0, "plain_steps": 3}
 
 
-def test_bandit_chooses_shapes_and_observe_feeds_rewards():
+@pytest.mark.parametrize("reward, scale", [("throughput", 1.0), ("per_row", 0.5)])
+def test_bandit_chooses_shapes_and_observe_feeds_rewards(reward, scale):
     bandit = make_bandit(epsilon=0.0)
-    policy = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=32, threshold_off=48), bandit=bandit)
+    policy = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=32, threshold_off=48, reward=reward), bandit=bandit)
     assert policy.choose(64) is None
     policy.observe(64, None, 64, 0.5)  # plain steps teach the bandit nothing
     assert all(sum(s.pulls) == 0 for s in bandit.stats())
@@ -81,9 +82,24 @@ def test_bandit_chooses_shapes_and_observe_feeds_rewards():
         assert shape == expected
         policy.observe(2, shape, tokens[shape], 0.1)
     stats = bandit.bucket_stats(bandit.bucket_of(2))
-    assert stats.medians == pytest.approx((300.0, 600.0, 100.0))  # tokens / elapsed_s
+    # tokens / elapsed_s, per running row (2 here) for "per_row"
+    assert stats.medians == pytest.approx(tuple(scale * r for r in (300.0, 600.0, 100.0)))
     assert policy.choose(2) == ARMS[1]
     assert policy.choose(10) == ARMS[0]  # another bucket, untried
+
+
+def test_per_row_reward_compares_arms_tried_at_different_batch_sizes_of_a_bucket():
+    # In one bucket, arm 0 ran while 7 rows were left (3 tokens a row), arm 1 at 4 rows
+    # (4 tokens a row), at the same step time: arm 1 is the better tree.
+    picks = {}
+    for reward in ("throughput", "per_row"):
+        bandit = BegMab(BanditConfig(ARMS[:2], (4, 8), epsilon=0.0), np.random.default_rng(0))
+        policy = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=8, threshold_off=8, reward=reward), bandit=bandit)
+        for rows, per_row in ((7, 3), (4, 4)):
+            shape = policy.choose(rows)
+            policy.observe(rows, shape, rows * per_row, 0.1)
+        picks[reward] = policy.choose(4)
+    assert picks == {"throughput": ARMS[0], "per_row": ARMS[1]}
 
 
 def test_observe_rejects_bad_outcomes():
@@ -145,6 +161,7 @@ def test_trace_is_recorded_only_when_asked_and_drains():
         (dict(threshold_off=2.5), "threshold_off"),
         (dict(enabled=1), "enabled"),
         (dict(record_trace="yes"), "record_trace"),
+        (dict(reward="tokens"), "reward"),
     ],
 )
 def test_config_validation(kwargs, match):
