@@ -139,6 +139,7 @@ class RolloutBlock:
     bucket_edges: List[int] = field(default_factory=lambda: [2, 4])
     epsilon: float = 0.1
     window: int = 32
+    min_pulls: int = 1          # pulls of every arm per bucket before the bandit exploits
     reward: str = "per_row"     # bandit reward: "per_row" (tokens / s / running row) or "throughput"
 
     def __post_init__(self) -> None:
@@ -151,6 +152,9 @@ class RolloutBlock:
                              f"{self.threshold_on} (SD turns on at <= threshold_on, off at > threshold_off)")
         _float("rollout.epsilon", self.epsilon, 0.0, 1.0)
         _int("rollout.window", self.window, 1)
+        _int("rollout.min_pulls", self.min_pulls, 1)
+        if self.min_pulls > self.window:
+            raise ValueError(f"rollout.min_pulls={self.min_pulls} must be <= rollout.window={self.window}")
         object.__setattr__(self, "arms", tuple(self.arms))
         object.__setattr__(self, "bucket_edges", tuple(self.bucket_edges))
         if not self.arms:

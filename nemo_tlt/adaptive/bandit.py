@@ -16,9 +16,12 @@ Contract
   greedy choice is the arm with the best window *median*, which shrugs off the
   occasional slow step (a page fault, a preemption) and tracks a drafter whose
   acceptance changes as it is retrained.
-* :meth:`BegMab.select` tries every untried arm of the bucket first (in arm
-  order), then explores uniformly with probability ``epsilon``, else exploits
-  (ties go to the lowest arm index). All randomness comes from the
+* :meth:`BegMab.select` first pulls every arm of the bucket ``min_pulls`` times
+  (the least-pulled arm next, ties to the lowest index; with the default of 1:
+  every untried arm, in arm order), then explores uniformly with probability
+  ``epsilon``, else exploits (ties go to the lowest arm index). One decode step's
+  reward is noisy (at batch 1 the accepted length of a single tree), so a median
+  of one pull can bury a good arm; a few pulls each make the first ranking sound. All randomness comes from the
   ``numpy.random.Generator`` passed in; ``state_dict`` captures it so a restored
   bandit makes exactly the same future choices.
 """
@@ -45,6 +48,7 @@ class BanditConfig:
     bucket_edges: tuple[int, ...]
     epsilon: float = 0.1
     window: int = 32
+    min_pulls: int = 1
 
     def __post_init__(self) -> None:
         # Normalise lists (e.g. from OmegaConf) to tuples so the config stays hashable.
@@ -58,6 +62,9 @@ class BanditConfig:
         object.__setattr__(self, "epsilon", float(eps))
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"BanditConfig.window must be an int >= 1, got {self.window!r}")
+        mp = self.min_pulls
+        if isinstance(mp, bool) or not isinstance(mp, int) or not 1 <= mp <= self.window:
+            raise ValueError(f"BanditConfig.min_pulls must be an int in [1, window={self.window}], got {mp!r}")
 
     def _validate_arms(self) -> None:
         if not self.arms:
@@ -118,6 +125,7 @@ class BanditConfig:
         bucket_edges: Sequence[int],
         epsilon: float = 0.1,
         window: int = 32,
+        min_pulls: int = 1,
     ) -> "BanditConfig":
         """Build from fastrl-style arm strings such as ``["8_4_32", "6_2_16"]``."""
         if isinstance(arms, str):
@@ -126,7 +134,8 @@ class BanditConfig:
                 f"got the string {arms!r}"
             )
         shapes = tuple(TreeShape.parse(text, field=f"BanditConfig.arms[{i}]") for i, text in enumerate(arms))
-        return cls(arms=shapes, bucket_edges=tuple(bucket_edges), epsilon=epsilon, window=window)
+        return cls(arms=shapes, bucket_edges=tuple(bucket_edges), epsilon=epsilon, window=window,
+                   min_pulls=min_pulls)
 
 
 @dataclass(frozen=True)
@@ -189,9 +198,9 @@ class BegMab:
         """The arm to use for a step decoding ``batch_size`` sequences."""
         bucket = self.bucket_of(batch_size)
         pulls = self._pulls[bucket]
-        for i, count in enumerate(pulls):
-            if count == 0:
-                return self.config.arms[i]
+        fewest = min(range(len(pulls)), key=lambda i: (pulls[i], i))
+        if pulls[fewest] < self.config.min_pulls:
+            return self.config.arms[fewest]
         # Draw the exploration coin even when epsilon is 0 or 1, so the random
         # stream (and thus restore-equivalence) never depends on epsilon's value.
         if self._rng.random() < self.config.epsilon:

@@ -40,8 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma-separated depth_topk_numverify")
     p.add_argument("--threshold-on", type=int, default=32, help="SD turns on at <= this many running")
     p.add_argument("--threshold-off", type=int, default=48, help="SD turns off above this many running")
-    p.add_argument("--bucket-edges", default="4,16", help="bandit batch-size bucket edges")
+    p.add_argument("--bucket-edges", default="2,4,8,16", help="bandit batch-size bucket edges")
     p.add_argument("--epsilon", type=float, default=0.1)
+    p.add_argument("--min-pulls", type=int, default=3, help="pulls of every arm per bucket before exploiting")
     p.add_argument("--reward", choices=["per_row", "throughput"], default="per_row",
                    help="bandit reward: tokens/s per running row, or tokens/s")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                         seed=args.seed)
     plain, sd = TorchRolloutEngine(target), TorchRolloutEngine(target, drafter)
     sd.generate(reqs[:2], sp, policy=FixedSDPolicy(args.arm_shapes[0]))  # warm-up
-    bandit = BegMab(BanditConfig(tuple(args.arm_shapes), args.edges, args.epsilon),
+    bandit = BegMab(BanditConfig(tuple(args.arm_shapes), args.edges, args.epsilon, min_pulls=args.min_pulls),
                     np.random.default_rng(args.seed))
     # One bandit for all rounds: it keeps learning across rollouts, as in training.
     adaptive = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=args.threshold_on, threshold_off=args.threshold_off,

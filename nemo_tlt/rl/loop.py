@@ -172,7 +172,8 @@ class RLWorker:
         drafter = load_drafter(self.spec.drafter_dir, self.engine.target)
         self.engine.load_drafter(drafter)
         bandit = BegMab(BanditConfig(cfg.rollout.shapes, cfg.rollout.bucket_edges, cfg.rollout.epsilon,
-                                     cfg.rollout.window), np.random.default_rng([cfg.seed, rank, 0xB4]))
+                                     cfg.rollout.window, cfg.rollout.min_pulls),
+                        np.random.default_rng([cfg.seed, rank, 0xB4]))
         self.sd_policy = AdaptiveSDPolicy(
             SDPolicyConfig(cfg.rollout.sd_enabled, cfg.rollout.threshold_on, cfg.rollout.threshold_off,
                            reward=cfg.rollout.reward), bandit)

@@ -130,6 +130,27 @@ def test_untried_arms_first_in_order_even_when_always_exploring():
     assert bandit.select(10) == ARMS[0]
 
 
+def test_min_pulls_round_robins_before_exploiting():
+    config = BanditConfig(arms=ARMS, bucket_edges=EDGES, epsilon=0.0, min_pulls=3)
+    bandit = BegMab(config, np.random.default_rng(0))
+    reward = {arm: float(i + 1) for i, arm in enumerate(ARMS)}
+    reward[ARMS[0]] = 10.0
+    picks = []
+    for _ in range(3 * len(ARMS)):
+        arm = bandit.select(2)
+        picks.append(arm)
+        # arm 0's first pull is unlucky; with one pull it would never be chosen again
+        bandit.update(2, arm, 0.1 if len(picks) == 1 else reward[arm])
+    assert picks == list(ARMS) * 3
+    assert bandit.select(2) == ARMS[0]   # median of (0.1, 10, 10)
+
+
+@pytest.mark.parametrize("value", [0, -1, 33, 2.0, True])
+def test_bad_min_pulls_rejected(value):
+    with pytest.raises(ValueError, match="min_pulls"):
+        BanditConfig(arms=ARMS, bucket_edges=EDGES, window=32, min_pulls=value)
+
+
 def test_exploration_rate_matches_epsilon():
     bandit = make_bandit(seed=3, epsilon=0.4)
     for i, arm in enumerate(ARMS):
