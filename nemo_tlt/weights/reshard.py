@@ -105,6 +105,33 @@ def _canonical_layer_shapes(cfg: LMConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# Process groups of the movers, made once per world and reused by every later call
+# (the RL loop reshards after every step; gloo groups hold sockets and threads).
+# new_group is collective: every rank asks for the same member lists in the same
+# order, so every rank hits or misses alike. The default group is kept with them: a
+# re-initialised world gets new groups.
+_GROUPS: dict[tuple[int, ...], object] = {}
+_GROUPS_WORLD: list = [None]
+_GROUPS_MADE = [0]
+
+
+def _group(members: list[int]):
+    world = dist.group.WORLD
+    if _GROUPS_WORLD[0] is not world:
+        _GROUPS.clear()
+        _GROUPS_WORLD[0] = world
+    key = tuple(members)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(members)
+        _GROUPS_MADE[0] += 1
+    return _GROUPS[key]
+
+
+def groups_created() -> int:
+    """How many mover process groups this process has created (for tests and logs)."""
+    return _GROUPS_MADE[0]
+
+
 class _Mover:
     """Broadcasts one (pp, tp) tensor from its owner to the receivers, counting bytes."""
 
@@ -115,12 +142,11 @@ class _Mover:
         world = dist.get_world_size()
         self.receivers = plan.receivers or tuple(range(world))
         self.shapes = megatron_shard_shapes(plan.cfg, plan.layout)
-        # One group per pipeline stage: its senders plus all receivers; every rank creates every
-        # group in the same order because new_group is collective.
+        # One group per pipeline stage: its senders plus all receivers (see _group).
         self.groups = {}
         for p in range(plan.layout.pp):
             members = sorted({self.owner[(p, t)] for t in range(plan.layout.tp)} | set(self.receivers))
-            self.groups[p] = (members, dist.new_group(members))
+            self.groups[p] = (members, _group(members))
 
     @property
     def receiving(self) -> bool:

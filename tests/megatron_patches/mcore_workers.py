@@ -54,7 +54,7 @@ def run_case(case: Case, tokens: torch.Tensor, world: int) -> dict | None:
     from megatron_patches.hidden_capture import HiddenCapture
     from megatron_patches.pipeline_forward import forward_logits
     from nemo_tlt.weights.megatron_live import gather_canonical, local_shard, rank_coords
-    from nemo_tlt.weights.reshard import ReshardPlan, gather_reshard, stream_reshard
+    from nemo_tlt.weights.reshard import ReshardPlan, gather_reshard, groups_created, stream_reshard
 
     init_model_parallel(case.layout.tp, case.layout.pp, seed=1234)
     model = build_gpt_model(case.cfg, case.layout)
@@ -69,6 +69,11 @@ def run_case(case: Case, tokens: torch.Tensor, world: int) -> dict | None:
     for rtp in case.rollout_tps:
         plan = ReshardPlan(case.cfg, case.layout, rtp)
         streamed = stream_reshard(local_shard(model), plan)
+        groups = groups_created()
+        again = stream_reshard(local_shard(model), plan)  # as after every RL step: no new groups
+        assert groups_created() == groups and (streamed is None) == (again is None)
+        if streamed is not None:
+            assert all(torch.equal(streamed[k], again[k]) for k in streamed)
         gathered = gather_reshard(local_shard(model), ReshardPlan(case.cfg, case.layout, rtp))
         reshard[rtp] = _to_rank0((streamed, gathered), world)
     box = _to_rank0((logits, captured, active), world)
