@@ -16,37 +16,19 @@ Contract
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.rl.tasks import TASK_NAMES, TaskConfig
 from nemo_tlt.speculative.sampling import MODES
 from nemo_tlt.speculative.tree_shape import TreeShape
 
 START_METHODS = ("spawn", "fork", "forkserver")
-
-
-def _int(key: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{key} must be an int, got {value!r}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{key} must be {bounds}, got {value!r}")
-
-
-def _float(key: str, value: Any, lo: float | None = None, hi: float | None = None,
-           lo_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{key} must be a number, got {value!r}")
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        raise ValueError(f"{key} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
-    if hi is not None and value > hi:
-        raise ValueError(f"{key} must be <= {hi}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -108,19 +90,19 @@ class GRPOBlock:
     micro_batch: int = 4  # sequences per log-prob / update forward (length-sorted)
 
     def __post_init__(self) -> None:
-        _int("grpo.group_size", self.group_size, 1)
-        _int("grpo.prompts_per_step", self.prompts_per_step, 1)
-        _int("grpo.max_new_tokens", self.max_new_tokens, 1)
-        _int("grpo.micro_batch", self.micro_batch, 1)
-        _float("grpo.lr", self.lr, 0.0, lo_open=True)
-        _float("grpo.weight_decay", self.weight_decay, 0.0)
-        _float("grpo.grad_clip", self.grad_clip, 0.0)
-        _float("grpo.clip_eps", self.clip_eps, 0.0, lo_open=True)
+        check_int("grpo.group_size", self.group_size, 1)
+        check_int("grpo.prompts_per_step", self.prompts_per_step, 1)
+        check_int("grpo.max_new_tokens", self.max_new_tokens, 1)
+        check_int("grpo.micro_batch", self.micro_batch, 1)
+        check_float("grpo.lr", self.lr, 0.0, lo_open=True)
+        check_float("grpo.weight_decay", self.weight_decay, 0.0)
+        check_float("grpo.grad_clip", self.grad_clip, 0.0)
+        check_float("grpo.clip_eps", self.clip_eps, 0.0, lo_open=True)
         if self.clip_eps >= 1.0:
             raise ValueError(f"grpo.clip_eps must be in (0, 1), got {self.clip_eps!r}")
-        _float("grpo.kl_coef", self.kl_coef, 0.0)
-        _float("grpo.temperature", self.temperature, 0.0, lo_open=True)
-        _float("grpo.format_bonus", self.format_bonus, 0.0)
+        check_float("grpo.kl_coef", self.kl_coef, 0.0)
+        check_float("grpo.temperature", self.temperature, 0.0, lo_open=True)
+        check_float("grpo.format_bonus", self.format_bonus, 0.0)
         if self.format_bonus >= 1.0:
             raise ValueError(f"grpo.format_bonus must be in [0, 1), got {self.format_bonus!r}")
         if self.acceptance not in MODES:
@@ -145,14 +127,14 @@ class RolloutBlock:
     def __post_init__(self) -> None:
         if self.reward not in ("per_row", "throughput"):
             raise ValueError(f"rollout.reward must be 'per_row' or 'throughput', got {self.reward!r}")
-        _int("rollout.threshold_on", self.threshold_on, 1)
-        _int("rollout.threshold_off", self.threshold_off, 1)
+        check_int("rollout.threshold_on", self.threshold_on, 1)
+        check_int("rollout.threshold_off", self.threshold_off, 1)
         if self.threshold_off < self.threshold_on:
             raise ValueError(f"rollout.threshold_off={self.threshold_off} must be >= rollout.threshold_on="
                              f"{self.threshold_on} (SD turns on at <= threshold_on, off at > threshold_off)")
-        _float("rollout.epsilon", self.epsilon, 0.0, 1.0)
-        _int("rollout.window", self.window, 1)
-        _int("rollout.min_pulls", self.min_pulls, 1)
+        check_float("rollout.epsilon", self.epsilon, 0.0, 1.0)
+        check_int("rollout.window", self.window, 1)
+        check_int("rollout.min_pulls", self.min_pulls, 1)
         if self.min_pulls > self.window:
             raise ValueError(f"rollout.min_pulls={self.min_pulls} must be <= rollout.window={self.window}")
         object.__setattr__(self, "arms", tuple(self.arms))
@@ -166,7 +148,7 @@ class RolloutBlock:
                                  "number; quote each arm, e.g. arms: ['4_2_8', '6_2_12']")
         self.shapes  # parse now: a malformed arm fails at load time, naming its index
         for i, edge in enumerate(self.bucket_edges):
-            _int(f"rollout.bucket_edges[{i}]", edge, 2)
+            check_int(f"rollout.bucket_edges[{i}]", edge, 2)
 
     @property
     def shapes(self) -> tuple[TreeShape, ...]:
@@ -189,14 +171,14 @@ class DrafterBlock:
     nice: int = 19
 
     def __post_init__(self) -> None:
-        _int("drafter.min_idle_workers", self.min_idle_workers, 1)
-        _int("drafter.nice", self.nice, 0, 19)
-        _float("drafter.lr", self.lr, 0.0, lo_open=True)
-        _int("drafter.warmup_steps", self.warmup_steps, 0)
-        _int("drafter.micro_batch", self.micro_batch, 1)
+        check_int("drafter.min_idle_workers", self.min_idle_workers, 1)
+        check_int("drafter.nice", self.nice, 0, 19)
+        check_float("drafter.lr", self.lr, 0.0, lo_open=True)
+        check_int("drafter.warmup_steps", self.warmup_steps, 0)
+        check_int("drafter.micro_batch", self.micro_batch, 1)
         if self.max_steps_per_idle is not None:
-            _int("drafter.max_steps_per_idle", self.max_steps_per_idle, 1)
-        _int("drafter.harvest_max_mb", self.harvest_max_mb, 1)
+            check_int("drafter.max_steps_per_idle", self.max_steps_per_idle, 1)
+        check_int("drafter.harvest_max_mb", self.harvest_max_mb, 1)
 
 
 @dataclass(frozen=True)
@@ -209,11 +191,11 @@ class WorkersBlock:
     timeout_s: float = 900.0  # longest a worker waits for the others before failing loudly
 
     def __post_init__(self) -> None:
-        _int("workers.num_workers", self.num_workers, 1)
-        _int("workers.threads_per_worker", self.threads_per_worker, 1)
+        check_int("workers.num_workers", self.num_workers, 1)
+        check_int("workers.threads_per_worker", self.threads_per_worker, 1)
         if self.start_method not in START_METHODS:
             raise ValueError(f"workers.start_method must be one of {list(START_METHODS)}, got {self.start_method!r}")
-        _float("workers.timeout_s", self.timeout_s, 0.0, lo_open=True)
+        check_float("workers.timeout_s", self.timeout_s, 0.0, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -225,8 +207,8 @@ class CheckpointBlock:
     def __post_init__(self) -> None:
         if not self.dir:
             raise ValueError("checkpoint.dir must not be empty")
-        _int("checkpoint.keep_last", self.keep_last, 1)
-        _int("checkpoint.every", self.every, 1)
+        check_int("checkpoint.keep_last", self.keep_last, 1)
+        check_int("checkpoint.every", self.every, 1)
 
 
 @dataclass(frozen=True)
@@ -244,8 +226,8 @@ class PolicyBlock:
     def __post_init__(self) -> None:
         if self.backend not in ("torch", "megatron"):
             raise ValueError(f"policy.backend must be 'torch' or 'megatron', got {self.backend!r}")
-        _int("policy.tensor_parallel", self.tensor_parallel, 1)
-        _int("policy.pipeline_parallel", self.pipeline_parallel, 1)
+        check_int("policy.tensor_parallel", self.tensor_parallel, 1)
+        check_int("policy.pipeline_parallel", self.pipeline_parallel, 1)
         if self.backend == "torch" and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
             raise ValueError(f"policy.tensor_parallel / pipeline_parallel > 1 need policy.backend=megatron, "
                              f"got backend {self.backend!r}")
@@ -277,8 +259,8 @@ class TLTConfig:
                                  f"policy.tensor_parallel x policy.pipeline_parallel = {mp}")
         if not self.run_dir:
             raise ValueError("run_dir must not be empty")
-        _int("seed", self.seed, 0, 2**31 - 1)
-        _int("steps", self.steps, 1)
+        check_int("seed", self.seed, 0, 2**31 - 1)
+        check_int("steps", self.steps, 1)
         if self.drafter.min_idle_workers > self.workers.num_workers:
             raise ValueError(f"drafter.min_idle_workers={self.drafter.min_idle_workers} exceeds "
                              f"workers.num_workers={self.workers.num_workers}")

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.drafter.data import DrafterSample, EagleBatch, pad_eagle_batch
 from nemo_tlt.drafter.eagle import EagleDrafter
 from nemo_tlt.drafter.loss import eagle_loss, medusa_loss
@@ -35,13 +36,12 @@ class DrafterTrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DrafterTrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"DrafterTrainConfig.lr must be > 0, got {self.lr}")
-        for name in ("weight_decay", "warmup_steps", "grad_clip", "feature_noise", "reg_weight", "ce_weight"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"DrafterTrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+            check_int(f"DrafterTrainConfig.{name}", getattr(self, name), 1)
+        check_int("DrafterTrainConfig.warmup_steps", self.warmup_steps, 0)
+        check_int("DrafterTrainConfig.seed", self.seed)
+        check_float("DrafterTrainConfig.lr", self.lr, 0, lo_open=True)
+        for name in ("weight_decay", "grad_clip", "feature_noise", "reg_weight", "ce_weight"):
+            check_float(f"DrafterTrainConfig.{name}", getattr(self, name), 0)
 
 
 def drafter_loss(drafter: nn.Module, target: DecoderLM, batch: EagleBatch, reg_weight: float = 1.0,

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rl.grpo import clipped_pg_loss, kl_penalty, token_logprobs
 
@@ -43,17 +44,12 @@ class PolicyConfig:
     betas: tuple[float, float] = (0.9, 0.99)
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"PolicyConfig.lr must be > 0, got {self.lr!r}")
+        check_float("PolicyConfig.lr", self.lr, 0, lo_open=True)
         for name in ("weight_decay", "grad_clip", "kl_coef"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"PolicyConfig.{name} must be >= 0, got {getattr(self, name)!r}")
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"PolicyConfig.clip_eps must be in (0, 1), got {self.clip_eps!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"PolicyConfig.temperature must be > 0, got {self.temperature!r}")
-        if self.micro_batch < 1:
-            raise ValueError(f"PolicyConfig.micro_batch must be >= 1, got {self.micro_batch!r}")
+            check_float(f"PolicyConfig.{name}", getattr(self, name), 0)
+        check_float("PolicyConfig.clip_eps", self.clip_eps, 0, 1, lo_open=True, hi_open=True)
+        check_float("PolicyConfig.temperature", self.temperature, 0, lo_open=True)
+        check_int("PolicyConfig.micro_batch", self.micro_batch, 1)
 
 
 @dataclass

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.optim import warmup_cosine_lr
 from nemo_tlt.model.hf_io import save_hf_folder
@@ -64,25 +65,15 @@ class SFTConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "micro_batch_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"SFTConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps <= self.steps:
-            raise ValueError(f"SFTConfig.warmup_steps must be an int in [0, steps={self.steps}], "
-                             f"got {self.warmup_steps!r}")
-        if not self.lr > 0:
-            raise ValueError(f"SFTConfig.lr must be > 0, got {self.lr!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"SFTConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if self.weight_decay < 0:
-            raise ValueError(f"SFTConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
-        if not self.grad_clip > 0:
-            raise ValueError(f"SFTConfig.grad_clip must be > 0, got {self.grad_clip!r}")
+            check_int(f"SFTConfig.{name}", getattr(self, name), 1)
+        check_int("SFTConfig.warmup_steps", self.warmup_steps, 0, self.steps)
+        check_float("SFTConfig.lr", self.lr, 0, lo_open=True)
+        check_float("SFTConfig.min_lr_ratio", self.min_lr_ratio, 0, 1)
+        check_float("SFTConfig.weight_decay", self.weight_decay, 0)
+        check_float("SFTConfig.grad_clip", self.grad_clip, 0, lo_open=True)
         for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"SFTConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"SFTConfig.seed must be an int, got {self.seed!r}")
+            check_float(f"SFTConfig.{name}", getattr(self, name), 0, 1, hi_open=True)
+        check_int("SFTConfig.seed", self.seed)
 
 
 def lr_at(step: int, config: SFTConfig) -> float:
