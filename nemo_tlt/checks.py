@@ -12,7 +12,7 @@ from typing import Any
 
 def check_int(key: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
     """An int in [lo, hi] (either bound optional)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{key} must be an int, got {value!r}")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         bounds = f">= {lo}" if hi is None else (f"<= {hi}" if lo is None else f"in [{lo}, {hi}]")

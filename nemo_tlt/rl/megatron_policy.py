@@ -41,6 +41,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from nemo_tlt.checks import check_int
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.rl.grpo import clipped_pg_loss, kl_penalty
 from nemo_tlt.rl.policy import MicroBatch, PolicyConfig, Sequence2, _padded, _scatter, micro_batches
@@ -70,9 +71,7 @@ class MegatronPolicyConfig:
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "make_vocab_size_divisible_by"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"MegatronPolicyConfig.{name} must be a positive int, got {value!r}")
+            check_int(f"MegatronPolicyConfig.{name}", getattr(self, name), 1)
         if self.dtype not in _DTYPES:
             raise ValueError(f"MegatronPolicyConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.drafter.data import DrafterSample
 
 _STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -60,15 +61,10 @@ class HarvestConfig:
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "max_bytes", "keep_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"HarvestConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.min_length, int) or isinstance(self.min_length, bool) or self.min_length < 2:
-            raise ValueError(f"HarvestConfig.min_length must be an int >= 2, got {self.min_length!r}")
-        if not isinstance(self.topk, int) or isinstance(self.topk, bool) or self.topk < 0:
-            raise ValueError(f"HarvestConfig.topk must be an int >= 0, got {self.topk!r}")
-        if not (0.0 < float(self.recency_decay) <= 1.0):
-            raise ValueError(f"HarvestConfig.recency_decay must be in (0, 1], got {self.recency_decay!r}")
+            check_int(f"HarvestConfig.{name}", getattr(self, name), 1)
+        check_int("HarvestConfig.min_length", self.min_length, 2)
+        check_int("HarvestConfig.topk", self.topk, 0)
+        check_float("HarvestConfig.recency_decay", self.recency_decay, 0, 1, lo_open=True)
         if self.hidden_dtype not in _STORAGE_DTYPES:
             raise ValueError(
                 f"HarvestConfig.hidden_dtype must be one of {sorted(_STORAGE_DTYPES)}, got {self.hidden_dtype!r}"

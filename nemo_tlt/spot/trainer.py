@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.optim import warmup_cosine_lr
 from nemo_tlt.spot.averaging import AverageStats, average_replicas
 from nemo_tlt.spot.coordinator import WorkerCoordinator, WorkerState, idle_utilization
@@ -63,20 +64,14 @@ class SpotTrainerConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"SpotTrainerConfig.lr must be > 0, got {self.lr!r}")
+        check_float("SpotTrainerConfig.lr", self.lr, 0, lo_open=True)
         for name in ("weight_decay", "grad_clip", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"SpotTrainerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+            check_float(f"SpotTrainerConfig.{name}", getattr(self, name), 0)
         for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"SpotTrainerConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"SpotTrainerConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+            check_float(f"SpotTrainerConfig.{name}", getattr(self, name), 0, 1, hi_open=True)
+        check_float("SpotTrainerConfig.min_lr_ratio", self.min_lr_ratio, 0, 1)
         for name in ("total_steps", "batch_size", "grad_accum"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"SpotTrainerConfig.{name} must be a positive int, got {value!r}")
+            check_int(f"SpotTrainerConfig.{name}", getattr(self, name), 1)
         if self.max_steps_per_round is not None and self.max_steps_per_round < 1:
             raise ValueError(
                 f"SpotTrainerConfig.max_steps_per_round must be None or >= 1, got {self.max_steps_per_round!r}"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nemo_tlt.checks import check_int
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -22,9 +24,7 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "make_vocab_size_divisible_by"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ParallelLayout.{name} must be a positive int, got {value!r}")
+            check_int(f"ParallelLayout.{name}", getattr(self, name), 1)
         for name in ("num_layers_in_first_stage", "num_layers_in_last_stage"):
             value = getattr(self, name)
             if value is not None:
