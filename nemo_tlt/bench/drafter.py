@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import multiprocessing as mp
-import socket
 import statistics
 import tempfile
 import threading
@@ -48,7 +47,7 @@ from nemo_tlt.drafter.train import drafter_loss
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.spot.checkpoint import CheckpointManager
-from nemo_tlt.spot.coordinator import WorkerCoordinator
+from nemo_tlt.spot.coordinator import WorkerCoordinator, free_port
 from nemo_tlt.spot.harvest import HarvestBuffer, HarvestConfig, HarvestSample
 from nemo_tlt.spot.trainer import SpotTrainer, SpotTrainerConfig, train_while_idle
 
@@ -242,14 +241,8 @@ def bench_checkpoint(cfg: BenchConfig, target: DecoderLM, pool: list[DrafterSamp
 
 # ------------------------------------------------------------- (c) preemption
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def bench_preemption(cfg: BenchConfig, target: DecoderLM, pool: list[DrafterSample]) -> dict[str, Any]:
-    store = dist.TCPStore("127.0.0.1", _free_port(), 1, True, datetime.timedelta(seconds=60),
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, datetime.timedelta(seconds=60),
                           wait_for_workers=False)
     worker = WorkerCoordinator(store, 0, 2, prefix="bench/preempt", timeout_s=60)
     rl_loop = WorkerCoordinator(store, 1, 2, prefix="bench/preempt", timeout_s=60)  # stays BUSY
@@ -353,7 +346,7 @@ def bench_idle(cfg: BenchConfig) -> dict[str, Any]:
     # Building the first optimizer imports parts of torch lazily (seconds): pay it once
     # here so the forked workers inherit it instead of each paying it.
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_idle_worker, args=(r, port, cfg, durations, results), daemon=True)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime
 import queue
 import signal
-import socket
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -31,6 +30,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from nemo_tlt.spot.coordinator import free_port
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -112,12 +113,6 @@ class Comm:
 RunFn = Callable[[Any, Comm, StopFlag, Callable | None], dict]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _worker_entry(rank: int, world: int, port: int, spec: Any, run: RunFn, on_step: Callable | None,
                   results: Any, stop_event: Any) -> None:
     flag = StopFlag(stop_event).install()
@@ -149,7 +144,7 @@ def launch(spec: Any, run: RunFn, on_step: Callable | None = None) -> dict:
             flag.restore()
     ctx = mp.get_context(spec.config.workers.start_method)
     results, stop_event = ctx.Queue(), ctx.Event()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker_entry, args=(r, world, port, spec, run, on_step, results, stop_event),
                          name=f"tlt-worker-{r}") for r in range(world)]
     forwarded = _forward_signals(stop_event)

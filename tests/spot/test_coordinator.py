@@ -6,7 +6,6 @@ test runs three forked workers over a real TCPStore.
 from __future__ import annotations
 
 import datetime
-import socket
 import threading
 import time
 
@@ -19,6 +18,7 @@ from nemo_tlt.spot.coordinator import (
     TimelineEvent,
     WorkerCoordinator,
     WorkerState,
+    free_port,
     idle_utilization,
     state_durations,
 )
@@ -229,15 +229,9 @@ def _worker_body(rank: int, world_size: int, port: int) -> tuple:
     return rank, steps, trained_step1, [(e.rank, e.state.value, e.time) for e in timelines]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_multiprocess_tcpstore_staggered_idle_train_preempt_meet():
     world_size = 3
-    port = _free_port()
+    port = free_port()
     # fork: no re-import of torch per worker (seconds each on a loaded machine). The
     # store server starts only after the fork, so no server thread is forked; the
     # clients retry their connection until it is up.

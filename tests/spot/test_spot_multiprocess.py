@@ -5,14 +5,13 @@ which everyone finishes at once, and a rank that never trains, do not deadlock."
 from __future__ import annotations
 
 import datetime
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nemo_tlt.spot.coordinator import WorkerCoordinator
+from nemo_tlt.spot.coordinator import WorkerCoordinator, free_port
 from nemo_tlt.spot.trainer import SpotTrainer, SpotTrainerConfig, train_while_idle
 
 from ._toys import regression_loss, toy_buffer, toy_model
@@ -89,14 +88,8 @@ def _flat_moments(trainer: SpotTrainer) -> torch.Tensor:
     return torch.cat([state[p][k].reshape(-1) for p in trainer.params for k in ("exp_avg", "exp_avg_sq")])
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_idle_workers_train_get_preempted_and_end_with_identical_averaged_weights():
-    port = _free_port()
+    port = free_port()
     # Building an optimizer imports torch._dynamo lazily (seconds); do it once here so
     # the forked workers inherit it instead of each paying for it.
     torch.optim.AdamW(toy_model().parameters())
