@@ -42,6 +42,18 @@ class KVCache:
         """Bytes held by the buffer (after in-place row drops, more than the live rows use)."""
         return self._buf.untyped_storage().nbytes()
 
+    def row_range(self, start: int, stop: int) -> "KVCache":
+        """A cache over rows [start, stop) that shares this one's buffer and lengths (a
+        view: writes and `advance` show through), e.g. to prefill a batch in chunks."""
+        if not 0 <= start < stop <= self.batch:
+            raise ValueError(f"KVCache.row_range: [{start}, {stop}) is not a row range of a batch of {self.batch}")
+        view = KVCache.__new__(KVCache)
+        view._buf = self._buf.narrow(1, start, stop - start)
+        view.lengths = self.lengths[start:stop]
+        view._alloc_rows = stop - start
+        view._views()
+        return view
+
     def write_index(self, num_new: int) -> torch.Tensor:
         """Slots [B, T] where a forward of `num_new` tokens writes."""
         idx = self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)
@@ -74,35 +86,49 @@ class KVCache:
         self.lengths += counts
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Drop finished rows: keep only `rows` (in that order). Only committed slots
-        move (see `keep_rows`)."""
+        """Drop finished rows: keep only `rows` (in that order). Only committed slots of
+        rows that change position move (see `keep_rows`)."""
         used = int(self.lengths.max()) if self.lengths.numel() else 0
         self._buf, self._alloc_rows = keep_rows(self._buf, rows, used, 1, 3, self._alloc_rows)
         self.lengths = self.lengths.index_select(0, rows)
         self._views()
 
 
+def fill_holes_order(alive: torch.Tensor) -> torch.Tensor:
+    """Row order after dropping the rows where `alive` [B] is False, moving as few as
+    possible: the n live rows end up at positions 0..n-1, a live row already there stays
+    put, and each hole is filled by a live row from past position n (last first).
+    Returns the old row index of every new position, [n] long."""
+    n = int(alive.sum())
+    order = torch.arange(alive.numel(), device=alive.device)[:n].clone()
+    holes = (~alive[:n]).nonzero().flatten()
+    movers = alive[n:].nonzero().flatten().flip(0) + n
+    order[holes] = movers
+    return order
+
+
 def keep_rows(buf: torch.Tensor, rows: torch.Tensor, used: int, row_dim: int, slot_dim: int,
               alloc_rows: int) -> tuple[torch.Tensor, int]:
     """Keep `rows` of a slot-indexed batch buffer, carrying over only slots [0, used).
 
-    A row drop happens every time a sequence finishes, so its cost matters: the kept
-    rows move to the front of the same allocation (copying `used` slots, not the whole
-    capacity; nothing when they are already a prefix) and the buffer becomes a view.
-    Once the kept rows are at most half of the allocation (`alloc_rows`), they move to
-    a fresh zeroed buffer instead, so the memory held stays within 2x of what the
-    running rows need. Slots past `used` hold stale but finite values.
+    A row drop happens every time a sequence finishes, so its cost matters: kept rows
+    stay in the same allocation (the buffer becomes a view of its first rows) and only
+    the rows whose position changes are copied, `used` slots each; with the order of
+    `fill_holes_order` that is one row per finished sequence. Once the kept rows are at
+    most half of the allocation (`alloc_rows`), they move to a fresh zeroed buffer
+    instead, so the memory held stays within 2x of what the running rows need. Slots
+    past `used` hold stale but finite values.
     Returns (buffer, rows of its allocation)."""
     n = rows.numel()
-    shrink = 2 * n <= alloc_rows
-    if not shrink and bool((rows == torch.arange(n, device=rows.device)).all()):
-        return buf.narrow(row_dim, 0, n), alloc_rows
-    moved = buf.narrow(slot_dim, 0, used).index_select(row_dim, rows)
-    if shrink:
+    if 2 * n <= alloc_rows:
         shape = list(buf.shape)
         shape[row_dim] = n
-        out, alloc_rows = buf.new_zeros(shape), n
-    else:
-        out = buf.narrow(row_dim, 0, n)
-    out.narrow(slot_dim, 0, used).copy_(moved)
+        out = buf.new_zeros(shape)
+        out.narrow(slot_dim, 0, used).copy_(buf.narrow(slot_dim, 0, used).index_select(row_dim, rows))
+        return out, n
+    dst = (rows != torch.arange(n, device=rows.device)).nonzero().flatten()
+    out = buf.narrow(row_dim, 0, n)
+    if dst.numel():
+        moved = buf.narrow(slot_dim, 0, used).index_select(row_dim, rows[dst])  # read all before writing
+        out.narrow(slot_dim, 0, used).index_copy_(row_dim, dst, moved)
     return out, alloc_rows

@@ -42,7 +42,8 @@ class StepTrace:
 
 @dataclass
 class GenerationStats:
-    target_forwards: int = 0
+    target_forwards: int = 0     # prefill chunks + decode steps
+    prefill_forwards: int = 0
     drafter_forwards: int = 0
     plain_steps: int = 0
     sd_steps: int = 0
@@ -68,6 +69,7 @@ class GenerationStats:
     def summary(self) -> dict[str, Any]:
         return {
             "target_forwards": self.target_forwards,
+            "prefill_forwards": self.prefill_forwards,
             "drafter_forwards": self.drafter_forwards,
             "plain_steps": self.plain_steps,
             "sd_steps": self.sd_steps,

@@ -24,8 +24,9 @@ import torch
 
 from nemo_tlt.drafter.base import DraftContext, Drafter, DraftState
 from nemo_tlt.drafter.io import load_drafter
-from nemo_tlt.model.kv_cache import KVCache, keep_rows
+from nemo_tlt.model.kv_cache import KVCache, fill_holes_order, keep_rows
 from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.rollout.prefill import prefill_chunks
 from nemo_tlt.rollout.protocol import (GenerateOutput, GenerationStats, Request, RequestResult, StepTrace)
 from nemo_tlt.speculative.acceptance import accept_greedy, accept_rejection
 from nemo_tlt.speculative.sampling import SamplingParams, draw, process_logits
@@ -66,11 +67,16 @@ class _Batch:
 
 class TorchRolloutEngine:
     def __init__(self, target: DecoderLM, drafter: Drafter | None = None, policy=None,
-                 max_tree_nodes: int = 256) -> None:
+                 max_tree_nodes: int = 256, prefill_overhead_tokens: int = 64) -> None:
         if max_tree_nodes < 1:
             raise ValueError(f"TorchRolloutEngine.max_tree_nodes must be >= 1, got {max_tree_nodes}")
+        if prefill_overhead_tokens < 0:
+            raise ValueError("TorchRolloutEngine.prefill_overhead_tokens must be >= 0, got "
+                             f"{prefill_overhead_tokens}")
         self.target = target.eval()
         self.max_tree_nodes = max_tree_nodes
+        # What one more prefill forward costs, in padded prompt tokens (see prefill_chunks).
+        self.prefill_overhead_tokens = prefill_overhead_tokens
         self.drafter: Drafter | None = None
         self.policy = policy
         if drafter is not None:
@@ -159,33 +165,39 @@ class TorchRolloutEngine:
 
     # ---- steps ------------------------------------------------------------------
     def _prefill(self, requests, sampling, gen, stats) -> _Batch:
+        """Prompts are sorted by length (row b holds request rows[b]) and prefilled in
+        the chunks of `prefill_chunks`, each padded to its own longest prompt."""
         B = len(requests)
-        lens = torch.tensor([len(r.prompt) for r in requests])
-        T = int(lens.max())
+        order = sorted(range(B), key=lambda i: len(requests[i].prompt))
+        lens = torch.tensor([len(requests[i].prompt) for i in order])
+        T = int(lens[-1])
         cap = T + sampling.max_new_tokens + self.max_tree_nodes + 2
-        ids = torch.zeros(B, T, dtype=torch.long)
-        for i, r in enumerate(requests):
-            ids[i, : len(r.prompt)] = torch.tensor(r.prompt)
+        tokens = torch.zeros(B, cap + 1, dtype=torch.long)
+        for b, i in enumerate(order):
+            tokens[b, : lens[b]] = torch.tensor(requests[i].prompt)
         cache = self.target.new_cache(B, cap)
-        valid = torch.arange(T)[None, :] < lens[:, None]
-        new_mask = torch.ones(T, T, dtype=torch.bool).tril()[None] & valid[:, None, :]
-        new_mask = new_mask | torch.eye(T, dtype=torch.bool)[None]
+        features = torch.zeros(B, cap, self.target.config.hidden_size, dtype=self.target.lm_head_weight.dtype)
+        last = features.new_empty(B, features.shape[-1])
         t0 = time.perf_counter()
-        hidden = self.target.hidden(ids, None, cache, new_mask)
-        stats.target_forwards += 1
+        for start, stop in prefill_chunks(lens.tolist(), self.prefill_overhead_tokens):
+            n, Tc = stop - start, int(lens[stop - 1])
+            valid = torch.arange(Tc)[None, :] < lens[start:stop, None]
+            new_mask = torch.ones(Tc, Tc, dtype=torch.bool).tril()[None] & valid[:, None, :]
+            new_mask = new_mask | torch.eye(Tc, dtype=torch.bool)[None]
+            hidden = self.target.hidden(tokens[start:stop, :Tc], None, cache.row_range(start, stop), new_mask)
+            stats.target_forwards += 1
+            stats.prefill_forwards += 1
+            features[start:stop, :Tc] = hidden
+            last[start:stop] = hidden[torch.arange(n), lens[start:stop] - 1]
         stats.tokens_generated += B
         cache.advance(lens)
-        last = hidden[torch.arange(B), lens - 1]
-        seq_ids = torch.tensor([r.seq_id if r.seq_id is not None else i for i, r in enumerate(requests)])
+        rows = torch.tensor(order)
+        seq_ids = torch.tensor([requests[i].seq_id if requests[i].seq_id is not None else i for i in order])
         first = draw(self.target.logits(last), sampling, seq_ids, lens, gen)
         stats.time_plain_s += time.perf_counter() - t0
-        tokens = torch.zeros(B, cap + 1, dtype=torch.long)
-        tokens[:, :T] = ids
         tokens[torch.arange(B), lens] = first
-        features = hidden.new_zeros(B, cap, hidden.shape[-1])
-        features[:, :T] = hidden
         dstate = self.drafter.init_state(B, cap) if self.drafter is not None else None
-        return _Batch(torch.arange(B), seq_ids, lens.clone(), lens.clone(), torch.ones(B, dtype=torch.long),
+        return _Batch(rows, seq_ids, lens.clone(), lens.clone(), torch.ones(B, dtype=torch.long),
                       tokens, features, cache, dstate, B)
 
     def _plain_step(self, batch: _Batch, sampling, gen, stats) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,4 +283,4 @@ class TorchRolloutEngine:
             hidden = batch.features[b, : P + G - 1].clone() if return_hidden else None
             results[int(batch.rows[b])] = RequestResult(batch.tokens[b, P: P + G].tolist(),
                                                         "eos" if bool(hit_eos[b]) else "length", hidden)
-        batch.select((~done).nonzero().flatten())
+        batch.select(fill_holes_order(~done))

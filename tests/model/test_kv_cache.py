@@ -1,9 +1,11 @@
-"""KVCache row drops: only committed slots move, memory stays within 2x of the live rows."""
+"""KVCache row drops: only committed slots of moved rows move, memory stays within 2x of the
+live rows; row-range views."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from nemo_tlt.model.kv_cache import KVCache, keep_rows
+from nemo_tlt.model.kv_cache import KVCache, fill_holes_order, keep_rows
 
 
 def _filled_cache(batch: int, capacity: int = 12) -> KVCache:
@@ -49,3 +51,33 @@ def test_keep_rows_leaves_slots_past_used_finite():
     assert alloc == 4 and out.shape == (3, 5)
     assert out[:, :2].tolist() == [[15, 16], [0, 1], [5, 6]]
     assert bool(torch.isfinite(out).all())
+
+
+def test_fill_holes_order_moves_one_row_per_finished_sequence():
+    alive = torch.tensor([True, False, True, True, False, True, True])
+    order = fill_holes_order(alive)
+    assert order.tolist() == [0, 6, 2, 3, 5]          # holes 1 and 4 take the last live rows
+    assert sorted(order.tolist()) == alive.nonzero().flatten().tolist()
+    assert fill_holes_order(torch.tensor([True, True, False])).tolist() == [0, 1]
+    assert fill_holes_order(torch.tensor([False, False])).tolist() == []
+
+
+def test_keep_rows_copies_only_rows_that_change_position():
+    buf = torch.arange(6 * 4, dtype=torch.float32).view(6, 4)
+    before = buf.clone()
+    out, alloc = keep_rows(buf, torch.tensor([0, 5, 2, 3]), used=3, row_dim=0, slot_dim=1, alloc_rows=6)
+    assert alloc == 6 and out.data_ptr() == buf.data_ptr()        # same allocation
+    assert out[:, :3].tolist() == before[[0, 5, 2, 3], :3].tolist()
+    assert out[1, 3] == before[1, 3]                              # slots past `used` are not copied
+
+
+def test_row_range_is_a_view_that_prefills_its_rows():
+    cache = _filled_cache(4)
+    view = cache.row_range(1, 3)
+    assert view.batch == 2 and view.lengths.tolist() == [7, 2]
+    view.k[1][0, :, 0] = 42.0
+    view.advance(1)
+    assert bool((cache.k[1][1, :, 0] == 42.0).all()) and cache.lengths.tolist() == [5, 8, 3, 9]
+    for bad in ((2, 2), (-1, 2), (0, 5)):
+        with pytest.raises(ValueError, match="row_range"):
+            cache.row_range(*bad)
