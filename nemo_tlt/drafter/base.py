@@ -33,6 +33,10 @@ class DraftContext:
 class DraftState(Protocol):
     def select_rows(self, rows: torch.Tensor) -> None: ...
 
+    def reserve(self, slots: int, limit: int) -> None:
+        """Make room for `slots` positions per row (the engine's cache grows alike)."""
+        ...
+
 
 class Drafter(Protocol):
     kind: str
@@ -61,4 +65,7 @@ def check_same_dims(kind: str, hidden_size: int, vocab_size: int, target: Decode
 
 class NoDraftState:
     def select_rows(self, rows: torch.Tensor) -> None:
+        return None
+
+    def reserve(self, slots: int, limit: int) -> None:
         return None

@@ -52,6 +52,9 @@ class EagleState:
     def select_rows(self, rows: torch.Tensor) -> None:
         self.cache.select_rows(rows)
 
+    def reserve(self, slots: int, limit: int) -> None:
+        self.cache.reserve(slots, limit)
+
 
 class EagleDrafter(nn.Module):
     kind = "eagle"

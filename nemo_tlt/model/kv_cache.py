@@ -5,7 +5,9 @@ new tokens writes them at slots lengths[b] + t without moving `lengths`; the
 caller then either commits them all (`advance`) or keeps a subset (`compact`, used
 after tree verification, where the accepted nodes are scattered through the
 block). Slots at or beyond lengths[b] are never attended to, so stale entries
-there are harmless and are simply overwritten.
+there are harmless and are simply overwritten. The capacity can start small and
+grow (`reserve`), so a rollout whose responses are mostly short does not hold
+cache for its longest possible response in every row.
 """
 from __future__ import annotations
 
@@ -85,6 +87,18 @@ class KVCache:
         self._buf.scatter_(3, dst[None, :, None, :, None].expand(shape), moved)
         self.lengths += counts
 
+    def reserve(self, slots: int, limit: int | None = None) -> None:
+        """Make room for `slots` slots per row. A growing buffer at least doubles (up to
+        `limit`, never below `slots`), so a rollout regrows a few times only; committed
+        slots move to the new buffer, the rest is zero."""
+        if slots <= self.capacity:
+            return
+        cap = max(2 * self.capacity, slots) if limit is None else max(min(2 * self.capacity, limit), slots)
+        used = int(self.lengths.max()) if self.lengths.numel() else 0
+        self._buf = grow_slots(self._buf, 3, used, cap)
+        self._alloc_rows = self.batch
+        self._views()
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Drop finished rows: keep only `rows` (in that order). Only committed slots of
         rows that change position move (see `keep_rows`)."""
@@ -92,6 +106,15 @@ class KVCache:
         self._buf, self._alloc_rows = keep_rows(self._buf, rows, used, 1, 3, self._alloc_rows)
         self.lengths = self.lengths.index_select(0, rows)
         self._views()
+
+
+def grow_slots(buf: torch.Tensor, slot_dim: int, used: int, slots: int) -> torch.Tensor:
+    """A zeroed copy of a slot-indexed buffer with `slots` slots, carrying over [0, used)."""
+    shape = list(buf.shape)
+    shape[slot_dim] = slots
+    out = buf.new_zeros(shape)
+    out.narrow(slot_dim, 0, used).copy_(buf.narrow(slot_dim, 0, used))
+    return out
 
 
 def fill_holes_order(alive: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 
 from nemo_tlt.drafter.base import DraftContext, Drafter, DraftState
 from nemo_tlt.drafter.io import load_drafter
-from nemo_tlt.model.kv_cache import KVCache, fill_holes_order, keep_rows
+from nemo_tlt.model.kv_cache import KVCache, fill_holes_order, grow_slots, keep_rows
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout.prefill import prefill_chunks
 from nemo_tlt.rollout.protocol import (GenerateOutput, GenerationStats, Request, RequestResult, StepTrace)
@@ -48,10 +48,24 @@ class _Batch:
     cache: KVCache
     draft_state: DraftState | None
     alloc_rows: int = 0         # rows of the tokens / features allocations (see keep_rows)
+    max_slots: int = 0          # the most cache slots a row can need (prompt + budget + tree)
 
     def kv_bytes(self) -> int:
         draft_cache = getattr(self.draft_state, "cache", None)
         return self.cache.nbytes() + (draft_cache.nbytes() if draft_cache is not None else 0)
+
+    def reserve(self, slots: int) -> None:
+        """Grow every slot-indexed buffer to hold `slots` slots per row (see KVCache.reserve)."""
+        slots = min(slots, self.max_slots)
+        if slots <= self.features.shape[1]:
+            return
+        self.cache.reserve(slots, self.max_slots)
+        if self.draft_state is not None:
+            self.draft_state.reserve(slots, self.max_slots)
+        cap, used = self.cache.capacity, int(self.lengths.max())
+        self.tokens = grow_slots(self.tokens, 1, used + 1, cap + 1)
+        self.features = grow_slots(self.features, 1, used, cap)
+        self.alloc_rows = self.rows.numel()
 
     def select(self, keep: torch.Tensor) -> None:
         used = int(self.lengths.max())  # tokens[b, :L+1] and features[b, :L] are live
@@ -67,14 +81,20 @@ class _Batch:
 
 class TorchRolloutEngine:
     def __init__(self, target: DecoderLM, drafter: Drafter | None = None, policy=None,
-                 max_tree_nodes: int = 256, prefill_overhead_tokens: int = 64) -> None:
+                 max_tree_nodes: int = 256, prefill_overhead_tokens: int = 64,
+                 initial_slots: int | None = 128) -> None:
         if max_tree_nodes < 1:
             raise ValueError(f"TorchRolloutEngine.max_tree_nodes must be >= 1, got {max_tree_nodes}")
         if prefill_overhead_tokens < 0:
             raise ValueError("TorchRolloutEngine.prefill_overhead_tokens must be >= 0, got "
                              f"{prefill_overhead_tokens}")
+        if initial_slots is not None and initial_slots < 1:
+            raise ValueError(f"TorchRolloutEngine.initial_slots must be >= 1 or None, got {initial_slots}")
         self.target = target.eval()
         self.max_tree_nodes = max_tree_nodes
+        # Cache slots per row allocated past the longest prompt at first; the buffers
+        # double when a row needs more. None: room for max_new_tokens up front.
+        self.initial_slots = initial_slots
         # What one more prefill forward costs, in padded prompt tokens (see prefill_chunks).
         self.prefill_overhead_tokens = prefill_overhead_tokens
         self.drafter: Drafter | None = None
@@ -125,6 +145,7 @@ class TorchRolloutEngine:
             if shape is not None and not self._tree_fits(batch, shape):
                 shape = None  # a tree would run past the context or the cache: finish plainly
             t0 = time.perf_counter()
+            batch.reserve(int(batch.lengths.max()) + (self._tree_slots(shape) if shape is not None else 1) + 1)
             if shape is None:
                 emitted, counts = self._plain_step(batch, sampling, gen, stats)
             else:
@@ -157,11 +178,15 @@ class TorchRolloutEngine:
             if min(req.prompt) < 0 or max(req.prompt) >= vocab:
                 raise ValueError(f"requests[{i}].prompt has token ids outside [0, {vocab})")
 
+    @staticmethod
+    def _tree_slots(shape: TreeShape) -> int:
+        """Cache slots one SD step writes past the committed length (target or drafter)."""
+        return max(shape.num_verify + 1, (shape.depth - 1) * shape.topk + 1)
+
     def _tree_fits(self, batch: _Batch, shape: TreeShape) -> bool:
         L = int(batch.lengths.max())
-        need = max(shape.num_verify + 1, (shape.depth - 1) * shape.topk + 1)
         return (L + shape.depth + 2 <= self.target.config.max_position_embeddings
-                and L + need <= batch.cache.capacity)
+                and L + self._tree_slots(shape) <= batch.max_slots)
 
     # ---- steps ------------------------------------------------------------------
     def _prefill(self, requests, sampling, gen, stats) -> _Batch:
@@ -171,7 +196,8 @@ class TorchRolloutEngine:
         order = sorted(range(B), key=lambda i: len(requests[i].prompt))
         lens = torch.tensor([len(requests[i].prompt) for i in order])
         T = int(lens[-1])
-        cap = T + sampling.max_new_tokens + self.max_tree_nodes + 2
+        max_slots = T + sampling.max_new_tokens + self.max_tree_nodes + 2
+        cap = max_slots if self.initial_slots is None else min(max_slots, T + self.initial_slots)
         tokens = torch.zeros(B, cap + 1, dtype=torch.long)
         for b, i in enumerate(order):
             tokens[b, : lens[b]] = torch.tensor(requests[i].prompt)
@@ -198,7 +224,7 @@ class TorchRolloutEngine:
         tokens[torch.arange(B), lens] = first
         dstate = self.drafter.init_state(B, cap) if self.drafter is not None else None
         return _Batch(rows, seq_ids, lens.clone(), lens.clone(), torch.ones(B, dtype=torch.long),
-                      tokens, features, cache, dstate, B)
+                      tokens, features, cache, dstate, B, max_slots)
 
     def _plain_step(self, batch: _Batch, sampling, gen, stats) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()

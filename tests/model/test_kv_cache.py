@@ -81,3 +81,20 @@ def test_row_range_is_a_view_that_prefills_its_rows():
     for bad in ((2, 2), (-1, 2), (0, 5)):
         with pytest.raises(ValueError, match="row_range"):
             cache.row_range(*bad)
+
+
+def test_reserve_grows_by_doubling_and_keeps_committed_entries():
+    cache = _filled_cache(3, capacity=12)
+    before = _committed(cache)
+    cache.reserve(10)                      # fits: nothing happens
+    assert cache.capacity == 12
+    cache.reserve(13)
+    assert cache.capacity == 24            # at least doubles
+    cache.reserve(30, limit=40)
+    assert cache.capacity == 40            # doubling capped by the limit
+    cache.reserve(50, limit=40)
+    assert cache.capacity == 50            # never below what was asked
+    for a, b in zip(_committed(cache), before):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    assert float(cache.k[0][0, :, 9:].abs().sum()) == 0.0   # new slots are zero

@@ -61,9 +61,33 @@ def test_kv_memory_is_bounded(rollout):
     out = TorchRolloutEngine(target, drafter).generate(reqs, sp, policy=_policy())
     kv = [t.kv_bytes for t in out.stats.trace]
     assert kv[0] > 0
-    assert all(b <= a for a, b in zip(kv, kv[1:])), "KV bytes must never grow during a rollout"
+    assert all(b <= a for a, b in zip(kv, kv[1:])), "KV bytes must never grow while no row outgrows the cache"
     # finished rows give their cache back: rows move in place until at most half of
     # the allocation is live, then to a buffer of their own size (within 2x)
     per_row0 = kv[0] / out.stats.trace[0].running
     assert all(t.kv_bytes < 2 * per_row0 * t.running for t in out.stats.trace)
     assert kv[-1] < kv[0]
+
+
+def test_cache_starts_small_and_grows_with_the_longest_row(rollout):
+    """With 4 initial slots past the prompts the cache regrows as rows lengthen; the
+    outputs do not change, and the memory held stays within 2x (rows) x 2x (slots) of
+    what the running rows use."""
+    target, reqs = rollout
+    sp = SamplingParams(mode="coupled", temperature=1.0, max_new_tokens=60, seed=4)
+    drafter = EagleDrafter(EagleConfig.from_target(target.config))
+    full = TorchRolloutEngine(target, drafter, initial_slots=None).generate(reqs, sp, policy=_policy())
+    small = TorchRolloutEngine(target, drafter, initial_slots=4).generate(reqs, sp, policy=_policy())
+    assert [r.tokens for r in small.results] == [r.tokens for r in full.results]
+    kv = [t.kv_bytes for t in small.stats.trace]
+    assert kv[0] < full.stats.trace[0].kv_bytes / 4
+    assert any(b > a for a, b in zip(kv, kv[1:])), "the cache should have grown"
+    c = target.config
+    slot_bytes = 2 * (c.num_layers + 1) * c.num_kv_heads * c.head_dim * 4   # target + drafter, K and V
+    slack = max(max(a.num_verify + 1, (a.depth - 1) * a.topk + 1) for a in ARMS) + 2   # one step's writes
+    per_step = max(a.depth for a in ARMS) + 1                                        # most tokens a row gains
+    longest = max(len(r.prompt) for r in reqs) + 1
+    for t in small.stats.trace:
+        need = longest + slack          # no row is longer than `longest` before this step
+        assert t.kv_bytes <= 2 * 2 * t.running * need * slot_bytes
+        longest = min(longest + per_step, max(len(r.prompt) for r in reqs) + sp.max_new_tokens)
