@@ -76,7 +76,8 @@ def _run(engine: TorchRolloutEngine, reqs, sp, policy) -> tuple[dict[str, Any], 
     s = out.stats
     return ({"wall_s": wall, "tokens": s.tokens_generated, "tokens_per_s": s.tokens_generated / wall,
              "target_forwards": s.target_forwards, "sd_steps": s.sd_steps, "plain_steps": s.plain_steps,
-             "mean_accept_len": s.mean_accept_len}, [r.tokens for r in out.results], s.trace)
+             "mean_accept_len": s.mean_accept_len, "prefill_s": s.prefill_s,
+             "outside_steps_s": s.outside_steps_s}, [r.tokens for r in out.results], s.trace)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                "trace": [vars(t) for t in trace], "machine": machine_info(),
                "config": {k: v for k, v in vars(args).items() if k not in ("arm_shapes",)}}
     write_json(args.out, payload)
-    print(format_table(results, ["wall_s", "tokens_per_s", "target_forwards", "sd_steps", "mean_accept_len"]))
+    print(format_table(results, ["wall_s", "tokens_per_s", "target_forwards", "sd_steps", "mean_accept_len",
+                                 "outside_steps_s"]))
     print("ratios: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in ratios.items()))
     print(f"outputs_identical: {identical}; timeline: {png}; wrote {args.out}")
     return 0

@@ -59,7 +59,9 @@ class EagleState:
 class EagleDrafter(nn.Module):
     kind = "eagle"
 
-    def __init__(self, config: EagleConfig) -> None:
+    def __init__(self, config: EagleConfig, generator: torch.Generator | None = None) -> None:
+        """`generator` seeds the initial weights (N(0, 0.02), zero biases); without one
+        the global RNG does."""
         super().__init__()
         c = config.layer
         self.config = config
@@ -68,7 +70,7 @@ class EagleDrafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         for m in self.modules():
             if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=0.02)
+                nn.init.normal_(m.weight, std=0.02, generator=generator)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
 

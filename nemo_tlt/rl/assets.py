@@ -93,7 +93,8 @@ def _train_drafter_on_target(target_dir: Path, config: AssetConfig, out: Path, p
             res = engine.generate(chunk, sp, return_hidden=True).results
             samples += [DrafterSample(torch.tensor(list(r.prompt) + o.tokens), o.hidden_states)
                         for r, o in zip(chunk, res)]
-    drafter = EagleDrafter(EagleConfig.from_target(target.config))
+    drafter = EagleDrafter(EagleConfig.from_target(target.config),
+                           generator=torch.Generator().manual_seed(config.drafter_train.seed))
     history = train_drafter(drafter, target, samples, config.drafter_train, progress=progress)
     tail = history[-max(1, len(history) // 10):]
     stats = {k: float(np.mean([h[k] for h in tail])) for k in tail[0]}
@@ -109,7 +110,7 @@ def prepare_assets(config: AssetConfig = AssetConfig(), cache_dir: str | os.Path
     assistant_dir = cached_warm_start(cache, config.assistant, config.task, config.sft, config.sft_examples,
                                       progress)
     key = _key({"target": target_dir.name, "prompts": config.drafter_prompts,
-                "max_new": config.drafter_max_new_tokens, "train": asdict(config.drafter_train), "format": 1})
+                "max_new": config.drafter_max_new_tokens, "train": asdict(config.drafter_train), "format": 2})
     drafter_dir = cache / f"drafter-eagle-{key}"
     if not (drafter_dir / "drafter.json").is_file():
         log.info("drafter: training EAGLE on the target's generations")

@@ -53,12 +53,18 @@ class GenerationStats:
     time_verify_s: float = 0.0
     time_plain_s: float = 0.0
     time_other_s: float = 0.0
+    prefill_s: float = 0.0       # allocation + prompt forwards + first token (part of time_plain_s and other)
     wall_s: float = 0.0
     trace: list[StepTrace] = field(default_factory=list)
 
     @property
     def mean_accept_len(self) -> float:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def outside_steps_s(self) -> float:
+        """Wall time not spent in decode steps: prefill, retiring finished rows, policy."""
+        return self.wall_s - sum(t.seconds for t in self.trace)
 
     def accept_histogram(self) -> dict[int, int]:
         hist: dict[int, int] = {}
@@ -80,6 +86,8 @@ class GenerationStats:
             "time_verify_s": self.time_verify_s,
             "time_plain_s": self.time_plain_s,
             "time_other_s": self.time_other_s,
+            "prefill_s": self.prefill_s,
+            "outside_steps_s": self.outside_steps_s,
             "wall_s": self.wall_s,
         }
 

@@ -1,6 +1,6 @@
 """The embedded PyTorch rollout engine: the default backend and the test oracle.
 
-One `generate` call decodes a batch of requests with a static KV cache. Every
+One `generate` call decodes a batch of requests with a batched KV cache. Every
 decode step is either *plain* (one target forward over the running rows' root
 tokens) or *speculative* (the drafter proposes a tree per row, one target forward
 verifies all trees, each row keeps its own accepted path). A `SpecPolicy` decides
@@ -8,6 +8,11 @@ per step from the number of running rows; switching needs no re-prefill because
 the target's final hidden states are kept for every committed position and the
 drafter catches up from them. Finished rows are dropped from the batch at once,
 so the long tail runs at its true (small) batch size.
+
+Fixed costs per rollout are kept small, because every method pays them alike:
+prompts are prefilled in length-sorted chunks (little padding), a finished row's
+place is taken by the last running row (one row moves, not all), and the caches
+start at the longest prompt + `initial_slots` and double only as rows lengthen.
 
 Per row b the engine keeps (see nemo_tlt.drafter.base): committed length L[b]
 (slots in the target KV cache), tokens[b, :L+1] (x_L is the root, produced but not
@@ -138,6 +143,7 @@ class TorchRolloutEngine:
         gen = torch.Generator().manual_seed(sampling.seed)
         results: list[RequestResult | None] = [None] * len(requests)
         batch = self._prefill(requests, sampling, gen, stats)
+        stats.prefill_s = time.perf_counter() - t_start
         self._retire(batch, sampling, results, return_hidden)
         while batch.rows.numel():
             running = batch.rows.numel()

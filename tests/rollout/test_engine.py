@@ -122,6 +122,7 @@ def test_stats_are_consistent(trained):
     assert sum(s.accept_histogram().values()) == len(s.accept_lengths)
     assert min(s.accept_lengths) >= 1 and max(s.accept_lengths) <= 4
     assert s.time_draft_s > 0 and s.time_verify_s > 0
+    assert 0 < s.prefill_s <= s.outside_steps_s < s.wall_s
 
 
 def test_finished_rows_leave_the_batch(trained):
