@@ -25,7 +25,7 @@ from torch import nn
 from nemo_tlt.drafter.base import DraftContext, check_same_dims
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.kv_cache import KVCache
-from nemo_tlt.model.layers import DecoderLayer, RMSNorm
+from nemo_tlt.model.layers import DecoderLayer, RMSNorm, padded_causal_mask
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.speculative.tree import DraftTree, grow_tree
 from nemo_tlt.speculative.tree_shape import TreeShape
@@ -122,9 +122,7 @@ class EagleDrafter(nn.Module):
         b_idx = torch.arange(L.shape[0])[:, None]
         tok = ctx.tokens[b_idx, pos + 1]
         feat = ctx.features[b_idx, pos]
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        new_mask = (causal[None] & valid[:, None, :]) | torch.eye(T, dtype=torch.bool)[None]
-        out = self(ctx.target, tok, feat, pos, cache, new_mask)
+        out = self(ctx.target, tok, feat, pos, cache, padded_causal_mask(count, T))
         cache.advance(count)
         return out[torch.arange(L.shape[0]), count - 1]
 

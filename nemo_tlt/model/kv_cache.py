@@ -108,11 +108,15 @@ class KVCache:
         self._views()
 
 
+def _zeros_resized(buf: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    shape = list(buf.shape)
+    shape[dim] = size
+    return buf.new_zeros(shape)
+
+
 def grow_slots(buf: torch.Tensor, slot_dim: int, used: int, slots: int) -> torch.Tensor:
     """A zeroed copy of a slot-indexed buffer with `slots` slots, carrying over [0, used)."""
-    shape = list(buf.shape)
-    shape[slot_dim] = slots
-    out = buf.new_zeros(shape)
+    out = _zeros_resized(buf, slot_dim, slots)
     out.narrow(slot_dim, 0, used).copy_(buf.narrow(slot_dim, 0, used))
     return out
 
@@ -144,9 +148,7 @@ def keep_rows(buf: torch.Tensor, rows: torch.Tensor, used: int, row_dim: int, sl
     Returns (buffer, rows of its allocation)."""
     n = rows.numel()
     if 2 * n <= alloc_rows:
-        shape = list(buf.shape)
-        shape[row_dim] = n
-        out = buf.new_zeros(shape)
+        out = _zeros_resized(buf, row_dim, n)
         out.narrow(slot_dim, 0, used).copy_(buf.narrow(slot_dim, 0, used).index_select(row_dim, rows))
         return out, n
     dst = (rows != torch.arange(n, device=rows.device)).nonzero().flatten()

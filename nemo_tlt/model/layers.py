@@ -129,16 +129,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def cache_attention_mask(lengths: torch.Tensor, write_idx: torch.Tensor, new_mask: torch.Tensor,
-                         base: torch.Tensor | None = None) -> torch.Tensor:
+def cache_attention_mask(lengths: torch.Tensor, write_idx: torch.Tensor, new_mask: torch.Tensor) -> torch.Tensor:
     """Boolean mask [B, T, S] over cache slots, S = max(write_idx) + 1.
 
-    Query t of row b sees slot j < lengths[b] (or, if given, where `base` [B, T, >=S]
-    says) and the new block's slot write_idx[b, t'] iff new_mask[b, t, t']."""
+    Query t of row b sees slot j < lengths[b] and the new block's slot write_idx[b, t']
+    iff new_mask[b, t, t']."""
     B, T, _ = new_mask.shape
     S = int(write_idx.max()) + 1
-    if base is None:
-        mask = (torch.arange(S, device=lengths.device)[None, :] < lengths[:, None])[:, None, :].repeat(1, T, 1)
-    else:
-        mask = base[..., :S].clone()
+    mask = (torch.arange(S, device=lengths.device)[None, :] < lengths[:, None])[:, None, :].repeat(1, T, 1)
     return mask.scatter_(2, write_idx[:, None, :].expand(B, T, T), new_mask)
+
+
+def padded_causal_mask(lengths: torch.Tensor, T: int) -> torch.Tensor:
+    """Causal mask [B, T, T] of a right-padded block whose row b has lengths[b] real
+    tokens: padding is never seen, and every query sees itself (so no row is empty)."""
+    valid = torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]
+    causal = torch.ones(T, T, dtype=torch.bool, device=lengths.device).tril()
+    return (causal[None] & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=lengths.device)[None]

@@ -30,6 +30,7 @@ import torch
 from nemo_tlt.drafter.base import DraftContext, Drafter, DraftState
 from nemo_tlt.drafter.io import load_drafter
 from nemo_tlt.model.kv_cache import KVCache, fill_holes_order, grow_slots, keep_rows
+from nemo_tlt.model.layers import padded_causal_mask
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout.prefill import prefill_chunks
 from nemo_tlt.rollout.protocol import (GenerateOutput, GenerationStats, Request, RequestResult, StepTrace)
@@ -148,10 +149,11 @@ class TorchRolloutEngine:
         while batch.rows.numel():
             running = batch.rows.numel()
             shape = policy.choose(running) if policy is not None and self.drafter is not None else None
-            if shape is not None and not self._tree_fits(batch, shape):
+            longest = int(batch.lengths.max())
+            if shape is not None and not self._tree_fits(longest, batch, shape):
                 shape = None  # a tree would run past the context or the cache: finish plainly
             t0 = time.perf_counter()
-            batch.reserve(int(batch.lengths.max()) + (self._tree_slots(shape) if shape is not None else 1) + 1)
+            batch.reserve(longest + (self._tree_slots(shape) if shape is not None else 1) + 1)
             if shape is None:
                 emitted, counts = self._plain_step(batch, sampling, gen, stats)
             else:
@@ -189,8 +191,8 @@ class TorchRolloutEngine:
         """Cache slots one SD step writes past the committed length (target or drafter)."""
         return max(shape.num_verify + 1, (shape.depth - 1) * shape.topk + 1)
 
-    def _tree_fits(self, batch: _Batch, shape: TreeShape) -> bool:
-        L = int(batch.lengths.max())
+    def _tree_fits(self, L: int, batch: _Batch, shape: TreeShape) -> bool:
+        """Whether a tree grown from the longest row (committed length L) fits."""
         return (L + shape.depth + 2 <= self.target.config.max_position_embeddings
                 and L + self._tree_slots(shape) <= batch.max_slots)
 
@@ -213,10 +215,8 @@ class TorchRolloutEngine:
         t0 = time.perf_counter()
         for start, stop in prefill_chunks(lens.tolist(), self.prefill_overhead_tokens):
             n, Tc = stop - start, int(lens[stop - 1])
-            valid = torch.arange(Tc)[None, :] < lens[start:stop, None]
-            new_mask = torch.ones(Tc, Tc, dtype=torch.bool).tril()[None] & valid[:, None, :]
-            new_mask = new_mask | torch.eye(Tc, dtype=torch.bool)[None]
-            hidden = self.target.hidden(tokens[start:stop, :Tc], None, cache.row_range(start, stop), new_mask)
+            hidden = self.target.hidden(tokens[start:stop, :Tc], None, cache.row_range(start, stop),
+                                        padded_causal_mask(lens[start:stop], Tc))
             stats.target_forwards += 1
             stats.prefill_forwards += 1
             features[start:stop, :Tc] = hidden
