@@ -53,8 +53,9 @@ class OracleDrafter(torch.nn.Module):
     def init_state(self, batch: int, capacity: int) -> NoDraftState:
         return NoDraftState()
 
-    def _next_logp(self, target: DecoderLM, tokens: torch.Tensor, L: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
-        """Target log-probs after x_0..x_L (per row) followed by `path` [N, d]."""
+    def _next_logits(self, target: DecoderLM, tokens: torch.Tensor, L: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """Target logits after x_0..x_L (per row) followed by `path` [N, d] (negated when
+        adversarial, divided by the oracle's own temperature)."""
         N, d = path.shape
         width = int(L.max()) + 1 + d
         j = torch.arange(width)[None, :]
@@ -63,21 +64,21 @@ class OracleDrafter(torch.nn.Module):
         from_path = path.gather(1, rel.clamp(0, max(d - 1, 0))) if d else base
         seq = torch.where(rel < 0, base, torch.where(rel < d, from_path, torch.zeros_like(base)))
         logits = target(seq)[torch.arange(N), L + d].float() / self.temperature
-        return F.log_softmax(-logits if self.adversarial else logits, -1)
+        return -logits if self.adversarial else logits
 
     def propose(self, state, ctx: DraftContext, shape: TreeShape) -> DraftTree:
         L, tokens = ctx.lengths, ctx.tokens
         B = L.shape[0]
         node_paths = torch.zeros(B, shape.max_nodes, shape.depth, dtype=torch.long)
-        first = self._next_logp(ctx.target, tokens, L, tokens.new_zeros(B, 0))
+        first = ctx.score(self._next_logits(ctx.target, tokens, L, tokens.new_zeros(B, 0)), 1)
 
         def expand(tok, nodes, parents, depth):
             k = tok.shape[1]
             prev = node_paths.gather(1, parents.clamp(min=0)[..., None].expand(B, k, shape.depth))[..., : depth - 1]
             path = torch.cat((prev, tok[..., None]), -1)                      # [B, k, depth]
             node_paths[torch.arange(B)[:, None], nodes, :depth] = path
-            flat = self._next_logp(ctx.target, tokens.repeat_interleave(k, 0), L.repeat_interleave(k),
-                                   path.flatten(0, 1))
-            return flat.view(B, k, -1)
+            flat = self._next_logits(ctx.target, tokens.repeat_interleave(k, 0), L.repeat_interleave(k),
+                                     path.flatten(0, 1))
+            return ctx.score(flat.view(B, k, -1), depth + 1)
 
         return grow_tree(first, expand, shape)

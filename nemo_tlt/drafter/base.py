@@ -9,6 +9,10 @@ Sequence bookkeeping shared by all drafters (per row b, L = committed length):
 ``tokens[b, t]`` is token x_t for t <= L (x_L is the root: produced by the target,
 not yet in its KV cache); ``features[b, t]`` for t < L is the target's final
 hidden state at position t, the one that predicted x_{t+1}.
+
+A drafter turns its logits into candidate scores with `DraftContext.score`, which
+knows the sampling mode (see nemo_tlt.speculative.draft_scores): in ``coupled``
+mode the candidates are ranked with the very noise the target will sample with.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from typing import Protocol
 import torch
 
 from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.speculative.draft_scores import draft_scores
+from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.speculative.tree import DraftTree
 from nemo_tlt.speculative.tree_shape import TreeShape
 
@@ -28,6 +34,12 @@ class DraftContext:
     tokens: torch.Tensor     # [B, C] long
     features: torch.Tensor   # [B, C, H]
     lengths: torch.Tensor    # [B] long, committed target length L
+    sampling: SamplingParams | None = None  # None: rank by draft log-probs
+    noise: torch.Tensor | None = None       # [B, D, V] coupled noise of tree depths 1..D
+
+    def score(self, logits: torch.Tensor, depth: int) -> torch.Tensor:
+        """Candidate scores from draft logits [B, V] or [B, k, V] at tree depth `depth`."""
+        return draft_scores(logits, depth, self.sampling, self.noise)
 
 
 class DraftState(Protocol):

@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nemo_tlt.drafter.base import DraftContext, check_same_dims
@@ -131,7 +130,7 @@ class EagleDrafter(nn.Module):
         root_feat = self.catch_up(state, ctx)
         B, H = root_feat.shape
         k, n_fed = shape.topk, (shape.depth - 1) * shape.topk
-        first_logp = F.log_softmax(target.logits(root_feat).float(), -1)
+        first_logp = ctx.score(target.logits(root_feat), 1)
         if n_fed == 0:
             return grow_tree(first_logp, _no_expand, shape)
         # The frontier of expansion d (1-based) is fed at drafter-cache slots
@@ -159,7 +158,7 @@ class EagleDrafter(nn.Module):
             rope = (cos[:, :, depth - 1:depth], sin[:, :, depth - 1:depth])
             out = self(target, tokens, parent_feat, None, cache, None, vis, rope)
             prev.update(nodes=nodes, out=out, vis=vis)
-            return F.log_softmax(target.logits(out).float(), -1)
+            return ctx.score(target.logits(out), depth + 1)
 
         try:
             return grow_tree(first_logp, expand, shape)

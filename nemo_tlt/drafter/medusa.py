@@ -65,7 +65,8 @@ class MedusaDrafter(nn.Module):
         self.check_shape(shape)
         B = ctx.lengths.shape[0]
         last = ctx.features[torch.arange(B), ctx.lengths - 1]
-        logp = F.log_softmax(ctx.target.logits(self(last)).float(), -1)   # [B, K, V]
+        logits = ctx.target.logits(self(last))                             # [B, K, V]
+        logp = torch.stack([ctx.score(logits[:, d], d + 1) for d in range(shape.depth)], 1)
         k = shape.topk
 
         def expand(tokens: torch.Tensor, nodes: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:

@@ -35,7 +35,8 @@ from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout.prefill import prefill_chunks
 from nemo_tlt.rollout.protocol import (GenerateOutput, GenerationStats, Request, RequestResult, StepTrace)
 from nemo_tlt.speculative.acceptance import accept_greedy, accept_rejection
-from nemo_tlt.speculative.sampling import SamplingParams, draw, process_logits
+from nemo_tlt.speculative.sampling import (SamplingParams, coupled_draw, coupled_noise_table, draw,
+                                           process_logits)
 from nemo_tlt.speculative.tree import block_tokens, tree_block_mask, tree_block_positions
 from nemo_tlt.speculative.tree_shape import TreeShape
 
@@ -252,7 +253,11 @@ class TorchRolloutEngine:
         B = batch.rows.numel()
         b_idx = torch.arange(B)
         L = batch.lengths
-        ctx = DraftContext(self.target, batch.tokens, batch.features, L)
+        noise = None
+        if sampling.mode == "coupled":  # positions L+1 .. L+depth+1: the drafter ranks with it, the target draws
+            noise = coupled_noise_table(sampling.seed, batch.seq_ids, L + 1, shape.depth + 1,
+                                        self.target.config.vocab_size)
+        ctx = DraftContext(self.target, batch.tokens, batch.features, L, sampling, noise)
         tree = self.drafter.propose(batch.draft_state, ctx, shape)
         stats.drafter_forwards += self.drafter.forwards_per_draft(shape)
         t1 = time.perf_counter()
@@ -266,10 +271,11 @@ class TorchRolloutEngine:
         if sampling.mode == "rejection":
             probs = process_logits(logits, sampling).exp()
             acc = accept_rejection(tree, probs, gen)
+        elif sampling.mode == "coupled":
+            node_noise = noise.gather(1, (positions - L[:, None])[..., None].expand(B, n, noise.shape[-1]))
+            acc = accept_greedy(tree, coupled_draw(logits, sampling, node_noise), ancestors)
         else:
-            choice = draw(logits.flatten(0, 1), sampling, batch.seq_ids.repeat_interleave(n),
-                          (positions + 1).flatten(), gen).view(B, n)
-            acc = accept_greedy(tree, choice, ancestors)
+            acc = accept_greedy(tree, logits.argmax(-1), ancestors)
         keep = acc.kept_block_offsets()
         counts = acc.num_accepted + 1
         kept_hidden = hidden.gather(1, keep[..., None].expand(-1, -1, hidden.shape[-1]))

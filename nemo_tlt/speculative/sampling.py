@@ -87,13 +87,28 @@ def coupled_gumbel(seed: int, seq_ids: torch.Tensor, positions: torch.Tensor, vo
     return (-torch.log(-torch.log(u))).float()
 
 
+def coupled_noise_table(seed: int, seq_ids: torch.Tensor, first_position: torch.Tensor, count: int,
+                        vocab: int) -> torch.Tensor:
+    """The coupled noise of `count` consecutive positions per row, [B, count, V]:
+    table[b, j] = coupled_gumbel(seed, seq_ids[b], first_position[b] + j). One call
+    serves a whole speculative step (the drafter's ranking and the verification)."""
+    B = seq_ids.shape[0]
+    positions = first_position[:, None] + torch.arange(count, device=seq_ids.device)
+    return coupled_gumbel(seed, seq_ids.repeat_interleave(count), positions.flatten(), vocab).view(B, count, vocab)
+
+
+def coupled_draw(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(processed log-probs + noise) over the last dim: the ``coupled`` draw
+    given its noise (same shape as logits)."""
+    return (process_logits(logits, params) + noise).argmax(-1)
+
+
 def draw(logits: torch.Tensor, params: SamplingParams, seq_ids: torch.Tensor, positions: torch.Tensor,
          generator: torch.Generator | None) -> torch.Tensor:
     """Draw one token per row of logits [N, V]; `positions` are the absolute positions
     of the tokens being drawn (used by ``coupled`` only)."""
     if params.mode == "greedy":
         return logits.argmax(-1)
-    logp = process_logits(logits, params)
     if params.mode == "coupled":
-        return (logp + coupled_gumbel(params.seed, seq_ids, positions, logp.shape[-1])).argmax(-1)
-    return torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        return coupled_draw(logits, params, coupled_gumbel(params.seed, seq_ids, positions, logits.shape[-1]))
+    return torch.multinomial(process_logits(logits, params).exp(), 1, generator=generator).squeeze(-1)

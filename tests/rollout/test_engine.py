@@ -61,6 +61,28 @@ def test_sd_is_token_identical_to_plain(trained, mode, kind, lengths):
             assert out.stats.target_forwards < base.stats.target_forwards or shape.num_verify == 1
 
 
+@pytest.mark.parametrize("shape", [TreeShape(4, 1, 4), TreeShape(3, 2, 6)])
+def test_coupled_drafting_with_the_targets_own_distribution_accepts_every_draft(shape):
+    """In coupled mode the drafter ranks candidates with the noise the target samples
+    with, so a drafter that knows the target's distribution is always right, even at
+    temperature 1 where the target's mode is sampled far less often."""
+    target = tiny_target(seed=3)
+    reqs = _requests([4, 6, 5], seed=4)
+    sp = SamplingParams(mode="coupled", temperature=1.0, max_new_tokens=20, seed=11, stop_on_eos=False)
+    base = TorchRolloutEngine(target).generate(reqs, sp)
+    out = TorchRolloutEngine(target, OracleDrafter(), FixedSDPolicy(shape)).generate(reqs, sp)
+    assert [r.tokens for r in out.results] == [r.tokens for r in base.results]
+    full = sum(n == shape.depth + 1 for n in out.stats.accept_lengths) / len(out.stats.accept_lengths)
+    assert full >= 0.9, out.stats.accept_histogram()
+    # ... whereas the target's most likely token is what it sampled only part of the time
+    mode_hits = 0
+    for r, res in zip(reqs, base.results):
+        with torch.no_grad():
+            logits = target(torch.tensor([list(r.prompt) + res.tokens]))[0, len(r.prompt) - 1:-1]
+        mode_hits += int((logits.argmax(-1) == torch.tensor(res.tokens)).sum())
+    assert mode_hits < 0.8 * 60, mode_hits
+
+
 def test_trained_drafters_accept_more_than_one_token(trained):
     target, drafters = trained
     sp = SamplingParams(mode="greedy", max_new_tokens=32, stop_on_eos=False)
