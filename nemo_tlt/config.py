@@ -88,6 +88,11 @@ class GRPOBlock:
     acceptance: str = "coupled"  # greedy | rejection | coupled (see speculative.sampling)
     format_bonus: float = 0.0  # reward of a well-formed but wrong answer
     micro_batch: int = 4  # sequences per log-prob / update forward (length-sorted)
+    # The update makes one optimizer step per RL step, so the policy that sampled is the
+    # one being updated and the old log-probs are the update forward's own (detached;
+    # ratio 1, as TRL's GRPO does with one iteration). true: recompute them in a
+    # separate no-grad pass first (for a policy whose train and eval forwards differ).
+    separate_logprob_pass: bool = False
 
     def __post_init__(self) -> None:
         check_int("grpo.group_size", self.group_size, 1)
@@ -101,6 +106,8 @@ class GRPOBlock:
         if self.clip_eps >= 1.0:
             raise ValueError(f"grpo.clip_eps must be in (0, 1), got {self.clip_eps!r}")
         check_float("grpo.kl_coef", self.kl_coef, 0.0)
+        if not isinstance(self.separate_logprob_pass, bool):
+            raise ValueError(f"grpo.separate_logprob_pass must be a bool, got {self.separate_logprob_pass!r}")
         check_float("grpo.temperature", self.temperature, 0.0, lo_open=True)
         check_float("grpo.format_bonus", self.format_bonus, 0.0)
         if self.format_bonus >= 1.0:

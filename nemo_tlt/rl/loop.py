@@ -12,8 +12,11 @@ One RL step on every rank:
    of lowered OS priority (``drafter.nice``): where workers share CPU cores, the
    tail rollout of a busy worker must never wait for an idle worker's training.
 3. **policy**: rewards -> group advantages -> log-probs recomputed by the policy
-   -> clipped PG loss as a global token mean, gradients all-reduced, identical
-   AdamW step on every rank -> the engine loads the new weights (weight sync).
+   (in the update's own forward: one optimizer step per RL step makes the sampling
+   policy the one being updated; ``grpo.separate_logprob_pass`` recomputes them in
+   a pass of their own first) -> clipped PG loss as a global token mean, gradients
+   all-reduced, identical AdamW step on every rank -> the engine loads the new
+   weights (weight sync).
 4. rank 0 logs the step (JSONL, TensorBoard) and checkpoints (async).
 
 Nothing the policy learns depends on SD: the prompts, the coupled-sampling seed
@@ -246,7 +249,8 @@ class RLWorker:
         local_tokens = sum(len(r.tokens) for r in gen.results)
         train_batch, train_rewards = self._model_parallel_union(batch, rewards)
         t0 = time.perf_counter()
-        logp_old, logp_ref = self.policy.logprobs(train_batch)
+        # old log-probs: the update forward's own unless a separate pass is asked for
+        logp_old, logp_ref = self.policy.logprobs(train_batch, cfg.grpo.separate_logprob_pass)
         t_logprob = time.perf_counter() - t0
         t0 = time.perf_counter()
         # every response token of the step, counted once (each rank counts its own rollout)

@@ -271,25 +271,29 @@ class MegatronPolicyTrainer:
         return list(self._from_last_stage(flat).split(lengths))
 
     @torch.no_grad()
-    def logprobs(self, batch: Sequence[Sequence2], *, on_hidden: HiddenSink | None = None
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """Response log-probs under the current policy (and the reference), per sequence, on every rank."""
+    def logprobs(self, batch: Sequence[Sequence2], current: bool = True, *, on_hidden: HiddenSink | None = None
+                 ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """Response log-probs under the current policy (None unless `current`) and the
+        reference (None without one), per sequence, on every rank."""
         mbs = micro_batches(batch, self.config.micro_batch)
         with self._device_context():
             self._check_same_batch(batch)
-            self.model.eval()
-            old = self._all_logprobs(self.model, batch, mbs, on_hidden)
-            self.model.train()
+            old = None
+            if current:
+                self.model.eval()
+                old = self._all_logprobs(self.model, batch, mbs, on_hidden)
+                self.model.train()
             ref = None
             if self.reference is not None:
                 ref = self._all_logprobs(self.reference, batch, mbs, None)
         return old, ref
 
     # ---- update --------------------------------------------------------------------------
-    def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor],
+    def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                logp_ref: list[torch.Tensor] | None, global_tokens: int,
                reduce_grads: Callable[[list[torch.Tensor]], None] | None = None) -> dict[str, float]:
-        """One AdamW step of the clipped PG loss (+ KL) as a token mean over ``global_tokens``."""
+        """One AdamW step of the clipped PG loss (+ KL) as a token mean over ``global_tokens``;
+        ``logp_old=None``: the loss forward's own log-probs, detached (one step per batch)."""
         if advantages.shape != (len(batch),):
             raise ValueError(f"MegatronPolicyTrainer.update: advantages must be [{len(batch)}], "
                              f"got {tuple(advantages.shape)}")
@@ -314,20 +318,20 @@ class MegatronPolicyTrainer:
             self.optimizer.step()
         return {**dict(zip(_STATS, totals.tolist())), "grad_norm": norm}
 
-    def _loss_fn(self, mb: MicroBatch, advantages: torch.Tensor, logp_old: list[torch.Tensor],
+    def _loss_fn(self, mb: MicroBatch, advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                  logp_ref: list[torch.Tensor] | None, global_tokens: int, totals: torch.Tensor) -> Callable:
         """The last stage's loss for one micro-batch; accumulates the step stats into ``totals``."""
         idx = mb.index.tolist()
         mask = mb.mask.to(self.device)
         ids = mb.input_ids.to(self.device)
-        old = _padded([logp_old[i].to(mask) for i in idx], mask)
+        old = None if logp_old is None else _padded([logp_old[i].to(mask) for i in idx], mask)
         ref = _padded([logp_ref[i].to(mask) for i in idx], mask) if logp_ref is not None else None
         adv = advantages[mb.index].to(mask)
         share = float(mb.mask.sum()) / global_tokens
 
         def loss_fn(output: torch.Tensor, non_loss_data: bool = False):
             new = self._token_logprobs(output, ids)
-            pg, stats = clipped_pg_loss(new, old, adv, mask, self.config.clip_eps)
+            pg, stats = clipped_pg_loss(new, new.detach() if old is None else old, adv, mask, self.config.clip_eps)
             loss, kl = pg, None
             if ref is not None:
                 kl = kl_penalty(new, ref, mask)

@@ -15,6 +15,10 @@ Contract
   gradient of the token mean over the whole step's batch. Clipping and the AdamW
   step then run identically on every rank, which keeps the replicas equal.
 * With ``kl_coef > 0`` a frozen copy of the initial policy is the KL reference.
+* ``update`` makes exactly one optimizer step, after all micro-batches, so the
+  policy that generated the batch is the one being differentiated: with
+  ``logp_old=None`` the old log-probs are the update forward's own, detached (ratio
+  exactly 1), and no separate log-prob pass is needed.
 * Nothing here is distributed or random; the RL loop owns both.
 """
 from __future__ import annotations
@@ -112,20 +116,23 @@ class PolicyTrainer:
         return token_logprobs(logits, mb.input_ids[:, 1:])
 
     @torch.no_grad()
-    def logprobs(self, batch: Sequence[Sequence2]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """Response log-probs under the current policy (and the reference), per sequence."""
+    def logprobs(self, batch: Sequence[Sequence2], current: bool = True
+                 ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """Response log-probs under the current policy (None unless `current`) and the
+        reference (None without one), per sequence."""
         mbs = micro_batches(batch, self.config.micro_batch)
-        old = _scatter([self._token_logprobs(self.model, mb) for mb in mbs], mbs, len(batch))
+        old = _scatter([self._token_logprobs(self.model, mb) for mb in mbs], mbs, len(batch)) if current else None
         ref = None
         if self.reference is not None:
             ref = _scatter([self._token_logprobs(self.reference, mb) for mb in mbs], mbs, len(batch))
         return old, ref
 
-    def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor],
+    def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                logp_ref: list[torch.Tensor] | None, global_tokens: int,
                reduce_grads: Callable[[list[torch.Tensor]], None] | None = None) -> dict[str, float]:
         """One optimizer step of the clipped PG loss (+ KL) as a token mean over
-        ``global_tokens`` response tokens of all ranks."""
+        ``global_tokens`` response tokens of all ranks; ``logp_old=None``: this
+        forward's own log-probs, detached (see the module contract)."""
         if advantages.shape != (len(batch),):
             raise ValueError(f"PolicyTrainer.update: advantages must be [{len(batch)}], got {tuple(advantages.shape)}")
         if global_tokens < 1:
@@ -135,7 +142,7 @@ class PolicyTrainer:
         for mb in micro_batches(batch, self.config.micro_batch):
             idx = mb.index.tolist()
             new = self._token_logprobs(self.model, mb)
-            old = _padded([logp_old[i] for i in idx], mb.mask)
+            old = new.detach() if logp_old is None else _padded([logp_old[i] for i in idx], mb.mask)
             pg, stats = clipped_pg_loss(new, old, advantages[mb.index], mb.mask, self.config.clip_eps)
             n_local = float(mb.mask.sum())
             loss = pg

@@ -49,6 +49,10 @@ def run_case(case: PolicyCase, world: int) -> dict | None:
                            trainer.allreduce_data_parallel_grads)
     canonical = trainer.canonical_state_dict()
     rollout = trainer.rollout_state_dict(rollout_tp=1)
+    # a second step with the old log-probs taken from the loss forward itself (logp_old=None)
+    trainer.update(batch, case.advantages[list(mine)], None, ref, global_tokens,
+                   trainer.allreduce_data_parallel_grads)
+    canonical_on_policy = trainer.canonical_state_dict()
     local = {"coords": trainer.coords, "dp": dp_rank, "ids": mine, "old": old, "ref": ref, "stats": stats,
              "hidden": hidden, "rollout": rollout,
              "norms": {k: v.clone() for k, v in trainer.model.state_dict().items() if "layernorm.weight" in k},
@@ -57,7 +61,7 @@ def run_case(case: PolicyCase, world: int) -> dict | None:
     parallel_state.destroy_model_parallel()
     if dist.get_rank() != 0:
         return None
-    return {"canonical": canonical, "ranks": everyone}
+    return {"canonical": canonical, "canonical_on_policy": canonical_on_policy, "ranks": everyone}
 
 
 def session(rank: int, world: int, cases: list[PolicyCase]) -> dict | None:

@@ -41,6 +41,7 @@ def test_baseline_turns_off_sd_and_drafter_training_only():
     ("nonsense=3", "nonsense"),
     ("steps=abc", "steps"),
     ("grpo.lr=fast", "grpo.lr"),
+    ("grpo.separate_logprob_pass=maybe", "grpo.separate_logprob_pass"),
 ])
 def test_unknown_keys_and_wrong_types_name_the_key(override, key):
     with pytest.raises(ValueError, match=f"'{key}'"):
