@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from nemo_tlt.checks import check_int
 from nemo_tlt.speculative.tree_shape import TreeShape
 
 _STATE_VERSION = 1
@@ -60,11 +61,8 @@ class BanditConfig:
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 <= eps <= 1.0:
             raise ValueError(f"BanditConfig.epsilon must be a number in [0, 1], got {eps!r}")
         object.__setattr__(self, "epsilon", float(eps))
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"BanditConfig.window must be an int >= 1, got {self.window!r}")
-        mp = self.min_pulls
-        if isinstance(mp, bool) or not isinstance(mp, int) or not 1 <= mp <= self.window:
-            raise ValueError(f"BanditConfig.min_pulls must be an int in [1, window={self.window}], got {mp!r}")
+        check_int("BanditConfig.window", self.window, 1)
+        check_int("BanditConfig.min_pulls", self.min_pulls, 1, self.window)
 
     def _validate_arms(self) -> None:
         if not self.arms:

@@ -275,6 +275,8 @@ class MegatronPolicyTrainer:
                  ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
         """Response log-probs under the current policy (None unless `current`) and the
         reference (None without one), per sequence, on every rank."""
+        if not current and self.reference is None:  # nothing to compute: no batch check (a collective)
+            return None, None
         mbs = micro_batches(batch, self.config.micro_batch)
         with self._device_context():
             self._check_same_batch(batch)

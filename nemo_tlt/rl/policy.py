@@ -120,6 +120,8 @@ class PolicyTrainer:
                  ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
         """Response log-probs under the current policy (None unless `current`) and the
         reference (None without one), per sequence."""
+        if not current and self.reference is None:
+            return None, None
         mbs = micro_batches(batch, self.config.micro_batch)
         old = _scatter([self._token_logprobs(self.model, mb) for mb in mbs], mbs, len(batch)) if current else None
         ref = None
