@@ -134,6 +134,27 @@ def fill_holes_order(alive: torch.Tensor) -> torch.Tensor:
     return order
 
 
+def row_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """Group row moves dst[i] <- src[i] into runs of consecutive rows on both sides:
+    (src_start, dst_start, length), in order."""
+    runs: list[list[int]] = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [(s, d, n) for s, d, n in runs]
+
+
+def _copy_runs(out: torch.Tensor, buf: torch.Tensor, runs, used: int, row_dim: int, slot_dim: int) -> None:
+    # One strided slice copy per run. On CPU, index_select / index_copy_ over a view cut
+    # to `used` slots ran ~100x slower than these copies (45 ms against 0.3 ms for 7 rows
+    # of a 16-layer cache).
+    for s, d, n in runs:
+        out.narrow(row_dim, d, n).narrow(slot_dim, 0, used).copy_(
+            buf.narrow(row_dim, s, n).narrow(slot_dim, 0, used))
+
+
 def keep_rows(buf: torch.Tensor, rows: torch.Tensor, used: int, row_dim: int, slot_dim: int,
               alloc_rows: int) -> tuple[torch.Tensor, int]:
     """Keep `rows` of a slot-indexed batch buffer, carrying over only slots [0, used).
@@ -143,17 +164,23 @@ def keep_rows(buf: torch.Tensor, rows: torch.Tensor, used: int, row_dim: int, sl
     the rows whose position changes are copied, `used` slots each; with the order of
     `fill_holes_order` that is one row per finished sequence. Once the kept rows are at
     most half of the allocation (`alloc_rows`), they move to a fresh zeroed buffer
-    instead, so the memory held stays within 2x of what the running rows need. Slots
-    past `used` hold stale but finite values.
+    instead, so the memory held stays within 2x of what the running rows need. Rows are
+    copied as runs of consecutive rows (`row_runs`). Slots past `used` hold stale but
+    finite values.
     Returns (buffer, rows of its allocation)."""
     n = rows.numel()
+    order = rows.tolist()
     if 2 * n <= alloc_rows:
         out = _zeros_resized(buf, row_dim, n)
-        out.narrow(slot_dim, 0, used).copy_(buf.narrow(slot_dim, 0, used).index_select(row_dim, rows))
+        _copy_runs(out, buf, row_runs(order, list(range(n))), used, row_dim, slot_dim)
         return out, n
-    dst = (rows != torch.arange(n, device=rows.device)).nonzero().flatten()
+    dst = [i for i, r in enumerate(order) if r != i]
     out = buf.narrow(row_dim, 0, n)
-    if dst.numel():
-        moved = buf.narrow(slot_dim, 0, used).index_select(row_dim, rows[dst])  # read all before writing
-        out.narrow(slot_dim, 0, used).index_copy_(row_dim, dst, moved)
+    if dst:
+        src = [order[i] for i in dst]
+        if set(src) & set(dst):  # a row both read and overwritten: read all before writing
+            moved = buf.narrow(slot_dim, 0, used).index_select(row_dim, torch.tensor(src)).contiguous()
+            _copy_runs(out, moved, row_runs(list(range(len(dst))), dst), used, row_dim, slot_dim)
+        else:
+            _copy_runs(out, buf, row_runs(src, dst), used, row_dim, slot_dim)
     return out, alloc_rows

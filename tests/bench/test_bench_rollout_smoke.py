@@ -57,6 +57,13 @@ def test_longtail_workload(tiny):
         payload["results"])
     assert payload["outputs_identical"] is True
     assert payload["trace"] and (tiny / "lt.png").is_file()
+    assert all(len(r["wall_s_rounds"]) == 5 for r in payload["results"].values())
+
+
+def test_median_round_is_the_middle_wall_time():
+    rounds = [({"wall_s": w}, f"trace{w}") for w in (3.0, 1.0, 5.0, 2.0)]
+    assert longtail.median_round(rounds) == ({"wall_s": 2.0}, "trace2.0")   # lower middle of 4
+    assert longtail.median_round(rounds[:3]) == ({"wall_s": 3.0}, "trace3.0")
 
 
 def test_bad_shape_is_refused(tiny):

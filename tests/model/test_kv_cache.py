@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_tlt.model.kv_cache import KVCache, fill_holes_order, keep_rows
+from nemo_tlt.model.kv_cache import KVCache, fill_holes_order, keep_rows, row_runs
 
 
 def _filled_cache(batch: int, capacity: int = 12) -> KVCache:
@@ -69,6 +69,30 @@ def test_keep_rows_copies_only_rows_that_change_position():
     assert alloc == 6 and out.data_ptr() == buf.data_ptr()        # same allocation
     assert out[:, :3].tolist() == before[[0, 5, 2, 3], :3].tolist()
     assert out[1, 3] == before[1, 3]                              # slots past `used` are not copied
+
+
+def test_row_runs_groups_consecutive_moves():
+    assert row_runs([0, 1, 2, 7, 6], [0, 1, 2, 3, 4]) == [(0, 0, 3), (7, 3, 1), (6, 4, 1)]
+    assert row_runs([4, 5], [1, 2]) == [(4, 1, 2)]
+    assert row_runs([], []) == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_keep_rows_equals_index_select_on_random_selections(seed):
+    """Any order (overlapping moves included), both the in-place and the fresh-buffer path,
+    row dim before or after other dims: the first `used` slots equal a plain index_select."""
+    g = torch.Generator().manual_seed(seed)
+    B = int(torch.randint(2, 12, (1,), generator=g))
+    buf = torch.randn(3, B, 2, 9, 4, generator=g)
+    n = int(torch.randint(1, B + 1, (1,), generator=g))
+    rows = torch.randperm(B, generator=g)[:n]
+    if seed % 2:                                   # the engine's order: few moves
+        alive = torch.zeros(B, dtype=torch.bool)
+        alive[rows] = True
+        rows = fill_holes_order(alive)
+    expect = buf.index_select(1, rows)[:, :, :, :5].clone()
+    out, _ = keep_rows(buf, rows, used=5, row_dim=1, slot_dim=3, alloc_rows=B)
+    assert torch.equal(out[:, :, :, :5], expect)
 
 
 def test_row_range_is_a_view_that_prefills_its_rows():
