@@ -23,6 +23,7 @@ from typing import List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from nemo_tlt.adaptive.sd_policy import REWARDS
 from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.rl.tasks import TASK_NAMES, TaskConfig
 from nemo_tlt.speculative.sampling import MODES
@@ -129,11 +130,11 @@ class RolloutBlock:
     epsilon: float = 0.1
     window: int = 32
     min_pulls: int = 1          # pulls of every arm per bucket before the bandit exploits
-    reward: str = "per_row"     # bandit reward: "per_row" (tokens / s / running row) or "throughput"
+    reward: str = "scaled"      # bandit reward: "scaled", "per_row" or "throughput" (see SDPolicyConfig)
 
     def __post_init__(self) -> None:
-        if self.reward not in ("per_row", "throughput"):
-            raise ValueError(f"rollout.reward must be 'per_row' or 'throughput', got {self.reward!r}")
+        if self.reward not in REWARDS:
+            raise ValueError(f"rollout.reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
         check_int("rollout.threshold_on", self.threshold_on, 1)
         check_int("rollout.threshold_off", self.threshold_off, 1)
         if self.threshold_off < self.threshold_on:

@@ -31,9 +31,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from nemo_tlt.adaptive.bandit import BegMab
+from nemo_tlt.adaptive.step_cost import StepCostFit
 from nemo_tlt.speculative.tree_shape import TreeShape
 
 TraceEntry = tuple[int, str | None]  # (num_running, shape name or None for plain)
+REWARDS = ("scaled", "per_row", "throughput")
 
 
 @runtime_checkable
@@ -65,17 +67,17 @@ class SDPolicyConfig:
     threshold_off: int = 48
     record_trace: bool = False
     # The bandit's reward per step: "throughput" is TLT's tokens / second;
-    # "per_row" divides it by the running batch size (accepted length per second).
-    # Within one batch-size bucket the batch shrinks as rows finish, and with
-    # throughput an arm tried early (more rows) keeps a higher median than one tried
-    # later; per row, the arms compare on what they control. Where a step costs the
-    # same at every batch size of a bucket (overhead- or memory-bound decoding,
-    # where SD is on) both rank the arms alike at a fixed batch size.
-    reward: str = "per_row"
+    # "per_row" divides it by the running batch size (accepted length per second);
+    # "scaled" divides it by running**b, b the exponent of step time in batch size
+    # fitted online (see step_cost.py). Within one batch-size bucket the batch shrinks
+    # as rows finish, so with throughput an arm tried early (more rows) keeps a higher
+    # median than one tried later, and per row the other way round, unless a step's
+    # cost grows exactly like the batch. "scaled" removes that bias for any b.
+    reward: str = "scaled"
 
     def __post_init__(self) -> None:
-        if self.reward not in ("throughput", "per_row"):
-            raise ValueError(f"SDPolicyConfig.reward must be 'throughput' or 'per_row', got {self.reward!r}")
+        if self.reward not in REWARDS:
+            raise ValueError(f"SDPolicyConfig.reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
         for name in ("enabled", "record_trace"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SDPolicyConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -176,6 +178,7 @@ class AdaptiveSDPolicy(_TracedPolicy):
         self.fixed_shape = fixed_shape
         self._sd_on = False
         self._trace = _Trace(config.record_trace)
+        self.step_cost = StepCostFit()
 
     @property
     def sd_on(self) -> bool:
@@ -212,12 +215,16 @@ class AdaptiveSDPolicy(_TracedPolicy):
         reward = float(tokens_generated) / float(elapsed_s)
         if self.config.reward == "per_row":
             reward /= num_running
+        elif self.config.reward == "scaled":
+            self.step_cost.add(shape.name, num_running, float(elapsed_s))
+            reward = self.step_cost.scaled_reward(tokens_generated, float(elapsed_s), num_running)
         self.bandit.update(num_running, shape, reward)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "sd_on": self._sd_on,
             "bandit": None if self.bandit is None else self.bandit.state_dict(),
+            "step_cost": self.step_cost.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -231,6 +238,8 @@ class AdaptiveSDPolicy(_TracedPolicy):
             )
         if self.bandit is not None:
             self.bandit.load_state_dict(state["bandit"])
+        if "step_cost" in state:  # absent from states saved before the "scaled" reward
+            self.step_cost.load_state_dict(state["step_cost"])
         self._sd_on = state["sd_on"]
 
 

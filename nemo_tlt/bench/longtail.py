@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from nemo_tlt.adaptive.bandit import BanditConfig, BegMab
-from nemo_tlt.adaptive.sd_policy import AdaptiveSDPolicy, FixedSDPolicy, SDPolicyConfig
+from nemo_tlt.adaptive.sd_policy import REWARDS, AdaptiveSDPolicy, FixedSDPolicy, SDPolicyConfig
 from nemo_tlt.rl.assets import AssetConfig, default_cache_dir, load_assets, prepare_assets, task_requests
 from nemo_tlt.bench.common import format_table, machine_info, write_json
 from nemo_tlt.bench.headroom import per_bucket_oracle
@@ -50,8 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bucket-edges", default="2,4,8,16", help="bandit batch-size bucket edges")
     p.add_argument("--epsilon", type=float, default=0.1)
     p.add_argument("--min-pulls", type=int, default=3, help="pulls of every arm per bucket before exploiting")
-    p.add_argument("--reward", choices=["per_row", "throughput"], default="per_row",
-                   help="bandit reward: tokens/s per running row, or tokens/s")
+    p.add_argument("--reward", choices=list(REWARDS), default="scaled",
+                   help="bandit reward: tokens/s over running**b (b fitted), per running row, or tokens/s")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=5,

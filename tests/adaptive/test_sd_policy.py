@@ -102,6 +102,30 @@ def test_per_row_reward_compares_arms_tried_at_different_batch_sizes_of_a_bucket
     assert picks == {"throughput": ARMS[0], "per_row": ARMS[1]}
 
 
+def test_scaled_reward_ranks_arms_whose_steps_cost_running_to_the_half():
+    # Step time = 0.01 * running**0.5 (cost grows, but slower than the batch). Arm 1
+    # makes 3.3 tokens a row, arm 0 3.0: arm 1 is better. In the bucket [8, 64) one arm
+    # ran at batch 60, the other at 10. Per row, the arm pulled at 60 looks worse (its
+    # step was dearer); by throughput, the arm pulled at 10 looks worse (fewer rows).
+    # Scaled by the fitted running**0.5, arm 1 wins either way.
+    def best(reward: str, big_batch_arm: int) -> TreeShape:
+        bandit = BegMab(BanditConfig(ARMS[:2], (8, 64), epsilon=0.0), np.random.default_rng(0))
+        policy = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=64, threshold_off=64, reward=reward), bandit=bandit)
+        # The tail bucket [1, 8) has both arms at batch sizes 1..4: the fit finds 0.5 there.
+        steps = [(a, r) for r in (1, 2, 4) for a in (0, 1)]
+        steps += [(big_batch_arm, 60), (1 - big_batch_arm, 10)]
+        for arm, rows in steps:
+            policy.observe(rows, ARMS[arm], round(rows * (3.0, 3.3)[arm]), 0.01 * rows ** 0.5)
+        if reward == "scaled":
+            assert policy.step_cost.exponent() == pytest.approx(0.5, abs=0.02)
+        return bandit.bucket_stats(bandit.bucket_of(10)).best_arm
+
+    for big_batch_arm in (0, 1):
+        assert best("scaled", big_batch_arm) == ARMS[1]
+    assert best("per_row", big_batch_arm=1) == ARMS[0]      # fooled: arm 1 ran at the dear batch
+    assert best("throughput", big_batch_arm=0) == ARMS[0]   # fooled: arm 0 ran with more rows
+
+
 def test_observe_rejects_bad_outcomes():
     policy = AdaptiveSDPolicy(SDPolicyConfig(), bandit=make_bandit())
     for args, match in [

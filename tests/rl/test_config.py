@@ -68,7 +68,7 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
     ("rollout.arms=[4_2_8]", r"quote each arm"),
     ("rollout.epsilon=2", r"rollout\.epsilon"),
     ("rollout.min_pulls=40", r"rollout\.min_pulls=40 must be <= rollout\.window=32"),
-    ("rollout.reward=tokens", r"rollout\.reward must be 'per_row' or 'throughput'"),
+    ("rollout.reward=tokens", r"rollout\.reward must be one of scaled, per_row, throughput"),
     ("drafter.min_idle_workers=3", r"drafter\.min_idle_workers=3 exceeds workers\.num_workers=2"),
     ("workers.num_workers=0", r"workers\.num_workers"),
     ("workers.start_method=thread", r"workers\.start_method"),
