@@ -181,9 +181,14 @@ class WorkerCoordinator:
             return True
         if self.store.add(self._key(f"preempt/{self.rank}"), 0) > self._preempt_base:
             # Latch it, so later checks cost no Store round trip. The requester stamps
-            # each request; read the first one after our baseline for latency metrics.
-            stamp = self.store.get(self._key(f"preempt/{self.rank}/{self._preempt_base + 1}"))
-            self._preempt_requested_at = float(stamp.decode())
+            # each request right after counting it; read the first stamp after our
+            # baseline for latency metrics. Never wait for a stamp not written yet: a
+            # Store `get` blocks on a missing key while holding the client, so with the
+            # requester in this process (the RL loop's thread, sharing the Store) its
+            # `set` of that stamp would wait behind us until the Store timed out.
+            key = self._key(f"preempt/{self.rank}/{self._preempt_base + 1}")
+            stamp = self.store.get(key) if self.store.check([key]) else None
+            self._preempt_requested_at = float(stamp.decode()) if stamp is not None else self._clock()
             self._local_preempt.set()
             return True
         return False

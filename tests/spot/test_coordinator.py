@@ -266,3 +266,25 @@ def test_multiprocess_tcpstore_staggered_idle_train_preempt_meet():
     assert (2, WorkerState.TRAINING) not in first
     d = state_durations(events, min(e.time for e in events), max(e.time for e in events))
     assert d[WorkerState.TRAINING] > 0.5  # about 0.7 s x 2 ranks of training in the window
+
+
+def test_request_counted_but_not_yet_stamped_does_not_block_a_shared_tcpstore():
+    """The requester counts a preemption, then stamps it. A check landing between the two
+    must not wait for the stamp: with one TCPStore client shared by two threads (the RL
+    loop and the drafter trainer of one process) a `get` on the missing stamp holds the
+    client, so the requester's `set` of it would wait until the Store timed out."""
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, datetime.timedelta(seconds=30),
+                          wait_for_workers=False)
+    worker = WorkerCoordinator(store, 0, 2, prefix="t/stamp", timeout_s=30, clock=lambda: 123.0)
+    worker.mark_idle()
+    store.add("t/stamp/preempt/0", 1)           # counted; the stamp is not there yet
+    t0 = time.perf_counter()
+    assert worker.preempt_requested()
+    assert time.perf_counter() - t0 < 5.0
+    assert worker.preempt_requested_at == 123.0  # our own clock stands in for the stamp
+    # And a stamped request still reports the requester's time.
+    other = WorkerCoordinator(store, 1, 2, prefix="t/stamp", timeout_s=30, clock=lambda: 7.0)
+    worker.mark_busy()
+    worker.mark_idle()
+    other.request_preemption(0)
+    assert worker.preempt_requested() and worker.preempt_requested_at == 7.0
