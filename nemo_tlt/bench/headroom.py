@@ -29,10 +29,15 @@ def per_bucket_oracle(traces: Mapping[str, Sequence[StepTrace]], bucket_of: Call
         raise ValueError("per_bucket_oracle: no fixed-arm traces given")
     per_arm = {name: bucket_seconds(tr, bucket_of) for name, tr in traces.items()}
     buckets = sorted({b for secs in per_arm.values() for b in secs})
-    best_per_bucket = {b: min(per_arm, key=lambda a: per_arm[a].get(b, 0.0)) for b in buckets}
-    oracle = sum(per_arm[a].get(b, 0.0) for b, a in best_per_bucket.items())
+    # Only arms that decoded in a bucket compete there: an arm that skipped a bucket
+    # (its rows finished across it in one step) did that bucket's work elsewhere.
+    best_per_bucket = {b: min((a for a in per_arm if b in per_arm[a]), key=lambda a: per_arm[a][b])
+                       for b in buckets}
+    oracle = sum(per_arm[a][b] for b, a in best_per_bucket.items())
     totals = {a: sum(secs.values()) for a, secs in per_arm.items()}
     best = min(totals, key=totals.get)
+    if totals[best] < oracle:  # one arm throughout is itself a per-bucket choice
+        oracle, best_per_bucket = totals[best], {b: best for b in buckets}
     return {"oracle_steps_s": oracle, "best_fixed": best, "best_fixed_steps_s": totals[best],
             "oracle_vs_best_fixed": oracle / totals[best] if totals[best] > 0 else 1.0,
             "best_per_bucket": best_per_bucket}

@@ -29,6 +29,15 @@ def test_oracle_takes_the_fastest_arm_in_each_bucket():
     assert h["oracle_vs_best_fixed"] == pytest.approx(2.0 / 3.5)
 
 
+def test_an_arm_that_skipped_a_bucket_does_not_win_it_for_free():
+    traces = {"deep": _trace((8, 2.0)),                 # its rows finished in one step: no tail steps
+              "chain": _trace((8, 1.0), (1, 1.5))}
+    h = per_bucket_oracle(traces, bucket_of)
+    # chain in both buckets (2.5 s) is worse than deep throughout (2.0 s): the oracle is that
+    assert h["best_per_bucket"] == {0: "deep", 1: "deep"} and h["oracle_steps_s"] == pytest.approx(2.0)
+    assert h["oracle_vs_best_fixed"] == 1.0
+
+
 def test_one_arm_has_no_headroom_and_no_arms_is_refused():
     assert per_bucket_oracle({"a": _trace((8, 1.0), (1, 2.0))}, bucket_of)["oracle_vs_best_fixed"] == 1.0
     with pytest.raises(ValueError, match="no fixed-arm traces"):
