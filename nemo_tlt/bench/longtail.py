@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                                       f", max {lengths[-1]}")
     payload = {"benchmark": "rollout", "workload": "longtail", "results": results, "outputs_identical": identical,
                "ratios": ratios, "headroom": headroom, "timeline_png": str(png), "bandit": bandit.log_dict(),
+               "step_time_exponent": adaptive.step_cost.exponent(),
                "response_lengths": {"median": lengths[len(lengths) // 2], "max": lengths[-1], "min": lengths[0]},
                "trace": [vars(t) for t in trace], "machine": machine_info(),
                "config": {k: v for k, v in vars(args).items() if k not in ("arm_shapes",)}}

@@ -58,6 +58,7 @@ def test_longtail_workload(tiny):
     assert payload["outputs_identical"] is True
     assert payload["trace"] and (tiny / "lt.png").is_file()
     assert all(len(r["wall_s_rounds"]) == 5 for r in payload["results"].values())
+    assert 0.0 <= payload["step_time_exponent"] <= 1.0 and payload["headroom"]["oracle_vs_best_fixed"] <= 1.0
 
 
 def test_median_round_is_the_middle_wall_time():
