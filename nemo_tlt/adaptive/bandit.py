@@ -12,10 +12,16 @@ Contract
   ``[1, e0)``, bucket ``i`` holds ``[e(i-1), e(i))`` and the last bucket
   ``[e(n-1), inf)``.
 * Reward is throughput (tokens generated in the step / elapsed seconds). Each
-  (bucket, arm) keeps a sliding window of its last ``window`` rewards; the
-  greedy choice is the arm with the best window *median*, which shrugs off the
-  occasional slow step (a page fault, a preemption) and tracks a drafter whose
-  acceptance changes as it is retrained.
+  (bucket, arm) keeps a sliding window of its last ``window`` rewards, each with
+  the batch size it was earned at; the greedy choice is the arm with the best
+  window *median*, which shrugs off the occasional slow step (a page fault, a
+  preemption) and tracks a drafter whose acceptance changes as it is retrained.
+* The median is of ``reward / batch_size ** size_exponent``. Within a bucket the
+  batch shrinks as rows finish, and a step's cost grows with the batch like
+  ``batch ** b``; with ``size_exponent = b`` arms pulled at different batch sizes
+  compare fairly (0: raw throughput; 1: per running row). The exponent is applied
+  when ranking, not when storing, so a new estimate of b (see
+  nemo_tlt.adaptive.step_cost) rescales every reward in the windows alike.
 * :meth:`BegMab.select` first pulls every arm of the bucket ``min_pulls`` times
   (the least-pulled arm next, ties to the lowest index; with the default of 1:
   every untried arm, in arm order), then explores uniformly with probability
@@ -38,7 +44,7 @@ import numpy as np
 from nemo_tlt.checks import check_int
 from nemo_tlt.speculative.tree_shape import TreeShape
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 1: windows of plain rewards (loaded as earned at batch size 1)
 
 
 @dataclass(frozen=True)
@@ -176,10 +182,21 @@ class BegMab:
         self._rng = rng
         self._arm_index = {arm: i for i, arm in enumerate(config.arms)}
         nb, na = config.num_buckets, len(config.arms)
-        self._windows: list[list[deque[float]]] = [
+        self._windows: list[list[deque[tuple[float, int]]]] = [
             [deque(maxlen=config.window) for _ in range(na)] for _ in range(nb)
         ]
         self._pulls = [[0] * na for _ in range(nb)]
+        self._size_exponent = 0.0
+
+    @property
+    def size_exponent(self) -> float:
+        return self._size_exponent
+
+    def set_size_exponent(self, exponent: float) -> None:
+        """Rank by the median of reward / batch_size ** exponent (see the module docstring)."""
+        if isinstance(exponent, bool) or not isinstance(exponent, numbers.Real) or not 0.0 <= exponent <= 1.0:
+            raise ValueError(f"BegMab.size_exponent must be a number in [0, 1], got {exponent!r}")
+        self._size_exponent = float(exponent)
 
     @property
     def arms(self) -> tuple[TreeShape, ...]:
@@ -217,11 +234,12 @@ class BegMab:
         reward = float(reward)
         if not math.isfinite(reward) or reward < 0.0:
             raise ValueError(f"reward must be a finite throughput >= 0, got {reward!r}")
-        self._windows[bucket][index].append(reward)
+        self._windows[bucket][index].append((reward, int(batch_size)))
         self._pulls[bucket][index] += 1
 
     def _medians(self, bucket: int) -> list[float | None]:
-        return [float(np.median(w)) if w else None for w in self._windows[bucket]]
+        e = self._size_exponent
+        return [float(np.median([r / n ** e for r, n in w])) if w else None for w in self._windows[bucket]]
 
     def _greedy_index(self, bucket: int) -> int:
         best, best_value = -1, -math.inf
@@ -262,7 +280,8 @@ class BegMab:
             "window": self.config.window,
             "epsilon": self.config.epsilon,
             "pulls": [list(p) for p in self._pulls],
-            "windows": [[list(w) for w in bucket] for bucket in self._windows],
+            "windows": [[[[r, n] for r, n in w] for w in bucket] for bucket in self._windows],
+            "size_exponent": self._size_exponent,
             "rng": _jsonable(self._rng.bit_generator.state),
         }
 
@@ -270,20 +289,24 @@ class BegMab:
         """Restore a :meth:`state_dict`; refuses a state made for other arms/buckets/window."""
         if not isinstance(state, dict):
             raise ValueError(f"bandit state must be a dict, got {type(state).__name__}")
-        _check_match(state, "version", _STATE_VERSION)
+        if state.get("version") not in (1, _STATE_VERSION):
+            raise ValueError(f"bandit state 'version'={state.get('version')!r} is not one this bandit reads "
+                             f"(1 or {_STATE_VERSION})")
         _check_match(state, "arms", [arm.name for arm in self.config.arms])
         _check_match(state, "bucket_edges", list(self.config.bucket_edges))
         _check_match(state, "window", self.config.window)
         pulls, windows = self._parse_counts(state)
+        exponent = state.get("size_exponent", self._size_exponent)
         rng_state = state.get("rng")
         generator = type(self._rng.bit_generator).__name__
         if not isinstance(rng_state, dict) or rng_state.get("bit_generator") != generator:
             raise ValueError(f"bandit state 'rng' does not match this bandit's generator ({generator})")
+        self.set_size_exponent(exponent)
         self._rng.bit_generator.state = rng_state
         self._pulls = pulls
         self._windows = [[deque(w, maxlen=self.config.window) for w in bucket] for bucket in windows]
 
-    def _parse_counts(self, state: dict[str, Any]) -> tuple[list[list[int]], list[list[list[float]]]]:
+    def _parse_counts(self, state: dict[str, Any]) -> tuple[list[list[int]], list[list[list[tuple[float, int]]]]]:
         nb, na = self.config.num_buckets, len(self.config.arms)
         pulls, windows = state.get("pulls"), state.get("windows")
         if not _is_grid(pulls, nb, na) or not _is_grid(windows, nb, na):
@@ -297,9 +320,16 @@ class BegMab:
                     raise ValueError(
                         f"bandit state 'windows'[{b}][{a}] must hold min(pulls, window) rewards"
                     )
+        if state["version"] == 1:  # plain rewards, already normalised as they were earned
+            return [list(p) for p in pulls], [[[(float(r), 1) for r in w] for w in bucket] for bucket in windows]
+        for b in range(nb):
+            for a in range(na):
+                if not all(isinstance(e, list) and len(e) == 2 and isinstance(e[1], int) and e[1] >= 1
+                           for e in windows[b][a]):
+                    raise ValueError(f"bandit state 'windows'[{b}][{a}] must hold [reward, batch_size >= 1] pairs")
         return (
             [list(p) for p in pulls],
-            [[[float(r) for r in w] for w in bucket] for bucket in windows],
+            [[[(float(r), int(n)) for r, n in w] for w in bucket] for bucket in windows],
         )
 
 

@@ -179,6 +179,8 @@ class AdaptiveSDPolicy(_TracedPolicy):
         self._sd_on = False
         self._trace = _Trace(config.record_trace)
         self.step_cost = StepCostFit()
+        if bandit is not None:  # the bandit ranks reward / running**exponent (see BegMab)
+            bandit.set_size_exponent(self._exponent())
 
     @property
     def sd_on(self) -> bool:
@@ -212,13 +214,17 @@ class AdaptiveSDPolicy(_TracedPolicy):
         # Plain steps carry no information about tree shapes; fixed shapes learn nothing.
         if shape is None or self.bandit is None:
             return
-        reward = float(tokens_generated) / float(elapsed_s)
-        if self.config.reward == "per_row":
-            reward /= num_running
-        elif self.config.reward == "scaled":
+        if self.config.reward == "scaled":
             self.step_cost.add(shape.name, num_running, float(elapsed_s))
-            reward = self.step_cost.scaled_reward(tokens_generated, float(elapsed_s), num_running)
-        self.bandit.update(num_running, shape, reward)
+            self.bandit.set_size_exponent(self._exponent())
+        self.bandit.update(num_running, shape, float(tokens_generated) / float(elapsed_s))
+
+    def _exponent(self) -> float:
+        """The batch-size exponent the bandit divides rewards by: 0 for throughput, 1 per
+        row, the fitted step-time exponent for "scaled"."""
+        if self.config.reward == "scaled":
+            return self.step_cost.exponent()
+        return 1.0 if self.config.reward == "per_row" else 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -240,6 +246,8 @@ class AdaptiveSDPolicy(_TracedPolicy):
             self.bandit.load_state_dict(state["bandit"])
         if "step_cost" in state:  # absent from states saved before the "scaled" reward
             self.step_cost.load_state_dict(state["step_cost"])
+        if self.bandit is not None:
+            self.bandit.set_size_exponent(self._exponent())
         self._sd_on = state["sd_on"]
 
 

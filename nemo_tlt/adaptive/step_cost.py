@@ -12,11 +12,11 @@ decoding) gives the "per_row" reward, ``b = 0`` (a fixed cost per step) gives
 "throughput"; on the 2-core CPU b was about 0.33. :class:`StepCostFit` estimates b
 as the pooled within-arm least-squares slope of log(seconds) on log(running): each
 arm's own cost level c_a is its intercept, so arms pulled at different batch sizes
-do not bias the slope. A reward is scaled with the b of its step, and rewards already
-in the bandit's windows keep theirs. On the default long-tail benchmark b read 0.78
-after 10 steps (all in the crowded head), 0.26 at the end of the first rollout and
-0.31-0.32 after the next two, so the first rollout's rewards are the least well
-scaled; they leave a window after 32 more pulls of that arm in that bucket.
+do not bias the slope. The bandit applies the current b when it ranks, to every
+reward in its windows alike (BegMab.size_exponent): on the default long-tail
+benchmark b read 0.78 after 10 steps (all in the crowded head), 0.26 at the end of
+the first rollout and 0.31-0.32 after the next two, and rewards scaled once with the
+early b would have kept that error until they left their window.
 """
 from __future__ import annotations
 
@@ -60,10 +60,6 @@ class StepCostFit:
         if spread < MIN_SPREAD:
             return self.prior
         return min(1.0, max(0.0, slope))
-
-    def scaled_reward(self, tokens: int, seconds: float, running: int) -> float:
-        """tokens / seconds / running**b with the current b."""
-        return tokens / seconds / running ** self.exponent()
 
     def state_dict(self) -> dict[str, Any]:
         return {"prior": self.prior, "stats": {k: list(v) for k, v in self._stats.items()}}

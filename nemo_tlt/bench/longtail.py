@@ -12,6 +12,7 @@ step trace and a timeline PNG beside it.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from pathlib import Path
 from typing import Any
@@ -115,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     runs.append(("longtail_adaptive", "adaptive", sd, lambda: adaptive))
     rounds: dict[str, list] = {name: [] for name, *_ in runs}
     outputs = {}
-    for _ in range(args.repeats):  # round-robin, so load changes hit every method alike
-        for name, key, engine, make_policy in runs:
+    for r in range(args.repeats):
+        # Round-robin, so load changes hit every method alike; each round starts one method
+        # later, so no method always follows the same one (the run after the widest tree
+        # had a slower prefill), and garbage of the previous run is collected untimed.
+        for name, key, engine, make_policy in runs[r % len(runs):] + runs[:r % len(runs)]:
+            gc.collect()
             res, outputs[key], trace = _run(engine, reqs, sp, make_policy())
             rounds[name].append((res, trace))
     # Each method reports its median round: on a noisy machine the fastest of several

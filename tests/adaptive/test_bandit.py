@@ -351,3 +351,41 @@ def test_bandit_requires_numpy_generator():
     config = BanditConfig(arms=ARMS, bucket_edges=EDGES)
     with pytest.raises(ValueError, match="rng"):
         BegMab(config, np.random.RandomState(0))  # type: ignore[arg-type]
+
+
+# ---- batch-size exponent ----
+
+
+def test_size_exponent_rescales_every_stored_reward_when_ranking():
+    bandit = BegMab(BanditConfig(ARMS[:2], (16,), epsilon=0.0), np.random.default_rng(0))
+    bandit.update(12, ARMS[0], 120.0)   # 10 tokens/s a row at 12 rows
+    bandit.update(3, ARMS[1], 60.0)     # 20 tokens/s a row at 3 rows
+    stats = lambda: bandit.bucket_stats(0)  # noqa: E731
+    assert stats().best_arm == ARMS[0] and stats().medians == (120.0, 60.0)   # raw throughput
+    bandit.set_size_exponent(1.0)       # already stored rewards are rescaled too
+    assert stats().best_arm == ARMS[1] and stats().medians == pytest.approx((10.0, 20.0))
+    bandit.set_size_exponent(0.5)
+    assert stats().medians == pytest.approx((120.0 / 12 ** 0.5, 60.0 / 3 ** 0.5))
+    for bad in (-0.1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="size_exponent"):
+            bandit.set_size_exponent(bad)
+
+
+def test_state_keeps_batch_sizes_and_exponent_and_reads_version_1():
+    bandit = BegMab(BanditConfig(ARMS[:2], (16,), epsilon=0.0), np.random.default_rng(0))
+    bandit.update(12, ARMS[0], 120.0)
+    bandit.update(3, ARMS[1], 60.0)
+    bandit.set_size_exponent(1.0)
+    state = json.loads(json.dumps(bandit.state_dict()))
+    restored = BegMab(bandit.config, np.random.default_rng(0))
+    restored.load_state_dict(state)
+    assert restored.size_exponent == 1.0 and restored.bucket_stats(0) == bandit.bucket_stats(0)
+    # A version-1 state held plain rewards, normalised as they were earned: batch size 1.
+    old = dict(state, version=1, windows=[[[120.0], [60.0]], [[], []]])
+    del old["size_exponent"]
+    restored.load_state_dict(old)
+    assert restored.bucket_stats(0).medians == (120.0, 60.0)
+    bad = copy.deepcopy(state)
+    bad["windows"][0][0] = [[120.0, 0]]
+    with pytest.raises(ValueError, match="batch_size >= 1"):
+        restored.load_state_dict(bad)
