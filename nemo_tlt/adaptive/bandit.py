@@ -311,6 +311,7 @@ class BegMab:
         pulls, windows = state.get("pulls"), state.get("windows")
         if not _is_grid(pulls, nb, na) or not _is_grid(windows, nb, na):
             raise ValueError(f"bandit state 'pulls' and 'windows' must be {nb} buckets x {na} arms")
+        pairs = state["version"] != 1  # version 1: plain rewards, normalised as they were earned
         for b in range(nb):
             for a in range(na):
                 count, window = pulls[b][a], windows[b][a]
@@ -320,13 +321,11 @@ class BegMab:
                     raise ValueError(
                         f"bandit state 'windows'[{b}][{a}] must hold min(pulls, window) rewards"
                     )
-        if state["version"] == 1:  # plain rewards, already normalised as they were earned
-            return [list(p) for p in pulls], [[[(float(r), 1) for r in w] for w in bucket] for bucket in windows]
-        for b in range(nb):
-            for a in range(na):
-                if not all(isinstance(e, list) and len(e) == 2 and isinstance(e[1], int) and e[1] >= 1
-                           for e in windows[b][a]):
+                if pairs and not all(isinstance(e, list) and len(e) == 2 and isinstance(e[1], int) and e[1] >= 1
+                                     for e in window):
                     raise ValueError(f"bandit state 'windows'[{b}][{a}] must hold [reward, batch_size >= 1] pairs")
+        if not pairs:
+            return [list(p) for p in pulls], [[[(float(r), 1) for r in w] for w in bucket] for bucket in windows]
         return (
             [list(p) for p in pulls],
             [[[(float(r), int(n)) for r, n in w] for w in bucket] for bucket in windows],

@@ -62,7 +62,7 @@ class StepCostFit:
         return min(1.0, max(0.0, slope))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"prior": self.prior, "stats": {k: list(v) for k, v in self._stats.items()}}
+        return {"stats": {k: list(v) for k, v in self._stats.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         stats = state.get("stats") if isinstance(state, dict) else None

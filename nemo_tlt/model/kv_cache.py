@@ -179,7 +179,7 @@ def keep_rows(buf: torch.Tensor, rows: torch.Tensor, used: int, row_dim: int, sl
     if dst:
         src = [order[i] for i in dst]
         if set(src) & set(dst):  # a row both read and overwritten: read all before writing
-            moved = buf.narrow(slot_dim, 0, used).index_select(row_dim, torch.tensor(src)).contiguous()
+            moved = buf.narrow(slot_dim, 0, used).index_select(row_dim, torch.tensor(src))
             _copy_runs(out, moved, row_runs(list(range(len(dst))), dst), used, row_dim, slot_dim)
         else:
             _copy_runs(out, buf, row_runs(src, dst), used, row_dim, slot_dim)
