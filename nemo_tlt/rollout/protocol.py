@@ -1,8 +1,8 @@
 """The `RolloutEngine` protocol and the values that cross it.
 
-Every rollout backend (the embedded torch engine, TensorRT-LLM) takes the same
-requests and returns the same results and stats, so the RL loop and the
-conformance tests do not care which one runs.
+The embedded torch engine (``torch_engine.py``) is the only implementation so far.
+The protocol is the surface a second backend (a TensorRT-LLM engine is planned)
+must offer: the same requests in, the same results and stats out.
 """
 from __future__ import annotations
 
