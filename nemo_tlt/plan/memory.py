@@ -1,0 +1,195 @@
+"""Per-GPU memory of the training and rollout phases of a colocated RL step, by term.
+
+Contract: pure functions of an ``LMConfig``, the parallel layout and the batch; every
+term is a byte count from a formula stated beside it (no measured fudge factors).
+``check_fit`` refuses a plan whose largest phase exceeds the GPU's memory, naming the
+phase, its largest term and the overflow.
+
+Training (Megatron, bf16 weights, Adam), per GPU of the fullest pipeline stage:
+  weights      2 B x P_rank           (P_rank: parameters of the stage / TP, vocab padded)
+  gradients    grad_bytes x P_rank    (fp32 main grads by default)
+  optimizer    12 B x P_rank / D      (fp32 master + Adam m, v; D = DP with the distributed optimizer, else 1)
+  activations  inflight x layers_stage x A_layer, with, per layer and micro-batch (bf16),
+               A_layer = 2 s b (4h + 2q + 2kv + 3f) / t   (sequence parallel: every term split by TP)
+               A_layer = 2 s b (4h + (2q + 2kv + 3f) / t) (no sequence parallel)
+               i.e. the stored inputs of the two norms and the q/k/v, attention-output,
+               fc1 (gate and up) and fc2 inputs; flash attention keeps no s x s scores.
+               Full recomputation stores 2 s b h / t per layer plus one layer's A_layer.
+               inflight = min(pp, micro-batches) on the first stage (1F1B schedule).
+  logits       last stage: 2 x 4 B x s b V_pad / t (fp32 logits and their gradient)
+  reserve      CUDA context, NCCL buffers and allocator slack (a configured allowance)
+
+Rollout, per GPU of a rollout replica of TP r:
+  weights      2 B x P / r
+  kv_cache     2 (K, V) x L x max(1, kv/r) x head_dim x 2 B x concurrency x (prompt + max response)
+  drafter      2 B x drafter parameters (replicated on every rollout rank)
+  drafter_training  16 B x drafter parameters (fp32 grads + master + Adam) + the harvest buffer
+               (TLT with drafter training only)
+  logits       4 B x V / r x max(concurrency, sd_rows x (num_verify + 1))
+  workspace    CUDA graphs and kernel workspaces (a configured allowance)
+  training_state  what the trainer keeps resident during rollout (weights, or everything,
+               or nothing when offloaded to host memory)
+  reserve      as for training
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.plan.cluster import GIB
+from nemo_tlt.weights.layout import ParallelLayout
+
+RECOMPUTE = ("none", "full")
+TRAINING_STATE = ("offload", "weights", "all")
+
+
+def layer_parameter_count(cfg: LMConfig) -> int:
+    h, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    bias = (q + 2 * kv) if cfg.qkv_bias else 0
+    o_bias = h if cfg.o_proj_bias else 0
+    return 2 * h + h * q + 2 * h * kv + q * h + 3 * h * f + bias + o_bias
+
+
+def parameter_count(cfg: LMConfig) -> int:
+    """Every parameter of the HF checkpoint (a tied embedding counted once)."""
+    vocab = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    return cfg.num_layers * layer_parameter_count(cfg) + vocab + cfg.hidden_size
+
+
+def drafter_parameter_count(cfg: LMConfig, fc_inputs: int = 2) -> int:
+    """The EAGLE drafter of nemo_tlt.drafter.eagle: fc (fc_inputs x h -> h, with bias), one
+    decoder layer and a norm; embedding and LM head are the target's (not counted)."""
+    h = cfg.hidden_size
+    return fc_inputs * h * h + h + layer_parameter_count(cfg) + h
+
+
+def stage_rank_parameters(cfg: LMConfig, layout: ParallelLayout) -> list[int]:
+    """Parameters held by one TP rank of every pipeline stage (padded vocab, replicated norms)."""
+    layer = layer_parameter_count(cfg)
+    norms = 2 * cfg.hidden_size
+    per_rank_layer = (layer - norms) // layout.tp + norms
+    vocab_part = layout.padded_vocab_size(cfg.vocab_size) // layout.tp * cfg.hidden_size
+    out = []
+    for p, count in enumerate(layout.stage_layer_counts(cfg.num_layers)):
+        n = count * per_rank_layer
+        if p == 0:
+            n += vocab_part
+        if p == layout.pp - 1:
+            n += cfg.hidden_size
+            if not cfg.tie_word_embeddings or layout.pp > 1:
+                n += vocab_part
+        out.append(n)
+    return out
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    layout: ParallelLayout
+    dp: int
+    micro_batch: int        # sequences per micro-batch
+    seq_len: int            # prompt + max response
+    num_micro_batches: int  # per optimizer step and DP rank
+    sequence_parallel: bool = True
+    recompute: str = "none"
+    distributed_optimizer: bool = True
+    grad_bytes: int = 4
+    reserve_gib: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"training.recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
+
+
+def activation_bytes_per_layer(cfg: LMConfig, tokens: int, tp: int, sequence_parallel: bool) -> int:
+    h, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    split = 2 * q + 2 * kv + 3 * f
+    if sequence_parallel:
+        return 2 * tokens * (4 * h + split) // tp
+    return 2 * tokens * (4 * h + split // tp)
+
+
+def training_memory(cfg: LMConfig, shape: TrainingShape) -> dict[str, float]:
+    """Bytes per GPU of the fullest stage, by term (see the module docstring)."""
+    layout, tokens = shape.layout, shape.micro_batch * shape.seq_len
+    worst: dict[str, float] = {}
+    counts = layout.stage_layer_counts(cfg.num_layers)
+    for p, params in enumerate(stage_rank_parameters(cfg, layout)):
+        per_layer = activation_bytes_per_layer(cfg, tokens, layout.tp, shape.sequence_parallel)
+        inflight = min(layout.pp - p, shape.num_micro_batches)
+        if shape.recompute == "full":
+            acts = inflight * counts[p] * 2 * tokens * cfg.hidden_size // layout.tp + per_layer
+        else:
+            acts = inflight * counts[p] * per_layer
+        logits = 8 * tokens * layout.padded_vocab_size(cfg.vocab_size) // layout.tp if p == layout.pp - 1 else 0
+        terms = {"weights": 2 * params, "gradients": shape.grad_bytes * params,
+                 "optimizer": 12 * params / (shape.dp if shape.distributed_optimizer else 1),
+                 "activations": acts, "logits": logits, "reserve": shape.reserve_gib * GIB}
+        if sum(terms.values()) > sum(worst.values()):
+            worst = terms
+    return {k: float(v) for k, v in worst.items()}
+
+
+@dataclass(frozen=True)
+class RolloutShape:
+    tp: int
+    concurrency: int        # sequences decoded at once by one rollout replica
+    context: int            # prompt + max response tokens per sequence
+    sd: bool = True
+    sd_rows: int = 32       # running sequences at and below which SD is on
+    max_num_verify: int = 16
+    drafter_training: bool = True
+    harvest_bytes: int = 256 * 2 ** 20
+    fc_inputs: int = 2
+    workspace_gib: float = 4.0
+    training_state: str = "offload"
+    reserve_gib: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.training_state not in TRAINING_STATE:
+            raise ValueError(f"rollout.training_state must be one of {list(TRAINING_STATE)}, "
+                             f"got {self.training_state!r}")
+
+
+def kv_bytes_per_token(cfg: LMConfig, tp: int, kv_bytes: int = 2) -> int:
+    """K and V of one token over all layers, on one GPU of a TP-``tp`` replica."""
+    heads = max(1, cfg.num_kv_heads // tp)
+    return 2 * cfg.num_layers * heads * cfg.head_dim * kv_bytes
+
+
+def rollout_memory(cfg: LMConfig, shape: RolloutShape, training: dict[str, float]) -> dict[str, float]:
+    drafter = drafter_parameter_count(cfg, shape.fc_inputs) if shape.sd else 0
+    rows = max(shape.concurrency, shape.sd_rows * (shape.max_num_verify + 1) if shape.sd else 0)
+    resident = {"offload": 0.0, "weights": training["weights"],
+                "all": training["weights"] + training["gradients"] + training["optimizer"]}[shape.training_state]
+    terms = {
+        "weights": 2 * parameter_count(cfg) / shape.tp,
+        "kv_cache": kv_bytes_per_token(cfg, shape.tp) * shape.concurrency * shape.context,
+        "drafter": 2 * drafter,
+        "drafter_training": (16 * drafter + shape.harvest_bytes) if (shape.sd and shape.drafter_training) else 0,
+        "logits": 4 * cfg.vocab_size * rows / shape.tp,
+        "workspace": shape.workspace_gib * GIB,
+        "training_state": resident,
+        "reserve": shape.reserve_gib * GIB,
+    }
+    return {k: float(v) for k, v in terms.items()}
+
+
+class PlanDoesNotFit(ValueError):
+    """A phase needs more memory per GPU than the GPU has."""
+
+
+def to_gib(terms: dict[str, float]) -> dict[str, float]:
+    return {k: round(v / GIB, 3) for k, v in terms.items()}
+
+
+def check_fit(memory: dict[str, dict[str, float]], gpu_gib: float) -> None:
+    """Raise ``PlanDoesNotFit`` naming every phase over ``gpu_gib``, its largest term and the overflow."""
+    problems = []
+    for phase, terms in memory.items():
+        total = sum(terms.values()) / GIB
+        if total > gpu_gib:
+            term, value = max(terms.items(), key=lambda kv: kv[1])
+            problems.append(f"{phase} needs {total:.1f} GiB per GPU, {total - gpu_gib:.1f} GiB more than the "
+                            f"GPU's {gpu_gib:.1f} GiB; largest term {phase}.{term} = {value / GIB:.1f} GiB")
+    if problems:
+        raise PlanDoesNotFit("plan does not fit: " + "; ".join(problems))
