@@ -6,12 +6,35 @@ engine plainly (`plain`) and with a fixed-shape EAGLE tree in each acceptance mo
 target (`hf_generate`) and HF assisted generation with a one-layer assistant LM
 (`hf_assisted`). Each method is warmed up on one prompt first. Writes JSON and
 prints a table.
+
+`mean_accept_len` has one definition for every method: generated tokens per
+target forward per sequence, after prefill, as a ratio of sums over all prompts
+(so token-weighted, not a mean of per-prompt ratios):
+
+    mean_accept_len = decode_tokens / decode_row_forwards
+    decode_tokens = tokens - prefill_only_rows
+
+* a *row-forward* is one sequence's share of one target forward (a forward over
+  a batch of B sequences counts B);
+* a *prefill-only* forward takes a prompt and yields that sequence's first token
+  and nothing else; `prefill_only_rows` counts the sequences whose first token came
+  from one, and neither those forwards nor those tokens count above;
+* every other target forward counts: a plain decode step (one token per row) or a
+  verification (the accepted draft tokens plus the target's own next token).
+
+The embedded engine and HF `generate` prefill every prompt in a forward of its
+own; HF assisted generation fuses the prefill with the first verification, so
+none of its forwards is prefill-only. Plain decoding gives exactly 1. With
+`--batch-size 1` each forward holds one sequence, so for every method
+`mean_accept_len = (tokens - prefill_only_rows) / (target_forwards - prefill_only_rows)`,
+the same counts `target_forwards_per_token = target_forwards / tokens` is made of.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -27,6 +50,8 @@ from nemo_tlt.speculative.tree_shape import TreeShape
 
 log = logging.getLogger(__name__)
 COLUMNS = ["tokens_per_s", "target_forwards_per_token", "mean_accept_len", "wall_s", "tokens"]
+ACCEPT_LEN_DEFINITION = ("decode_tokens / decode_row_forwards: generated tokens per target forward per sequence, "
+                         "prefill-only forwards and the first token each yields left out, summed over all prompts")
 
 
 def _batches(reqs: list[Request], size: int) -> list[list[Request]]:
@@ -37,56 +62,86 @@ def _cut_eos(tokens: list[int], eos: int) -> list[int]:
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
 
-class Method:
-    """One benchmarked method: `run(chunk)` -> (outputs, target forwards, accept lengths)."""
+@dataclass(frozen=True)
+class Counts:
+    """What one method did on one chunk of prompts (see the module docstring)."""
 
-    def __init__(self, name: str, run: Callable[[list[Request]], tuple[list[list[int]], int, list[int]]]) -> None:
+    outputs: list[list[int]]
+    target_forwards: int      # target model forwards; a batched forward counts once
+    prefill_only_rows: int    # sequences whose first token came from a prefill-only forward
+    decode_row_forwards: int  # every other forward, counted once per sequence it held
+
+
+class Method:
+    """One benchmarked method: `run(chunk)` -> `Counts`; `measure` times it and sums them."""
+
+    def __init__(self, name: str, run: Callable[[list[Request]], Counts]) -> None:
         self.name, self.run = name, run
         self.wall = 0.0
-        self.tokens = self.forwards = 0
-        self.accepts: list[int] = []
+        self.tokens = self.forwards = self.prefill_only_rows = self.decode_row_forwards = 0
         self.outputs: list[list[int]] = []
 
     def measure(self, chunk: list[Request]) -> None:
         t0 = time.perf_counter()
-        outs, forwards, accepts = self.run(chunk)
+        counts = self.run(chunk)
         self.wall += time.perf_counter() - t0
-        self.outputs += outs
-        self.tokens += sum(len(o) for o in outs)
-        self.forwards += forwards
-        self.accepts += accepts
+        self.outputs += counts.outputs
+        self.tokens += sum(len(o) for o in counts.outputs)
+        self.forwards += counts.target_forwards
+        self.prefill_only_rows += counts.prefill_only_rows
+        self.decode_row_forwards += counts.decode_row_forwards
 
     def result(self) -> dict[str, Any]:
-        mean_accept = sum(self.accepts) / len(self.accepts) if self.accepts else 1.0
+        decode_tokens = self.tokens - self.prefill_only_rows
         return {"tokens_per_s": self.tokens / self.wall, "target_forwards_per_token": self.forwards / self.tokens,
-                "mean_accept_len": mean_accept, "wall_s": self.wall, "tokens": self.tokens}
+                "mean_accept_len": decode_tokens / self.decode_row_forwards if self.decode_row_forwards else 0.0,
+                "wall_s": self.wall, "tokens": self.tokens, "target_forwards": self.forwards,
+                "prefill_only_rows": self.prefill_only_rows, "decode_tokens": decode_tokens,
+                "decode_row_forwards": self.decode_row_forwards}
 
 
 def engine_method(name: str, engine: TorchRolloutEngine, sp: SamplingParams, policy=None) -> Method:
-    def run(chunk: list[Request]):
+    def run(chunk: list[Request]) -> Counts:
         out = engine.generate(chunk, sp, policy=policy)
-        return [r.tokens for r in out.results], out.stats.target_forwards, out.stats.accept_lengths
+        # The engine prefills in forwards of their own (one first token per row); every
+        # later step, plain or SD, is one target forward over the rows still running.
+        return Counts([r.tokens for r in out.results], out.stats.target_forwards, len(chunk),
+                      sum(step.running for step in out.stats.trace))
     return Method(name, run)
 
 
-def hf_method(name: str, model, max_new: int, eos: int, pad: int, assistant=None) -> Method:
-    calls = {"n": 0}
-    model.register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+class ForwardLog:
+    """Input lengths of every forward of an HF model, from a forward pre-hook."""
+
+    def __init__(self, model) -> None:
+        self.lengths: list[int] = []
+        model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, _module, args, kwargs) -> None:
+        ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else (args[0] if args else None)
+        if ids is None:
+            raise RuntimeError("bench rollout: an HF forward without input_ids; cannot count its tokens")
+        self.lengths.append(int(ids.shape[-1]))
+
+
+def hf_method(name: str, model, forward_log: ForwardLog, max_new: int, eos: int, pad: int, assistant=None) -> Method:
     kw: dict[str, Any] = dict(max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=pad)
     if assistant is not None:
         kw["assistant_model"] = assistant
 
     @torch.no_grad()
-    def run(chunk: list[Request]):
-        outs, before = [], calls["n"]
+    def run(chunk: list[Request]) -> Counts:
+        outs, forwards, prefill_only = [], 0, 0
         for r in chunk:  # HF assisted generation takes one sequence at a time
             ids = torch.tensor([r.prompt])
+            forward_log.lengths.clear()
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
             outs.append(_cut_eos(out[0, ids.shape[1]:].tolist(), eos))
-        forwards = calls["n"] - before
-        verify_steps = forwards - len(chunk)  # all but the prefill of each sequence
-        accepts = [round(sum(len(o) for o in outs) / max(1, verify_steps))] if assistant is not None else []
-        return outs, forwards, accepts
+            forwards += len(forward_log.lengths)
+            # The first forward prefills; it is prefill-only when it held the prompt alone
+            # (assisted generation appends the first draft to it and verifies that too).
+            prefill_only += int(bool(forward_log.lengths) and forward_log.lengths[0] == len(r.prompt))
+        return Counts(outs, forwards, prefill_only, forwards - prefill_only)
     return Method(name, run)
 
 
@@ -113,6 +168,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
         p.error("--batch-size, --num-prompts and --max-new-tokens must be >= 1")
+    if args.threads < 0:
+        p.error(f"--threads must be >= 0, got {args.threads}")
     args.tree_shape = TreeShape.parse(args.shape, field="--shape")
     return args
 
@@ -141,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_hf:
         eos, pad = target.config.eos_token_id, target.config.pad_token_id
         hf_target, hf_assistant = _load_hf(assets.target_dir), _load_hf(assets.assistant_dir)
-        methods.append(hf_method("hf_generate", hf_target, args.max_new_tokens, eos, pad))
-        methods.append(hf_method("hf_assisted", hf_target, args.max_new_tokens, eos, pad, hf_assistant))
+        forwards = ForwardLog(hf_target)
+        methods.append(hf_method("hf_generate", hf_target, forwards, args.max_new_tokens, eos, pad))
+        methods.append(hf_method("hf_assisted", hf_target, forwards, args.max_new_tokens, eos, pad, hf_assistant))
     for m in methods:  # warm-up, not timed
         m.run(reqs[:1])
     # Interleave the methods chunk by chunk, so that load changes on a shared
@@ -164,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         ratios["plain_vs_hf_generate"] = base / results["hf_generate"]["tokens_per_s"]
         ratios["sd_greedy_vs_hf_assisted"] = results["sd_greedy"]["tokens_per_s"] / results["hf_assisted"]["tokens_per_s"]
     payload = {"benchmark": "rollout", "workload": args.workload, "results": results,
-               "greedy_outputs_identical": identical, "coupled_outputs_identical": coupled_identical, "ratios": ratios, "machine": machine_info(),
+               "mean_accept_len_definition": ACCEPT_LEN_DEFINITION, "greedy_outputs_identical": identical,
+               "coupled_outputs_identical": coupled_identical, "ratios": ratios, "machine": machine_info(),
                "config": {"batch_size": args.batch_size, "num_prompts": args.num_prompts,
                           "max_new_tokens": args.max_new_tokens, "shape": args.tree_shape.name,
                           "target": config.target.to_dict(), "task": config.task.to_dict(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import nemo_tlt.bench.longtail as longtail
 import nemo_tlt.bench.rollout as rollout
@@ -45,14 +46,34 @@ def test_default_workload(tiny):
         assert {"tokens_per_s", "target_forwards_per_token", "mean_accept_len", "wall_s"} <= set(r)
     assert payload["greedy_outputs_identical"] is True
     assert payload["results"]["sd_greedy"]["target_forwards_per_token"] < 1.0
+    assert_accept_len_matches_forward_counts(payload["results"], num_prompts=2)
+
+
+def assert_accept_len_matches_forward_counts(results: dict, num_prompts: int) -> None:
+    """At batch size 1 every target forward holds one sequence, so for every method
+    mean_accept_len = (tokens - P) / (target_forwards - P), P the prefill-only forwards:
+    one per prompt, except HF assisted generation, whose first forward also verifies."""
+    for name, r in results.items():
+        prefill_only = 0 if name == "hf_assisted" else num_prompts
+        forwards = round(r["target_forwards_per_token"] * r["tokens"])
+        assert r["mean_accept_len"] == pytest.approx((r["tokens"] - prefill_only) / (forwards - prefill_only),
+                                                     rel=1e-12), name
+        assert r["prefill_only_rows"] == prefill_only and r["target_forwards"] == forwards, name
+        if name.startswith(("plain", "hf_generate")):
+            assert r["mean_accept_len"] == 1.0, name  # one token per decode forward
+        else:
+            assert r["mean_accept_len"] >= 1.0, name  # a verification keeps at least the target's own token
 
 
 def test_longtail_workload(tiny):
     out = tiny / "lt.json"
+    threads = 2 if torch.get_num_threads() != 2 else 1  # differs from the current count: --threads must act
     assert rollout.main(["--workload", "longtail", "--out", str(out), "--num-prompts", "3", "--group-size", "2",
                          "--max-new-tokens", "16", "--arms", "2_1_2,3_2_4", "--threshold-on", "3",
-                         "--threshold-off", "4", "--bucket-edges", "2", "--cache-dir", str(tiny / "cache")]) == 0
+                         "--threshold-off", "4", "--bucket-edges", "2", "--threads", str(threads),
+                         "--cache-dir", str(tiny / "cache")]) == 0
     payload = json.loads(out.read_text())
+    assert payload["machine"]["torch_threads"] == threads
     assert {"longtail_plain", "longtail_fixed_2_1_2", "longtail_fixed_3_2_4", "longtail_adaptive"} == set(
         payload["results"])
     assert payload["outputs_identical"] is True
@@ -65,6 +86,17 @@ def test_median_round_is_the_middle_wall_time():
     rounds = [({"wall_s": w}, f"trace{w}") for w in (3.0, 1.0, 5.0, 2.0)]
     assert longtail.median_round(rounds) == ({"wall_s": 2.0}, "trace2.0")   # lower middle of 4
     assert longtail.median_round(rounds[:3]) == ({"wall_s": 3.0}, "trace3.0")
+
+
+@pytest.mark.parametrize("option", [["--shape", "3_2_4"], ["--batch-size", "4"], ["--no-hf"]],
+                         ids=lambda o: o[0])
+def test_longtail_refuses_the_default_workloads_options(tiny, capsys, option):
+    with pytest.raises(SystemExit) as exit_info:
+        rollout.main(["--workload", "longtail", "--out", str(tiny / "x.json"), *option])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{option[0]} is an option of the default workload" in err and "the longtail workload" in err
+    assert not (tiny / "x.json").exists() and not (tiny / "cache").exists()  # refused before any work
 
 
 def test_bad_shape_is_refused(tiny):
