@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from nemo_tlt.adaptive.bandit import BanditConfig, BegMab
 from nemo_tlt.adaptive.sd_policy import REWARDS, AdaptiveSDPolicy, FixedSDPolicy, SDPolicyConfig
@@ -35,6 +36,12 @@ from nemo_tlt.speculative.tree_shape import TreeShape
 # rollout on the 2-core CPU: at 64 running rows the best arm still beat plain decoding,
 # at 128 they were even. Hence SD on from 64 running rows down.
 DEFAULT_ARMS = ("4_1_4", "6_1_6", "8_2_16")
+# The default workload's options this one refuses, and what it uses instead.
+NOT_LONGTAIL = {
+    "--shape": "runs every tree shape of --arms (fixed, then adaptive)",
+    "--batch-size": "decodes all --num-prompts x --group-size sequences as one batch",
+    "--no-hf": "has no HF transformers methods",
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,14 +65,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5,
                    help="rounds over all methods (round-robin); each method reports its median round")
     p.add_argument("--cache-dir", default=None, help=f"default {default_cache_dir()}")
-    # accepted for compatibility with the default workload's options
-    p.add_argument("--batch-size", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    # Options of the default workload that mean nothing here: parsed only to refuse them
+    # by name (below) instead of with argparse's bare "unrecognized arguments".
     p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--no-hf", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--batch-size", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no-hf", action="store_const", const=True, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for flag, instead in NOT_LONGTAIL.items():
+        if vars(args).pop(flag[2:].replace("-", "_")) is not None:
+            p.error(f"{flag} is an option of the default workload; the longtail workload {instead}")
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.threads < 0:
+        p.error(f"--threads must be >= 0, got {args.threads}")
     args.arm_shapes = [TreeShape.parse(s, field=f"--arms[{i}]") for i, s in enumerate(args.arms.split(","))]
     try:
         args.edges = tuple(int(x) for x in args.bucket_edges.split(","))
@@ -98,6 +111,8 @@ def median_round(rounds: list[tuple[dict[str, Any], Any]]) -> tuple[dict[str, An
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     config = AssetConfig()
     target, drafter = load_assets(prepare_assets(config, args.cache_dir))
     reqs = longtail_requests(config.task, args.num_prompts, args.group_size, 30_000 + args.seed)
