@@ -17,7 +17,12 @@
     (ms per token), response lengths drawn from a Pareto law, so the shares end at very
     different times. Each worker harvests hidden states of its share with a real target
     forward, then runs `spot.trainer.train_while_idle`; utilisation = drafter-training
-    worker-seconds / idle (non-busy) worker-seconds, summed over workers and steps.
+    worker-seconds / non-busy worker-seconds, summed over workers and steps. A worker is
+    non-busy from the end of its rollout share until it is BUSY again (policy update),
+    and non-busy time is IDLE (waiting) or TRAINING; the JSON reports the two apart
+    (`idle_not_training_worker_seconds`, `training_worker_seconds`), their sum
+    (`nonbusy_worker_seconds`), and per rank and step the bench's own clock of the
+    rollout share (`rollout_s`) and of the whole non-busy call (`window_s`).
 
 Everything uses an in-process target with *random weights* (a `DecoderLM`, hidden 128
 by default); drafter data are that target's real hidden states on random tokens, with
@@ -330,9 +335,14 @@ def _idle_worker_body(rank: int, port: int, cfg: BenchConfig, durations: list[li
         for s in harvest(target, counts, gen):
             buffer.add(s.tokens, s.hidden, step)
         time.sleep(max(0.0, durations[step][rank] - (time.perf_counter() - start)))
+        window_start = time.perf_counter()
         report = train_while_idle(step, coord, trainer, buffer)
         coord.mark_busy()  # the policy update owns the device
-        reports.append({"step": step, "idle_s": report.idle_seconds, "training_s": report.training_seconds,
+        window_end = time.perf_counter()
+        # rollout_s and window_s are this bench's own clock, a check on the coordinator's
+        # state durations (idle_s, training_s), which must fit inside window_s.
+        reports.append({"step": step, "rollout_s": window_start - start, "window_s": window_end - window_start,
+                        "idle_s": report.idle_seconds, "training_s": report.training_seconds,
                         "samples": report.round.samples, "tokens": report.round.tokens,
                         "optimizer_steps": report.round.optimizer_steps,
                         "stop_latency_ms": None if report.stop_latency_s is None else report.stop_latency_s * 1e3})
@@ -370,12 +380,14 @@ def bench_idle(cfg: BenchConfig) -> dict[str, Any]:
                 p.kill()
         del master
     reports = [r | {"rank": rank} for rank in sorted(by_rank) for r in by_rank[rank]]
-    idle = sum(r["idle_s"] + r["training_s"] for r in reports)
+    idle = sum(r["idle_s"] for r in reports)
     training = sum(r["training_s"] for r in reports)
+    nonbusy = idle + training
     return {
-        "idle_utilization": training / idle if idle > 0 else 0.0,
+        "idle_utilization": training / nonbusy if nonbusy > 0 else 0.0,
         "idle": {
-            "idle_worker_seconds": idle, "training_worker_seconds": training,
+            "nonbusy_worker_seconds": nonbusy, "idle_not_training_worker_seconds": idle,
+            "training_worker_seconds": training,
             "workers": cfg.workers, "rl_steps": cfg.rl_steps, "rollout_seconds": durations,
             "rollout_model": (f"simulated: sleep of max response length x {cfg.ms_per_token} ms/token; "
                               f"{cfg.requests_per_worker} responses per worker, lengths Pareto(alpha={RESPONSE_ALPHA}, "
