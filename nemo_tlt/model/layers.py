@@ -64,7 +64,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, h * d, bias=bool(config.qkv_bias))
         self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=bool(config.qkv_bias))
         self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=bool(config.qkv_bias))
-        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=config.o_proj_bias)
         self._qkv = _FusedWeights()
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from torch import nn
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.kv_cache import KVCache
 from nemo_tlt.model.layers import DecoderLayer, RMSNorm, cache_attention_mask
-from nemo_tlt.model.rope import rope_tables
+from nemo_tlt.model.rope_scaling import rope_tables_for
 
 
 class _Backbone(nn.Module):
@@ -34,7 +34,7 @@ class DecoderLM(nn.Module):
         self.model = _Backbone(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
-        cos, sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        cos, sin = rope_tables_for(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights_()
