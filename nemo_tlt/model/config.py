@@ -38,7 +38,7 @@ class RopeScaling:
     Frequencies whose wavelength exceeds original_max_position_embeddings /
     low_freq_factor are divided by `factor`; those shorter than
     original_max_position_embeddings / high_freq_factor are kept; those between are
-    interpolated smoothly (see nemo_tlt.model.rope_scaling.llama3_inv_freq)."""
+    interpolated smoothly (see nemo_tlt.model.rope.llama3_inv_freq)."""
 
     rope_type: Literal["llama3"] = "llama3"
     factor: float = 8.0

@@ -16,7 +16,7 @@ from torch import nn
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.kv_cache import KVCache
 from nemo_tlt.model.layers import DecoderLayer, RMSNorm, cache_attention_mask
-from nemo_tlt.model.rope_scaling import rope_tables_for
+from nemo_tlt.model.rope import rope_tables_for
 
 
 class _Backbone(nn.Module):

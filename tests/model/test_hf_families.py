@@ -12,7 +12,7 @@ import torch
 from nemo_tlt.model.config import LMConfig, RopeScaling
 from nemo_tlt.model.hf_io import load_hf_folder, read_config, save_hf_folder
 from nemo_tlt.model.lm import DecoderLM
-from nemo_tlt.model.rope_scaling import default_inv_freq, llama3_inv_freq
+from nemo_tlt.model.rope import default_inv_freq, llama3_inv_freq
 
 transformers = pytest.importorskip("transformers")
 
