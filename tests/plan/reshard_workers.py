@@ -1,0 +1,47 @@
+"""Gloo worker for tests/plan/test_reshard_plan.py: runs the real streaming reshard and
+reports what its ByteMeter saw on each rank."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CountingMeter:
+    """A ByteMeter that also sums every byte it was told about."""
+    current: int = 0
+    peak: int = 0
+    total: int = 0
+
+    def add(self, *tensors: torch.Tensor) -> None:
+        n = sum(t.numel() * t.element_size() for t in tensors)
+        self.current += n
+        self.total += n
+        self.peak = max(self.peak, self.current)
+
+    def sub(self, *tensors: torch.Tensor) -> None:
+        self.current -= sum(t.numel() * t.element_size() for t in tensors)
+
+
+def stream_cases(rank: int, world: int, cases: list) -> list[tuple[int, int]]:
+    """For each (cfg, layout, rollout_tp, receivers): this rank's (meter peak, meter total)."""
+    import torch.distributed as dist
+
+    from megatron_patches.cpu_shims import cpu_shims, init_model_parallel
+    from nemo_tlt.weights.megatron_live import rank_coords
+    from nemo_tlt.weights.reshard import ReshardPlan, megatron_shard_shapes, stream_reshard
+
+    out = []
+    with cpu_shims():
+        for cfg, layout, rollout_tp, receivers in cases:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            init_model_parallel(layout.tp, layout.pp)
+            shard = {k: torch.randn(s) for k, s in megatron_shard_shapes(cfg, layout)[rank_coords()].items()}
+            meter = CountingMeter()
+            stream_reshard(shard, ReshardPlan(cfg, layout, rollout_tp, receivers, meter=meter))
+            dist.barrier()
+            out.append((meter.peak, meter.total))
+    return out

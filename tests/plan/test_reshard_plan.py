@@ -1,0 +1,51 @@
+"""The meta-tensor reshard plan counts what the real streaming reshard's ByteMeter counts,
+rank by rank, and at full 32B / 70B shapes stays within two layers per rank."""
+from __future__ import annotations
+
+import pytest
+
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.hf_io import read_config
+from nemo_tlt.plan.reshard_plan import plan_stream_reshard
+from nemo_tlt.weights.layout import ParallelLayout
+
+from test_model_configs import MODELS
+
+QWEN = LMConfig(family="qwen2", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                num_kv_heads=2, tie_word_embeddings=True)
+LLAMA = LMConfig(family="llama", vocab_size=80, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=8,
+                 num_kv_heads=2)
+# (cfg, layout, rollout TP, receivers) on a world of 2: PP2 (uneven stages), TP2, DP2.
+WORLD = 2
+CASES = [
+    (QWEN, ParallelLayout(1, 2, num_layers_in_first_stage=1), 1, ()),
+    (LLAMA, ParallelLayout(2, 1), 2, ()),
+    (LLAMA, ParallelLayout(2, 1), 1, (1,)),
+    (LLAMA, ParallelLayout(1, 1), 1, ()),
+]
+
+
+def test_meta_plan_matches_real_stream_reshard_bytes():
+    pytest.importorskip("megatron.core")
+    from megatron_patches.gloo_launch import run_gloo
+    from reshard_workers import stream_cases
+
+    per_rank = run_gloo(stream_cases, WORLD, CASES, timeout_s=240)
+    for i, (cfg, layout, rtp, receivers) in enumerate(CASES):
+        dp = WORLD // (layout.tp * layout.pp)
+        plan = plan_stream_reshard(cfg, layout, dp, rtp, receivers, dtype_bytes=4)
+        real = [rank[i] for rank in per_rank]
+        planned = [(c.peak, c.counted) for c in plan.per_rank]
+        assert planned == real, (i, planned, real)
+        assert plan.peak_extra_bytes_per_rank == max(peak for peak, _ in real)
+
+
+@pytest.mark.parametrize("name,tp,pp,dp,rtp", [("qwen2.5-32b", 8, 2, 2, 4), ("llama3.3-70b-instruct", 8, 4, 2, 8)])
+def test_full_size_plan_within_two_layers(name, tp, pp, dp, rtp):
+    cfg = read_config(MODELS / name)
+    plan = plan_stream_reshard(cfg, ParallelLayout(tp, pp), dp, rtp)
+    assert plan.within_two_layers, plan.to_dict()
+    # Every rank of a colocated rollout receives the whole model but its own shard, in bf16.
+    from nemo_tlt.plan.memory import parameter_count
+    assert plan.bytes_moved_per_rank <= 2 * parameter_count(cfg) + 2 * 2 * 128 * cfg.hidden_size * 1024
+    assert plan.bytes_moved_per_rank >= 2 * parameter_count(cfg) * (1 - 1 / (tp * pp)) * 0.99
