@@ -191,10 +191,11 @@ class DrafterBlock:
 
 @dataclass(frozen=True)
 class WorkersBlock:
-    """Data-parallel rollout workers (processes; gloo + TCPStore)."""
+    """Data-parallel rollout workers (processes; gloo + TCPStore). One worker runs in
+    the calling process; ``threads_per_worker`` applies to it as to every worker."""
 
     num_workers: int = 2
-    threads_per_worker: int = 1
+    threads_per_worker: int = 1  # torch intra-op threads of each worker
     start_method: str = "spawn"
     timeout_s: float = 900.0  # longest a worker waits for the others before failing loudly
 

@@ -6,7 +6,9 @@ Contract
   ``config.workers.num_workers`` ranks and returns rank 0's summary. One worker runs
   in the calling process (a ``HashStore``, no process group); more run as processes
   (``workers.start_method``) joined by a gloo process group over a ``TCPStore`` that
-  rank 0 hosts; the same store carries the BUSY/IDLE/TRAINING coordinator.
+  rank 0 hosts; the same store carries the BUSY/IDLE/TRAINING coordinator. Every
+  worker computes with ``workers.threads_per_worker`` torch threads (the single
+  in-process worker too; the caller's thread count is restored afterwards).
 * ``Comm`` is the only distributed surface the loop sees: typed collectives that
   are no-ops for a single rank. Gradient all-reduce goes through one flat float32
   buffer, so every rank receives the same bits and the replicas stay identical.
@@ -138,9 +140,12 @@ def launch(spec: Any, run: RunFn, on_step: Callable | None = None) -> dict:
     world = spec.config.workers.num_workers
     if world == 1:
         flag = StopFlag().install()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(spec.config.workers.threads_per_worker)
         try:
             return run(spec, Comm(0, 1, dist.HashStore()), flag, on_step)
         finally:
+            torch.set_num_threads(threads)
             flag.restore()
     ctx = mp.get_context(spec.config.workers.start_method)
     results, stop_event = ctx.Queue(), ctx.Event()
