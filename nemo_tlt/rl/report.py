@@ -7,12 +7,20 @@ Contract
   ``<run>/metrics.jsonl`` and the numeric fields as TensorBoard scalars under
   ``<run>/tb``. On resume it rewrites the JSONL from the checkpoint's records, so the
   file never holds steps the resumed run will redo.
-* Plots read step records only (the dicts ``nemo_tlt.rl.loop`` produces):
-  reward vs step (every run given), step-time breakdown (rollout / log-prob /
-  update / weight sync / other, with drafter-training worker-seconds beside it),
-  accepted length per step, worker timeline (BUSY / IDLE / TRAINING per worker).
-* ``compare`` computes the figures of ``report.json``; the speedup is the ratio of
-  mean step times over the steps after the first (the first pays one-time warm-up).
+* Plots read step records only (the dicts ``nemo_tlt.rl.loop`` produces), of every
+  run given (``write_plots``; with ``--compare-baseline`` every run of every pair):
+  reward vs step, step-time breakdown (rollout / log-prob / update / weight sync /
+  other, with drafter-training worker-seconds beside it), accepted length per step,
+  worker timeline (BUSY / IDLE / TRAINING per worker).
+* TLT and its baseline run in pairs of alternating order. ``pair_figures`` compares
+  the two runs of one pair on means over the steps after the first (the first pays
+  one-time warm-up); ``compare_pairs`` gives the ``report.json`` figures as medians
+  over pairs. Its ``control_ratio`` is the baseline / TLT ratio of the policy update
+  time, work that is identical in both runs: outside
+  [1 - CONTROL_TOLERANCE, 1 + CONTROL_TOLERANCE] the machine's speed changed between
+  the runs of a pair enough to swamp the speedup, and the report says so
+  (``noisy``, ``note``). ``rewards_identical`` / ``rollouts_identical`` compare every
+  run of every pair.
 """
 from __future__ import annotations
 
@@ -67,39 +75,95 @@ def mean_after_first(values: list[float]) -> float:
     return float(np.mean(tail)) if tail else float("nan")
 
 
-def compare(tlt: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
-    """report.json figures from the two runs' summaries (see nemo_tlt.rl.loop.RLWorker.run)."""
-    t_steps = [r["step_s"] for r in tlt["records"]]
-    b_steps = [r["step_s"] for r in baseline["records"]]
-    t_mean, b_mean = mean_after_first(t_steps), mean_after_first(b_steps)
-    b_rollout = mean_after_first([r["rollout_s"] for r in baseline["records"]])
-    t_rollout = mean_after_first([r["rollout_s"] for r in tlt["records"]])
-    rewards_t = [r["rewards"] for r in tlt["records"]]
-    rewards_b = [r["rewards"] for r in baseline["records"]]
-    digests_t = [r["rollout_digest"] for r in tlt["records"]]
-    digests_b = [r["rollout_digest"] for r in baseline["records"]]
+CONTROL_TOLERANCE = 0.1
 
-    def run_block(summary: dict[str, Any], steps: list[float]) -> dict[str, Any]:
-        recs = summary["records"]
-        return {"step_times": steps, "mean_step_s_after_first": mean_after_first(steps),
-                "wall_s": summary["wall_s"], "status": summary["status"], "out_dir": summary["out_dir"],
-                "reward_mean": [r["reward_mean"] for r in recs],
-                "rollout_s": [r["rollout_s"] for r in recs],
-                "mean_accept_len": [r["mean_accept_len"] for r in recs],
-                "drafter_samples": [r["drafter_samples"] for r in recs],
-                "drafter_train_s": [r["drafter_train_s"] for r in recs]}
 
+def ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else float("nan")
+
+
+def median_over_pairs(values: list[float]) -> float:
+    """The median of per-pair figures (NaN for no pairs)."""
+    return float(np.median(values)) if len(values) else float("nan")
+
+
+def control_is_noisy(control_ratio: float, tolerance: float = CONTROL_TOLERANCE) -> bool:
+    """True when the control phase differed by more than `tolerance` between the runs
+    (or could not be measured): a speedup from such runs is mostly the machine's."""
+    return not (1.0 - tolerance <= control_ratio <= 1.0 + tolerance)
+
+
+def pair_figures(order: tuple[str, str], tlt: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dict:
+    """One pair's figures from the step records of its TLT and baseline runs; `order`
+    is the order the two ran in, e.g. ("baseline", "tlt")."""
+    def mean(recs: list[dict[str, Any]], key: str) -> float:
+        return mean_after_first([r[key] for r in recs])
+
+    t_mean, b_mean = mean(tlt, "step_s"), mean(baseline, "step_s")
+    t_rollout, b_rollout = mean(tlt, "rollout_s"), mean(baseline, "rollout_s")
+    t_update, b_update = mean(tlt, "update_s"), mean(baseline, "update_s")
+    return {"order": list(order), "tlt_mean_step_s": t_mean, "baseline_mean_step_s": b_mean,
+            "speedup": ratio(b_mean, t_mean), "step_time_ratio": ratio(t_mean, b_mean),
+            "rollout_speedup": ratio(b_rollout, t_rollout), "baseline_rollout_share": ratio(b_rollout, b_mean),
+            "tlt_update_s": t_update, "baseline_update_s": b_update, "control_ratio": ratio(b_update, t_update)}
+
+
+def summarize_pairs(pairs: list[dict[str, Any]], tolerance: float = CONTROL_TOLERANCE) -> dict[str, Any]:
+    """Medians over pairs of the per-pair figures (``pair_figures``), the noisy flag and its note."""
+    def med(key: str) -> float:
+        return median_over_pairs([p[key] for p in pairs])
+
+    control = med("control_ratio")
+    noisy = control_is_noisy(control, tolerance)
+    note = None
+    if noisy:
+        note = (f"the machine was too noisy for the speedup to mean much: the policy update, the same work in "
+                f"both runs, took {control:.2f}x as long in the baseline runs as in the TLT runs (median over "
+                f"{len(pairs)} pair(s); outside [{1 - tolerance:.2f}, {1 + tolerance:.2f}])")
+    return {"speedup": med("speedup"), "step_time_ratio": med("step_time_ratio"),
+            "rollout_speedup": med("rollout_speedup"), "baseline_rollout_share": med("baseline_rollout_share"),
+            "control_ratio": control, "noisy": noisy, "note": note}
+
+
+def all_identical(values: list[Any]) -> bool:
+    return all(v == values[0] for v in values[1:])
+
+
+def run_block(summary: dict[str, Any]) -> dict[str, Any]:
+    """A run's entry in report.json (see nemo_tlt.rl.loop.RLWorker.run for `summary`)."""
+    recs = summary["records"]
+    steps = [r["step_s"] for r in recs]
+    return {"mode": summary["mode"], "step_times": steps, "mean_step_s_after_first": mean_after_first(steps),
+            "wall_s": summary["wall_s"], "status": summary["status"], "out_dir": summary["out_dir"],
+            "reward_mean": [r["reward_mean"] for r in recs],
+            "rollout_s": [r["rollout_s"] for r in recs],
+            "update_s": [r["update_s"] for r in recs],
+            "mean_accept_len": [r["mean_accept_len"] for r in recs],
+            "drafter_samples": [r["drafter_samples"] for r in recs],
+            "drafter_train_s": [r["drafter_train_s"] for r in recs]}
+
+
+def compare_pairs(pairs: list[tuple[tuple[str, str], dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """report.json figures from completed pairs of (order, TLT summary, baseline summary)."""
+    per_pair = [pair_figures(order, t["records"], b["records"]) for order, t, b in pairs]
+    runs = [s for _, t, b in pairs for s in (t, b)]
     return {
-        "tlt": run_block(tlt, t_steps),
-        "baseline": run_block(baseline, b_steps),
-        "speedup": b_mean / t_mean if t_mean > 0 else float("nan"),
-        "step_time_ratio": t_mean / b_mean if b_mean > 0 else float("nan"),
-        "rollout_speedup": b_rollout / t_rollout if t_rollout > 0 else float("nan"),
-        "baseline_rollout_share": b_rollout / b_mean if b_mean > 0 else float("nan"),
-        "rewards_identical": rewards_t == rewards_b,
-        "rollouts_identical": digests_t == digests_b,
-        "steps_compared": min(len(t_steps), len(b_steps)),
+        **summarize_pairs(per_pair),
+        "pairs": per_pair,
+        "rewards_identical": all_identical([[r["rewards"] for r in s["records"]] for s in runs]),
+        "rollouts_identical": all_identical([[r["rollout_digest"] for r in s["records"]] for s in runs]),
+        "steps_compared": min(len(s["records"]) for s in runs) if runs else 0,
     }
+
+
+def format_pairs(report: dict[str, Any]) -> str:
+    """The per-pair table printed at the end of a comparison (``compare_pairs``' output)."""
+    lines = [f"{'pair':<6}{'order':<16}{'TLT s/step':>11}{'base s/step':>12}{'speedup':>9}{'update b/t':>12}"]
+    for k, p in enumerate(report["pairs"], 1):
+        lines.append(f"{k:<6}{', '.join(p['order']):<16}{p['tlt_mean_step_s']:>11.2f}"
+                     f"{p['baseline_mean_step_s']:>12.2f}{p['speedup']:>8.2f}x{p['control_ratio']:>12.2f}")
+    lines.append(f"{'median':<6}{'':<16}{'':>11}{'':>12}{report['speedup']:>8.2f}x{report['control_ratio']:>12.2f}")
+    return "\n".join(lines)
 
 
 # ---- plots -------------------------------------------------------------------------
@@ -117,7 +181,7 @@ def plot_rewards(runs: dict[str, list[dict]], path: str | Path) -> Path:
     styles = {"tlt": dict(marker="o", lw=2.5), "baseline": dict(marker="x", ls="--", lw=1.5)}
     for name, recs in runs.items():
         ax.plot([r["step"] for r in recs], [r["reward_mean"] for r in recs], label=name,
-                **styles.get(name, {}))
+                **styles.get(name.split()[0], {}))
     ax.set_xlabel("RL step")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("mean reward")
@@ -128,8 +192,13 @@ def plot_rewards(runs: dict[str, list[dict]], path: str | Path) -> Path:
 
 def plot_step_breakdown(runs: dict[str, list[dict]], path: str | Path) -> Path:
     plt = _plt()
-    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.8), sharey=True, squeeze=False)
-    for ax, (name, recs) in zip(axes[0], runs.items()):
+    # two runs a row: with pairs, one pair a row
+    cols = min(len(runs), 2)
+    rows = -(-len(runs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.8 * rows), sharey=True, squeeze=False)
+    for ax in axes.flat[len(runs):]:
+        ax.set_visible(False)
+    for ax, (name, recs) in zip(axes.flat, runs.items()):
         steps = np.array([r["step"] for r in recs])
         bottom = np.zeros(len(recs))
         for key, label in BREAKDOWN:
@@ -141,7 +210,8 @@ def plot_step_breakdown(runs: dict[str, list[dict]], path: str | Path) -> Path:
         ax.set_title(f"{name}: step time")
         ax.set_xlabel("RL step")
         ax.set_xticks(steps)
-    axes[0][0].set_ylabel("seconds")
+    for row in axes:
+        row[0].set_ylabel("seconds")
     axes[0][-1].legend(fontsize=7, loc="upper right")
     return _save(fig, path)
 

@@ -1,15 +1,23 @@
-"""`nemo-tlt train CONFIG.yaml [key=value ...] [--compare-baseline]`: parse -> build -> run.
+"""`nemo-tlt train CONFIG.yaml [key=value ...] [--compare-baseline [--pairs N]]`: parse -> build -> run.
 
 * The config is ``nemo_tlt.config.TLTConfig``: YAML merged over the defaults, then
   the ``key=value`` overrides; an unknown key or a wrong type is refused naming the
   key. The resolved config is printed and saved as ``<run_dir>/config.yaml``.
 * Without ``model.target_dir`` the demo assets are used: the SFT warm start and the
   EAGLE drafter that ``nemo-tlt prepare`` / the benchmarks train once and cache.
-* A run writes ``<run_dir>/<mode>/`` (metrics.jsonl, tb/, checkpoints/), with mode
-  ``tlt`` or ``baseline`` (SD and idle-time drafter training both off). With
-  ``--compare-baseline`` the same config runs as TLT, then as baseline, with the
-  same seeds; ``<run_dir>/report.json`` compares them. The PNG plots go to
-  ``<run_dir>``. The run folder is printed at the end.
+* A single run writes ``<run_dir>/<mode>/`` (metrics.jsonl, tb/, checkpoints/,
+  summary.json), with mode ``tlt`` or ``baseline`` (SD and idle-time drafter
+  training both off).
+* ``--compare-baseline`` runs the same config as TLT and as baseline, with the same
+  seeds, in ``--pairs N`` pairs (default 2) whose order alternates: pair 1 TLT then
+  baseline, pair 2 baseline then TLT, and so on, so that neither mode always gets
+  the machine's first (or last) slot. Run k of mode m writes ``<run_dir>/pair<k>/<m>/``
+  (an absolute ``checkpoint.dir`` gets the same ``pair<k>/<m>`` subfolders).
+  ``<run_dir>/report.json`` holds every run and the medians over pairs
+  (``nemo_tlt.rl.report.compare_pairs``); a per-pair table is printed.
+* The PNG plots (every run) go to ``<run_dir>``. The run folder is printed at the end.
+* ``resume=true`` continues an interrupted run from its checkpoint and skips a run
+  whose ``summary.json`` says it completed all ``steps``.
 * Exit status: 0 done, 2 bad usage or config, 130 interrupted (SIGINT/SIGTERM; the
   run was checkpointed: rerun with ``resume=true`` to continue).
 """
@@ -17,31 +25,84 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from nemo_tlt.config import TLTConfig, load_config
 from nemo_tlt.rl.loop import RunSpec, prepare_run_dir, run_rank
-from nemo_tlt.rl.report import compare, write_plots
+from nemo_tlt.rl.report import compare_pairs, format_pairs, run_block, write_plots
 from nemo_tlt.rl.workers import launch
 
 log = logging.getLogger(__name__)
-USAGE = "usage: nemo-tlt train CONFIG.yaml [key=value ...] [--compare-baseline]"
+USAGE = "usage: nemo-tlt train CONFIG.yaml [key=value ...] [--compare-baseline [--pairs N]]"
 EXIT_INTERRUPTED = 130
+DEFAULT_PAIRS = 2
+SUMMARY = "summary.json"
 
 
-def parse_argv(argv: list[str]) -> tuple[str | None, list[str], bool]:
-    """(config path, overrides, compare_baseline); raises ValueError on bad usage."""
-    compare_flag = "--compare-baseline" in argv
-    rest = [a for a in argv if a != "--compare-baseline"]
-    unknown = [a for a in rest if a.startswith("-")]
-    if unknown:
-        raise ValueError(f"unknown option {unknown[0]!r}")
+@dataclass(frozen=True)
+class TrainArgs:
+    config: str
+    overrides: list[str] = field(default_factory=list)
+    compare_baseline: bool = False
+    pairs: int = DEFAULT_PAIRS  # TLT/baseline pairs (with compare_baseline only)
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run of the plan; `pair` is 1-based (None for a run without a baseline)."""
+
+    pair: int | None
+    spec: RunSpec
+
+    @property
+    def label(self) -> str:
+        return self.spec.mode if self.pair is None else f"{self.spec.mode} (pair {self.pair})"
+
+
+def _parse_pairs(value: str) -> int:
+    try:
+        pairs = int(value)
+    except ValueError:
+        raise ValueError(f"--pairs must be an integer >= 1, got {value!r}") from None
+    if pairs < 1:
+        raise ValueError(f"--pairs must be an integer >= 1, got {pairs}")
+    return pairs
+
+
+def parse_argv(argv: list[str]) -> TrainArgs:
+    """The command line's arguments; raises ValueError on bad usage."""
+    compare, pairs, rest = False, None, []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--compare-baseline":
+            compare = True
+        elif arg == "--pairs":
+            value = next(args, None)
+            if value is None:
+                raise ValueError("--pairs needs a value (the number of TLT/baseline pairs, >= 1)")
+            pairs = _parse_pairs(value)
+        elif arg.startswith("--pairs="):
+            pairs = _parse_pairs(arg.split("=", 1)[1])
+        elif arg.startswith("-"):
+            raise ValueError(f"unknown option {arg!r}")
+        else:
+            rest.append(arg)
+    if pairs is not None and not compare:
+        raise ValueError("--pairs needs --compare-baseline (it sets how many TLT/baseline pairs run)")
     if not rest:
         raise ValueError("missing CONFIG.yaml")
     if "=" in rest[0]:
         raise ValueError(f"the first argument must be the config file, got the override {rest[0]!r}")
-    return rest[0], rest[1:], compare_flag
+    return TrainArgs(rest[0], rest[1:], compare, DEFAULT_PAIRS if pairs is None else pairs)
+
+
+def pair_orders(pairs: int) -> list[tuple[str, str]]:
+    """Run order of each pair: TLT first in odd pairs (1, 3, ...), the baseline first in even ones."""
+    return [("tlt", "baseline") if k % 2 == 1 else ("baseline", "tlt") for k in range(1, pairs + 1)]
 
 
 def resolve_models(config: TLTConfig) -> tuple[str, str]:
@@ -57,12 +118,59 @@ def resolve_models(config: TLTConfig) -> tuple[str, str]:
     return str(assets.target_dir), str(assets.drafter_dir)
 
 
-def build_specs(config: TLTConfig, compare_baseline: bool, target_dir: str, drafter_dir: str) -> list[RunSpec]:
+def build_plan(config: TLTConfig, args: TrainArgs, target_dir: str, drafter_dir: str) -> list[PlannedRun]:
+    """The runs to make, in order (see the module docstring for the folders)."""
     mode = "tlt" if (config.rollout.sd_enabled or config.drafter.train_on_idle) else "baseline"
-    if compare_baseline and mode != "tlt":
+    run_dir = Path(config.run_dir)
+    if not args.compare_baseline:
+        return [PlannedRun(None, RunSpec(config, mode, str(run_dir / mode), target_dir, drafter_dir))]
+    if mode != "tlt":
         raise ValueError("--compare-baseline needs a TLT config (rollout.sd_enabled or drafter.train_on_idle true)")
-    runs = [(mode, config)] + ([("baseline", config.baseline())] if compare_baseline else [])
-    return [RunSpec(cfg, m, str(Path(config.run_dir) / m), target_dir, drafter_dir) for m, cfg in runs]
+    configs = {"tlt": config, "baseline": config.baseline()}
+    plan = []
+    for k, order in enumerate(pair_orders(args.pairs), 1):
+        for m in order:
+            sub = Path(f"pair{k}") / m
+            cfg = configs[m]
+            if Path(cfg.checkpoint.dir).is_absolute():  # one checkpoint folder per run, as for relative ones
+                cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, dir=str(Path(cfg.checkpoint.dir) / sub)))
+            plan.append(PlannedRun(k, RunSpec(cfg, m, str(run_dir / sub), target_dir, drafter_dir)))
+    return plan
+
+
+def completed_summary(spec: RunSpec) -> dict[str, Any] | None:
+    """With resume=true, the saved summary of a run that already finished all its steps."""
+    path = Path(spec.out_dir) / SUMMARY
+    if not (spec.config.resume and path.is_file()):
+        return None
+    summary = json.loads(path.read_text())
+    done = summary["status"] == "completed" and summary["next_step"] == spec.config.steps
+    return summary if done else None
+
+
+def _save_summary(spec: RunSpec, summary: dict[str, Any]) -> None:
+    path = Path(spec.out_dir) / SUMMARY
+    tmp = path.with_name(f".{SUMMARY}.tmp")
+    tmp.write_text(json.dumps(summary))
+    os.replace(tmp, path)  # a crash never leaves a half-written summary that resume would trust
+
+
+def run_plan(plan: list[PlannedRun]) -> list[tuple[PlannedRun, dict[str, Any]]]:
+    """Run (or, on resume, skip finished) runs in order; stops after an interrupted one."""
+    done = []
+    for run in plan:
+        summary = completed_summary(run.spec)
+        if summary is not None:
+            print(f"{run.label}: completed before, skipped (resume=true)")
+        else:
+            (Path(run.spec.out_dir) / SUMMARY).unlink(missing_ok=True)
+            summary = launch(run.spec, run_rank)
+            if summary["status"] == "completed":
+                _save_summary(run.spec, summary)
+        done.append((run, summary))
+        if summary["status"] != "completed":
+            break
+    return done
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     try:
-        path, overrides, compare_baseline = parse_argv(argv)
-        config = load_config(path, overrides)
+        args = parse_argv(argv)
+        config = load_config(args.config, args.overrides)
     except ValueError as err:
         print(f"nemo-tlt train: error: {err}\n{USAGE}", file=sys.stderr)
         return 2
@@ -84,43 +192,64 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "config.yaml").write_text(resolved)
     try:
         target_dir, drafter_dir = resolve_models(config)
-        specs = build_specs(config, compare_baseline, target_dir, drafter_dir)
-        for spec in specs:
-            prepare_run_dir(spec)
+        plan = build_plan(config, args, target_dir, drafter_dir)
+        for run in plan:
+            prepare_run_dir(run.spec)
     except ValueError as err:
         print(f"nemo-tlt train: error: {err}", file=sys.stderr)
         return 2
-    summaries = {}
-    for spec in specs:
-        summaries[spec.mode] = summary = launch(spec, run_rank)
-        if summary["status"] != "completed":
-            break
-    _write_report(run_dir, summaries)
+    results = run_plan(plan)
+    _write_report(run_dir, results, args.compare_baseline)
     print(f"run folder: {run_dir.resolve()}")
-    if any(s["status"] != "completed" for s in summaries.values()):
-        print(f"interrupted and checkpointed; continue with: nemo-tlt train {path} {' '.join(overrides)} "
-              f"resume=true{' --compare-baseline' if compare_baseline else ''}", file=sys.stderr)
+    if any(s["status"] != "completed" for _, s in results):
+        flags = f" --compare-baseline --pairs {args.pairs}" if args.compare_baseline else ""
+        print(f"interrupted and checkpointed; continue with: nemo-tlt train {args.config} "
+              f"{' '.join(args.overrides)} resume=true{flags}", file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0
 
 
-def _write_report(run_dir: Path, summaries: dict) -> None:
-    runs = {mode: s["records"] for mode, s in summaries.items() if s["records"]}
-    report: dict = {}
+def _write_report(run_dir: Path, results: list[tuple[PlannedRun, dict[str, Any]]], compare: bool) -> None:
+    report: dict[str, Any] = {}
+    runs = {run.label: s["records"] for run, s in results if s["records"]}
     if runs:
         report["plots"] = write_plots(runs, run_dir)
-    if "tlt" in summaries and "baseline" in summaries:
-        report.update(compare(summaries["tlt"], summaries["baseline"]))
-        t_mean, b_mean = report["tlt"]["mean_step_s_after_first"], report["baseline"]["mean_step_s_after_first"]
-        print(f"TLT vs baseline: speedup {report['speedup']:.2f}x (mean step time after the first: "
-              f"{t_mean:.1f}s vs {b_mean:.1f}s), "
-              f"rollout speedup {report['rollout_speedup']:.2f}x, baseline rollout share "
-              f"{report['baseline_rollout_share']:.0%}, rewards identical: {report['rewards_identical']}")
+    if not compare:
+        for run, s in results:
+            report[run.spec.mode] = {"step_times": [r["step_s"] for r in s["records"]], "wall_s": s["wall_s"],
+                                     "status": s["status"], "out_dir": s["out_dir"]}
     else:
-        for mode, s in summaries.items():
-            report[mode] = {"step_times": [r["step_s"] for r in s["records"]], "wall_s": s["wall_s"],
-                            "status": s["status"], "out_dir": s["out_dir"]}
+        report["runs"] = [{"pair": run.pair, **run_block(s)} for run, s in results]
+        pairs = _completed_pairs(results)
+        if pairs:
+            report.update(compare_pairs(pairs))
+            _print_comparison(report)
     (run_dir / "report.json").write_text(json.dumps(report, indent=2))
+
+
+def _completed_pairs(results: list[tuple[PlannedRun, dict[str, Any]]]) -> list[tuple[tuple[str, str], dict, dict]]:
+    by_pair: dict[int, list[tuple[str, dict]]] = {}
+    for run, s in results:
+        if s["status"] == "completed":
+            by_pair.setdefault(run.pair, []).append((run.spec.mode, s))
+    pairs = []
+    for k in sorted(by_pair):
+        if len(by_pair[k]) == 2:
+            (first, s1), (second, s2) = by_pair[k]
+            summaries = {first: s1, second: s2}
+            pairs.append(((first, second), summaries["tlt"], summaries["baseline"]))
+    return pairs
+
+
+def _print_comparison(report: dict[str, Any]) -> None:
+    print(format_pairs(report))
+    print(f"TLT vs baseline, medians over {len(report['pairs'])} pair(s): speedup {report['speedup']:.2f}x "
+          f"(baseline / TLT mean step time after the first), rollout speedup {report['rollout_speedup']:.2f}x, "
+          f"baseline rollout share {report['baseline_rollout_share']:.0%}, control ratio (update time, "
+          f"baseline / TLT) {report['control_ratio']:.2f}; rewards identical in every run: "
+          f"{report['rewards_identical']}")
+    if report["noisy"]:
+        print(f"WARNING: {report['note']}")
 
 
 if __name__ == "__main__":

@@ -104,4 +104,5 @@ def test_cli_refuses_bad_usage_and_config(capsys, tmp_path):
         parse_argv([str(DEMO), "--fast"])
     with pytest.raises(ValueError, match="first argument must be the config file"):
         parse_argv(["steps=3", str(DEMO)])
-    assert parse_argv([str(DEMO), "steps=2", "--compare-baseline"]) == (str(DEMO), ["steps=2"], True)
+    args = parse_argv([str(DEMO), "steps=2", "--compare-baseline"])
+    assert (args.config, args.overrides, args.compare_baseline) == (str(DEMO), ["steps=2"], True)

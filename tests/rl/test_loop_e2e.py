@@ -1,7 +1,8 @@
-"""End to end: `nemo-tlt train ... --compare-baseline` on a tiny SFT'd model with 2
-worker processes. TLT must train the drafter on idle workers and use SD in the tail,
-and with coupled sampling produce exactly the baseline's rollouts, rewards and
-policy weights; checkpoints, metrics, TensorBoard events and plots are written."""
+"""End to end: `nemo-tlt train ... --compare-baseline` (two pairs of runs, alternating
+order) on a tiny SFT'd model with 2 worker processes. TLT must train the drafter on
+idle workers and accept drafted tokens with SD in the tail, and with coupled sampling
+every run must produce exactly the same rollouts, rewards and policy weights;
+checkpoints, metrics, TensorBoard events and plots are written."""
 from __future__ import annotations
 
 import json
@@ -71,6 +72,9 @@ def _final_policy(run: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in ck.tensors.items() if k.startswith("policy/")}
 
 
+RUNS = [(1, "tlt"), (1, "baseline"), (2, "baseline"), (2, "tlt")]  # two pairs, alternating order
+
+
 def test_tlt_vs_baseline_two_workers(tiny_models, tmp_path):
     target, drafter = tiny_models
     run_dir = tmp_path / "run"
@@ -79,37 +83,49 @@ def test_tlt_vs_baseline_two_workers(tiny_models, tmp_path):
 
     report = json.loads((run_dir / "report.json").read_text())
     assert report["rollouts_identical"] and report["rewards_identical"]
-    assert report["speedup"] > 0 and len(report["tlt"]["step_times"]) == 3
+    assert [p["order"] for p in report["pairs"]] == [["tlt", "baseline"], ["baseline", "tlt"]]
+    assert report["speedup"] > 0 and report["control_ratio"] > 0 and isinstance(report["noisy"], bool)
+    assert [(r["pair"], r["mode"]) for r in report["runs"]] == RUNS
+    assert all(len(r["step_times"]) == 3 for r in report["runs"])
     for name in ("reward_vs_step", "step_time_breakdown", "accept_length", "worker_timeline"):
         assert Path(report["plots"][name]).stat().st_size > 0
     assert (run_dir / "config.yaml").read_text().count("num_workers: 2") == 1
 
-    runs = {mode: [json.loads(line) for line in (run_dir / mode / "metrics.jsonl").read_text().splitlines()]
-            for mode in ("tlt", "baseline")}
-    tlt, base = runs["tlt"], runs["baseline"]
-    assert [r["step"] for r in tlt] == [0, 1, 2] and [r["step"] for r in base] == [0, 1, 2]
-    for r in tlt + base:
-        assert all(math.isfinite(x) for x in r["rewards"]) and math.isfinite(r["loss"])
-        assert r["replicas_identical"]  # both ranks hold the same policy (and drafter) bits
+    runs = {(k, mode): [json.loads(line) for line in (run_dir / f"pair{k}" / mode / "metrics.jsonl")
+                        .read_text().splitlines()] for k, mode in RUNS}
+    tlts = [recs for (_, mode), recs in runs.items() if mode == "tlt"]
+    bases = [recs for (_, mode), recs in runs.items() if mode == "baseline"]
+    for recs in runs.values():
+        assert [r["step"] for r in recs] == [0, 1, 2]
+        for r in recs:
+            assert all(math.isfinite(x) for x in r["rewards"]) and math.isfinite(r["loss"])
+            assert r["replicas_identical"]  # both ranks hold the same policy (and drafter) bits
     # rewards vary inside groups, so the update is not vacuous
-    assert any(r["reward_std"] > 0 for r in tlt)
-    # TLT: the drafter trained on an idle worker, SD ran in the tail; the baseline did neither
-    assert sum(r["drafter_samples"] for r in tlt) > 0 and sum(r["drafter_steps"] for r in tlt) > 0
-    assert sum(r["sd_steps"] for r in tlt) > 0 and all(r["mean_accept_len"] >= 1 for r in tlt if r["sd_steps"])
-    assert sum(r["sd_steps"] + r["drafter_samples"] for r in base) == 0
-    assert sum(r["idle_s"] for r in base) > 0
-    # coupled sampling: same tokens, rewards, and bit-identical policy weights
-    assert [r["rollout_digest"] for r in tlt] == [r["rollout_digest"] for r in base]
-    assert [r["rewards"] for r in tlt] == [r["rewards"] for r in base]
-    w_tlt, w_base = _final_policy(run_dir / "tlt"), _final_policy(run_dir / "baseline")
-    assert w_tlt.keys() == w_base.keys()
-    assert all(torch.equal(w_tlt[k], w_base[k]) for k in w_tlt)
+    assert any(r["reward_std"] > 0 for r in tlts[0])
+    for tlt in tlts:
+        # TLT: the drafter trained on an idle worker, SD ran in the tail and accepted
+        # drafted tokens (an accepted length of 1 is the target's own token alone)
+        assert sum(r["drafter_samples"] for r in tlt) > 0 and sum(r["drafter_steps"] for r in tlt) > 0
+        assert sum(r["sd_steps"] for r in tlt) > 0
+        assert max(r["mean_accept_len"] for r in tlt if r["sd_steps"]) > 1
+    for base in bases:  # the baseline did neither
+        assert sum(r["sd_steps"] + r["drafter_samples"] for r in base) == 0
+        assert sum(r["idle_s"] for r in base) > 0
+    # coupled sampling: every run of every pair has the same tokens, rewards and policy weights
+    first = runs[RUNS[0]]
+    for recs in runs.values():
+        assert [r["rollout_digest"] for r in recs] == [r["rollout_digest"] for r in first]
+        assert [r["rewards"] for r in recs] == [r["rewards"] for r in first]
+    weights = [_final_policy(run_dir / f"pair{k}" / mode) for k, mode in RUNS]
+    for w in weights[1:]:
+        assert w.keys() == weights[0].keys() and all(torch.equal(w[k], weights[0][k]) for k in w)
     initial = load_file(str(target / "model.safetensors"))
-    assert any(not torch.equal(w_tlt[f"policy/{k}"], v) for k, v in initial.items()), "policy never changed"
+    assert any(not torch.equal(weights[0][f"policy/{k}"], v) for k, v in initial.items()), "policy never changed"
     # checkpoints (keep_last) and TensorBoard events
-    for mode in ("tlt", "baseline"):
-        assert sorted(p.name for p in (run_dir / mode / "checkpoints").glob("step-*"))[-1] == "step-00000002"
-        assert list((run_dir / mode / "tb").glob("events.out.tfevents.*"))
+    for k, mode in RUNS:
+        out = run_dir / f"pair{k}" / mode
+        assert sorted(p.name for p in (out / "checkpoints").glob("step-*"))[-1] == "step-00000002"
+        assert list((out / "tb").glob("events.out.tfevents.*"))
 
 
 def test_micro_batches_mask_response_targets():
