@@ -2,8 +2,9 @@
 
 Two spawned worlds: one process at TP=1, and two processes running TP=2, PP=2
 (Qwen2-style, tied embeddings) and DP=2 (the batch split over replicas) in turn.
-Every case starts from the same canonical weights as a ``PolicyTrainer`` reference,
-and must reproduce its log-probs, update stats and updated weights.
+Every case starts from the same canonical weights as a ``PolicyTrainer`` reference
+on the whole batch, and must reproduce its log-probs, update stats (DP: the global
+grad norm, and loss shares that sum to its loss) and updated weights.
 """
 from __future__ import annotations
 
@@ -132,6 +133,22 @@ def test_logprobs_and_update_match_policy_trainer(results, case):
         assert sorted(rank["rollout"]) == sorted(canonical)
         for name, value in rank["rollout"].items():
             assert torch.equal(value, canonical[name]), name
+
+
+@pytest.mark.timeout(300)
+def test_data_parallel_grad_norm_and_loss_shares_match_the_full_batch(results):
+    """DP=2, each replica on its half: the grad norm (taken after the data-parallel reduce,
+    before clipping) is the full batch's on every replica, and the replicas' loss shares sum
+    to the full batch's loss. The updated weights alone cannot show a constant scale error
+    of the reduced gradient: clipping and AdamW's first step both normalise it away."""
+    case = next(c for c in CASES if c.name == "dp2")
+    want = _reference(case)["stats"]
+    ranks = results[case.name]["ranks"]
+    assert sorted(r["dp"] for r in ranks) == [0, 1]
+    for rank in ranks:
+        assert rank["stats"]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), rank["dp"]
+    for key in ("loss", "pg_loss", "kl", "clip_frac", "approx_kl"):
+        assert sum(r["stats"][key] for r in ranks) == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
 
 
 @pytest.mark.timeout(300)
