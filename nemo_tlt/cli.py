@@ -21,6 +21,7 @@ _COMMANDS = {
     ("convert",): "nemo_tlt.weights.convert_cli",
     ("train",): "nemo_tlt.rl.train_cli",
     ("prepare",): "nemo_tlt.bench.prepare",
+    ("plan",): "nemo_tlt.plan.cli",
 }
 
 

@@ -21,14 +21,16 @@ class GPUPreset:
     hbm_tbps: float         # HBM bandwidth, TB/s
     intra_node_gbps: float  # per-GPU NVLink bandwidth, one direction, GB/s
     inter_node_gbps: float  # per-GPU network bandwidth, one direction, GB/s
+    pcie_gbps: float        # host <-> GPU bandwidth, one direction, GB/s
 
 
 # H100 SXM5 80GB datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, NVLink 4 900 GB/s
 # bidirectional (450 GB/s each way); the usable memory is what the driver reports
-# (81559 MiB = 79.6 GiB); one 400 Gb/s NDR InfiniBand adapter per GPU = 50 GB/s.
+# (81559 MiB = 79.6 GiB); one 400 Gb/s NDR InfiniBand adapter per GPU = 50 GB/s; PCIe Gen5
+# x16 = 64 GB/s each way.
 PRESETS = {
     "h100-80gb-sxm": GPUPreset(memory_gib=79.6, peak_tflops=989.0, hbm_tbps=3.35, intra_node_gbps=450.0,
-                               inter_node_gbps=50.0),
+                               inter_node_gbps=50.0, pcie_gbps=64.0),
 }
 
 
@@ -44,10 +46,13 @@ class ClusterSpec:
     hbm_tbps: float = 0.0
     intra_node_gbps: float = 0.0
     inter_node_gbps: float = 0.0
+    pcie_gbps: float = 0.0
     # Achieved fractions of the peaks (assumptions, see the module docstring).
     flops_efficiency: float = 0.5
     hbm_efficiency: float = 0.7
-    step_overhead_ms: float = 0.05  # fixed cost of one decode step per layer launch group (kernel launches, syncs)
+    forward_overhead_ms: float = 1.0  # fixed cost of one forward pass of a rollout replica (launches, sampling, host sync)
+    draft_overhead_ms: float = 0.2  # fixed cost of one drafter pass (one layer + LM head, CUDA-graphed)
+    allreduce_latency_us: float = 10.0  # latency of one TP all-reduce (two per layer in a TP forward)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -55,14 +60,16 @@ class ClusterSpec:
         check_int("cluster.nodes", self.nodes, 1)
         check_int("cluster.gpus_per_node", self.gpus_per_node, 1)
         base = PRESETS[self.preset]
-        for name in ("memory_gib", "peak_tflops", "hbm_tbps", "intra_node_gbps", "inter_node_gbps"):
+        for name in ("memory_gib", "peak_tflops", "hbm_tbps", "intra_node_gbps", "inter_node_gbps", "pcie_gbps"):
             value = getattr(self, name)
             check_float(f"cluster.{name}", value, 0.0)
             if value == 0.0:
                 object.__setattr__(self, name, float(getattr(base, name)))
         check_float("cluster.flops_efficiency", self.flops_efficiency, 0.0, 1.0, lo_open=True)
         check_float("cluster.hbm_efficiency", self.hbm_efficiency, 0.0, 1.0, lo_open=True)
-        check_float("cluster.step_overhead_ms", self.step_overhead_ms, 0.0)
+        check_float("cluster.forward_overhead_ms", self.forward_overhead_ms, 0.0)
+        check_float("cluster.draft_overhead_ms", self.draft_overhead_ms, 0.0)
+        check_float("cluster.allreduce_latency_us", self.allreduce_latency_us, 0.0)
 
     @property
     def world(self) -> int:

@@ -21,7 +21,10 @@ Training (Megatron, bf16 weights, Adam), per GPU of the fullest pipeline stage:
 
 Rollout, per GPU of a rollout replica of TP r:
   weights      2 B x P / r
-  kv_cache     2 (K, V) x L x max(1, kv/r) x head_dim x 2 B x concurrency x (prompt + max response)
+  kv_cache     2 (K, V) x L x max(1, kv/r) x head_dim x 2 B x kv_tokens, where kv_tokens is the
+               paged cache's peak (a finished row frees its pages): the largest
+               k x (prompt + k-th longest response) over simulated rollouts, or, when not
+               given, the worst case concurrency x (prompt + max response)
   drafter      2 B x drafter parameters (replicated on every rollout rank)
   drafter_training  16 B x drafter parameters (fp32 grads + master + Adam) + the harvest buffer
                (TLT with drafter training only)
@@ -134,6 +137,7 @@ class RolloutShape:
     tp: int
     concurrency: int        # sequences decoded at once by one rollout replica
     context: int            # prompt + max response tokens per sequence
+    kv_tokens: int = 0      # peak cached tokens of a replica (0: concurrency x context)
     sd: bool = True
     sd_rows: int = 32       # running sequences at and below which SD is on
     max_num_verify: int = 16
@@ -163,7 +167,7 @@ def rollout_memory(cfg: LMConfig, shape: RolloutShape, training: dict[str, float
                 "all": training["weights"] + training["gradients"] + training["optimizer"]}[shape.training_state]
     terms = {
         "weights": 2 * parameter_count(cfg) / shape.tp,
-        "kv_cache": kv_bytes_per_token(cfg, shape.tp) * shape.concurrency * shape.context,
+        "kv_cache": kv_bytes_per_token(cfg, shape.tp) * (shape.kv_tokens or shape.concurrency * shape.context),
         "drafter": 2 * drafter,
         "drafter_training": (16 * drafter + shape.harvest_bytes) if (shape.sd and shape.drafter_training) else 0,
         "logits": 4 * cfg.vocab_size * rows / shape.tp,

@@ -1,0 +1,126 @@
+"""``make_plan(config)``: the plan JSON (memory by term, fit, reshard) and, on request, the simulation.
+
+Contract: pure orchestration over ``memory``, ``reshard_plan``, ``costs`` and
+``simulator``; never allocates model-sized memory. ``fits`` is false (and ``refusal``
+says which phase, term and overflow) when a phase exceeds the GPU's memory.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.hf_io import read_config
+from nemo_tlt.plan.cluster import GIB
+from nemo_tlt.plan.config import PlanConfig
+from nemo_tlt.plan.costs import RolloutCosts, training_seconds
+from nemo_tlt.plan.memory import (
+    PlanDoesNotFit, RolloutShape, TrainingShape, check_fit, parameter_count, rollout_memory, to_gib, training_memory,
+)
+from nemo_tlt.plan.reshard_plan import plan_stream_reshard
+from nemo_tlt.plan.simulator import (
+    FixedCosts, LengthModel, SimConfig, paged_kv_peak_tokens, recommend, simulate, summarize,
+)
+from nemo_tlt.weights.layout import ParallelLayout
+from nemo_tlt.weights.megatron_layout import check_tp
+
+
+def _shapes(cfg: LMConfig, plan: PlanConfig) -> tuple[TrainingShape, RolloutShape]:
+    t, b = plan.training, plan.batch
+    sequences = b.prompts * b.group_size
+    seq_len = plan.rollout.prompt_len + b.max_response_len
+    per_dp = sequences // plan.dp
+    training = TrainingShape(layout=ParallelLayout(t.tensor_parallel, t.pipeline_parallel), dp=plan.dp,
+                             micro_batch=t.micro_batch, seq_len=seq_len,
+                             num_micro_batches=max(1, per_dp // t.micro_batch),
+                             sequence_parallel=t.sequence_parallel, recompute=t.recompute,
+                             distributed_optimizer=t.distributed_optimizer, grad_bytes=t.grad_bytes,
+                             reserve_gib=t.reserve_gib)
+    lengths = LengthModel(plan.lengths.median, plan.lengths.sigma, b.max_response_len)
+    kv_tokens = paged_kv_peak_tokens(lengths, sequences // plan.replicas, plan.rollout.prompt_len,
+                                     np.random.default_rng(plan.seed))
+    rollout = RolloutShape(tp=plan.rollout.tensor_parallel, concurrency=sequences // plan.replicas, context=seq_len,
+                           kv_tokens=kv_tokens,
+                           sd=plan.sd.enabled, sd_rows=plan.sd.threshold,
+                           max_num_verify=max(s.num_verify for s in plan.sd.shapes),
+                           drafter_training=plan.sd.drafter_training, harvest_bytes=plan.sd.harvest_mb * 2 ** 20,
+                           workspace_gib=plan.rollout.workspace_gib, training_state=plan.rollout.training_state,
+                           reserve_gib=plan.rollout.reserve_gib)
+    return training, rollout
+
+
+def make_plan(plan: PlanConfig, simulate_steps: bool = False) -> tuple[dict[str, Any], dict | None]:
+    """(plan JSON, simulation traces or None)."""
+    cfg = read_config(Path(plan.model_config))
+    check_tp(cfg, plan.training.tensor_parallel)
+    layout = ParallelLayout(plan.training.tensor_parallel, plan.training.pipeline_parallel)
+    layout.stage_layer_counts(cfg.num_layers)  # refuses a PP that does not split the layers
+    training_shape, rollout_shape = _shapes(cfg, plan)
+    train_mem = training_memory(cfg, training_shape)
+    roll_mem = rollout_memory(cfg, rollout_shape, train_mem)
+    memory = {"training": train_mem, "rollout": roll_mem}
+    reshard = plan_stream_reshard(cfg, layout, plan.dp, plan.rollout.tensor_parallel, cluster=plan.cluster)
+    out: dict[str, Any] = {
+        "model": plan.model_config, "parameters": parameter_count(cfg),
+        "layout": {"gpus": plan.cluster.world, "training": {"tp": layout.tp, "pp": layout.pp, "dp": plan.dp},
+                   "rollout": {"tp": plan.rollout.tensor_parallel, "replicas": plan.replicas,
+                               "sequences_per_replica": rollout_shape.concurrency}},
+        "gpu_memory_gib": plan.cluster.memory_gib,
+        "memory_gib": {k: to_gib(v) for k, v in memory.items()},
+        "memory_total_gib": {k: round(sum(v.values()) / GIB, 3) for k, v in memory.items()},
+        "kv_cache_tokens_per_replica": {"paged_peak": rollout_shape.kv_tokens,
+                                        "worst_case": rollout_shape.concurrency * rollout_shape.context},
+        "reshard": reshard.to_dict(),
+        "assumptions": {"flops_efficiency": plan.cluster.flops_efficiency,
+                        "hbm_efficiency": plan.cluster.hbm_efficiency,
+                        "training_state_during_rollout": plan.rollout.training_state},
+    }
+    try:
+        check_fit(memory, plan.cluster.memory_gib)
+        out["fits"], out["refusal"] = True, None
+    except PlanDoesNotFit as err:
+        out["fits"], out["refusal"] = False, str(err)
+    if not reshard.within_two_layers:
+        out["fits"] = False
+        out["refusal"] = (out["refusal"] or "") + " reshard peak exceeds two layers per rank"
+    if not simulate_steps:
+        return out, None
+    costs = RolloutCosts(cfg, plan.cluster, plan.rollout.tensor_parallel)
+    fixed = fixed_costs(cfg, plan, training_shape, train_mem, reshard.seconds)
+    sim = sim_config(plan)
+    tlt, base = simulate(costs, fixed, sim), simulate(costs, fixed, sim.baseline())
+    out["simulation"] = {**{k: round(v, 4) for k, v in summarize(tlt, base).items()},
+                         "phases_s": {k: round(v, 3) for k, v in fixed.__dict__.items()},
+                         "recommended": recommend(costs, fixed, sim)}
+    return out, {"tlt": tlt, "baseline": base}
+
+
+def sim_config(plan: PlanConfig) -> SimConfig:
+    return SimConfig(steps=plan.steps, seed=plan.seed, sequences=plan.batch.prompts * plan.batch.group_size,
+                     replicas=plan.replicas, prompt_len=plan.rollout.prompt_len, sd=plan.sd.enabled,
+                     drafter_training=plan.sd.drafter_training, threshold=plan.sd.threshold,
+                     arms=tuple(zip(plan.sd.shapes, plan.sd.accepted)), epsilon=plan.sd.epsilon,
+                     drift=plan.sd.drift, recover_gpu_s=plan.sd.recover_gpu_s,
+                     lengths=LengthModel(plan.lengths.median, plan.lengths.sigma, plan.batch.max_response_len))
+
+
+def fixed_costs(cfg: LMConfig, plan: PlanConfig, shape: TrainingShape, train_mem: dict[str, float],
+                reshard_s: float) -> FixedCosts:
+    """Log-prob and update at the expected token count, weight sync, and (when the trainer's
+    state is offloaded during rollout) moving it to host memory and back over PCIe."""
+    b = plan.batch
+    model = LengthModel(plan.lengths.median, plan.lengths.sigma, b.max_response_len)
+    mean_len = float(np.mean(model.draw(100_000, np.random.default_rng(plan.seed))))
+    tokens = int(b.prompts * b.group_size * (plan.rollout.prompt_len + mean_len))
+    train = training_seconds(cfg, plan.cluster, tokens, plan.training.pipeline_parallel, shape.num_micro_batches,
+                             plan.training.recompute == "full")
+    offload = 0.0
+    if plan.rollout.training_state != "all":
+        moved = train_mem["gradients"] + train_mem["optimizer"]
+        if plan.rollout.training_state == "offload":
+            moved += train_mem["weights"]
+        offload = 2 * moved / (plan.cluster.pcie_gbps * 1e9)
+    return FixedCosts(logprob_s=train["logprob_s"], update_s=train["update_s"], weight_sync_s=reshard_s,
+                      offload_s=offload)

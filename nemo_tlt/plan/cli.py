@@ -1,0 +1,66 @@
+"""`nemo-tlt plan CONFIG.yaml [key=value ...] [--out F.json] [--simulate] [--png F.png]`
+and `nemo-tlt plan --calibrate RUN_DIR [--out F.json]`: parse -> plan -> print / write.
+
+Exit status: 0 when the plan fits (or the calibration ran), 1 when it does not fit
+(the JSON is still written, with ``fits: false`` and the ``refusal``), 2 on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nemo-tlt plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("config", nargs="?", help="plan YAML (see conf/*_plan.yaml)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--out", help="JSON file to write")
+    p.add_argument("--simulate", action="store_true", help="simulate RL steps with and without TLT")
+    p.add_argument("--png", help="with --simulate: the slowest step's timeline as a PNG")
+    p.add_argument("--calibrate", metavar="RUN_DIR", help="a `nemo-tlt train --compare-baseline` run folder")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        args.overrides, args.config = [args.config, *args.overrides], None  # overrides of the defaults only
+    try:
+        if args.calibrate:
+            from nemo_tlt.plan.calibrate import calibrate
+            result = calibrate(args.calibrate)
+            fits = True
+        else:
+            from nemo_tlt.plan.build import make_plan
+            from nemo_tlt.plan.config import load_plan_config
+            plan = load_plan_config(args.config, args.overrides)
+            result, runs = make_plan(plan, simulate_steps=args.simulate or bool(args.png))
+            fits = result["fits"]
+            if args.png and runs is not None:
+                _png(runs, result, args.png)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"nemo-tlt plan: {err}", file=sys.stderr)
+        return 2
+    text = json.dumps(result, indent=2)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    print(text)
+    if not fits:
+        print(f"nemo-tlt plan: {result['refusal']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _png(runs: dict, result: dict, path: str) -> None:
+    from nemo_tlt.plan.timeline_png import plot_step
+
+    worst = max(range(len(runs["baseline"])), key=lambda i: runs["baseline"][i].step_s)
+    phases = {k: v for k, v in result["simulation"]["phases_s"].items()}
+    plot_step({"baseline": runs["baseline"][worst], "TLT": runs["tlt"][worst]}, phases, path)
+    result["simulation"]["timeline_png"] = path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

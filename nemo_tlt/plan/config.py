@@ -1,0 +1,199 @@
+"""`PlanConfig`: what ``nemo-tlt plan`` plans (model, cluster, layouts, batch, SD settings).
+
+Contract: loaded like the training config (defaults <- YAML <- ``key=value``; OmegaConf
+refuses unknown keys and wrong types, re-raised as ``ValueError`` naming the key); every
+block validates itself. ``train_config`` optionally names the ``nemo-tlt train`` YAML the
+plan is for: the values both files hold (TP / PP, batch, response length, SD threshold and
+arms, GPUs = workers) must agree, and a disagreement is refused naming both keys.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from nemo_tlt.checks import check_float, check_int
+from nemo_tlt.plan.cluster import ClusterSpec
+from nemo_tlt.plan.memory import RECOMPUTE, TRAINING_STATE
+from nemo_tlt.speculative.tree_shape import TreeShape
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    tensor_parallel: int = 8
+    pipeline_parallel: int = 1
+    micro_batch: int = 1
+    sequence_parallel: bool = True
+    recompute: str = "full"
+    distributed_optimizer: bool = True
+    grad_bytes: int = 4
+    reserve_gib: float = 3.0
+
+    def __post_init__(self) -> None:
+        check_int("training.tensor_parallel", self.tensor_parallel, 1)
+        check_int("training.pipeline_parallel", self.pipeline_parallel, 1)
+        check_int("training.micro_batch", self.micro_batch, 1)
+        check_int("training.grad_bytes", self.grad_bytes, 2, 4)
+        check_float("training.reserve_gib", self.reserve_gib, 0.0)
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"training.recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    tensor_parallel: int = 4
+    prompt_len: int = 1024
+    workspace_gib: float = 4.0
+    training_state: str = "offload"  # what the trainer keeps on the GPU during rollout
+    reserve_gib: float = 3.0
+
+    def __post_init__(self) -> None:
+        check_int("rollout.tensor_parallel", self.tensor_parallel, 1)
+        check_int("rollout.prompt_len", self.prompt_len, 1)
+        check_float("rollout.workspace_gib", self.workspace_gib, 0.0)
+        check_float("rollout.reserve_gib", self.reserve_gib, 0.0)
+        if self.training_state not in TRAINING_STATE:
+            raise ValueError(f"rollout.training_state must be one of {list(TRAINING_STATE)}, "
+                             f"got {self.training_state!r}")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    prompts: int = 128
+    group_size: int = 8
+    max_response_len: int = 16384
+
+    def __post_init__(self) -> None:
+        check_int("batch.prompts", self.prompts, 1)
+        check_int("batch.group_size", self.group_size, 1)
+        check_int("batch.max_response_len", self.max_response_len, 1)
+
+
+@dataclass(frozen=True)
+class SDPlan:
+    """Adaptive SD and drafter training. ``accepted[i]`` is the mean accepted length
+    (tokens per target forward) of ``arms[i]`` with a drafter trained on the current policy:
+    an input, to be taken from a measurement (``nemo-tlt bench rollout``), not a fit."""
+
+    enabled: bool = True
+    drafter_training: bool = True
+    threshold: int = 32
+    arms: List[str] = field(default_factory=lambda: ["4_1_4", "6_2_12", "8_4_32"])
+    accepted: List[float] = field(default_factory=lambda: [3.0, 3.6, 4.2])
+    epsilon: float = 0.1
+    drift: float = 0.3
+    recover_gpu_s: float = 600.0
+    harvest_mb: int = 256
+
+    def __post_init__(self) -> None:
+        check_int("sd.threshold", self.threshold, 0)
+        check_float("sd.epsilon", self.epsilon, 0.0, 1.0)
+        check_float("sd.drift", self.drift, 0.0, 1.0)
+        check_float("sd.recover_gpu_s", self.recover_gpu_s, 0.0, lo_open=True)
+        check_int("sd.harvest_mb", self.harvest_mb, 0)
+        if len(self.arms) != len(self.accepted) or not self.arms:
+            raise ValueError(f"sd.arms ({len(self.arms)}) and sd.accepted ({len(self.accepted)}) must be "
+                             "non-empty lists of the same length")
+        object.__setattr__(self, "arms", tuple(self.arms))
+        object.__setattr__(self, "accepted", tuple(float(a) for a in self.accepted))
+        for i, (shape, acc) in enumerate(zip(self.shapes, self.accepted)):
+            if not 1.0 <= acc <= shape.depth + 1:
+                raise ValueError(f"sd.accepted[{i}]={acc} must be in [1, depth + 1 = {shape.depth + 1}] for {shape}")
+
+    @property
+    def shapes(self) -> tuple[TreeShape, ...]:
+        return tuple(TreeShape.parse(s, field=f"sd.arms[{i}]") for i, s in enumerate(self.arms))
+
+
+@dataclass(frozen=True)
+class LengthPlan:
+    median: float = 2000.0
+    sigma: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_float("lengths.median", self.median, 1.0)
+        check_float("lengths.sigma", self.sigma, 0.0)
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    model_config: str = "conf/models/qwen2.5-32b"  # folder holding the HF config.json
+    train_config: Optional[str] = None             # the `nemo-tlt train` YAML this plan is for
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    training: TrainingPlan = field(default_factory=TrainingPlan)
+    rollout: RolloutPlan = field(default_factory=RolloutPlan)
+    batch: BatchPlan = field(default_factory=BatchPlan)
+    sd: SDPlan = field(default_factory=SDPlan)
+    lengths: LengthPlan = field(default_factory=LengthPlan)
+    steps: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("steps", self.steps, 1)
+        check_int("seed", self.seed, 0)
+        world, mp = self.cluster.world, self.training.tensor_parallel * self.training.pipeline_parallel
+        if world % mp:
+            raise ValueError(f"training.tensor_parallel x pipeline_parallel = {mp} must divide the cluster's "
+                             f"{world} GPUs (cluster.nodes x cluster.gpus_per_node)")
+        if world % self.rollout.tensor_parallel:
+            raise ValueError(f"rollout.tensor_parallel={self.rollout.tensor_parallel} must divide the cluster's "
+                             f"{world} GPUs")
+        if (self.batch.prompts * self.batch.group_size) % self.replicas:
+            raise ValueError(f"batch.prompts x batch.group_size = {self.batch.prompts * self.batch.group_size} "
+                             f"must split evenly over the {self.replicas} rollout replicas")
+
+    @property
+    def dp(self) -> int:
+        return self.cluster.world // (self.training.tensor_parallel * self.training.pipeline_parallel)
+
+    @property
+    def replicas(self) -> int:
+        return self.cluster.world // self.rollout.tensor_parallel
+
+
+def load_plan_config(path: str | Path | None, overrides: Sequence[str] = ()) -> PlanConfig:
+    merged: DictConfig = OmegaConf.structured(PlanConfig)
+    try:
+        if path is not None:
+            if not Path(path).is_file():
+                raise ValueError(f"plan config {path} does not exist")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        for item in overrides:
+            if "=" not in item:
+                raise ValueError(f"override {item!r} is not of the form key=value")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        raise ValueError(f"{path or 'plan'}: config key '{key}': {str(err).splitlines()[0]}") from None
+    assert isinstance(config, PlanConfig)
+    if config.train_config is not None:
+        check_train_config(config)
+    return config
+
+
+def check_train_config(plan: PlanConfig) -> None:
+    """Refuse a plan that disagrees with the training config it names."""
+    from nemo_tlt.config import load_config
+
+    train = load_config(plan.train_config)
+    pairs = [
+        ("training.tensor_parallel", plan.training.tensor_parallel, "policy.tensor_parallel",
+         train.policy.tensor_parallel),
+        ("training.pipeline_parallel", plan.training.pipeline_parallel, "policy.pipeline_parallel",
+         train.policy.pipeline_parallel),
+        ("batch.prompts", plan.batch.prompts, "grpo.prompts_per_step", train.grpo.prompts_per_step),
+        ("batch.group_size", plan.batch.group_size, "grpo.group_size", train.grpo.group_size),
+        ("batch.max_response_len", plan.batch.max_response_len, "grpo.max_new_tokens", train.grpo.max_new_tokens),
+        ("sd.enabled", plan.sd.enabled, "rollout.sd_enabled", train.rollout.sd_enabled),
+        ("sd.threshold", plan.sd.threshold, "rollout.threshold_on", train.rollout.threshold_on),
+        ("sd.arms", tuple(plan.sd.arms), "rollout.arms", tuple(train.rollout.arms)),
+        ("sd.drafter_training", plan.sd.drafter_training, "drafter.train_on_idle", train.drafter.train_on_idle),
+        ("cluster GPUs", plan.cluster.world, "workers.num_workers", train.workers.num_workers),
+    ]
+    for mine, a, theirs, b in pairs:
+        if a != b:
+            raise ValueError(f"plan {mine}={a!r} disagrees with {plan.train_config}: {theirs}={b!r}")
