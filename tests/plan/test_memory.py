@@ -1,0 +1,85 @@
+"""Memory terms against hand-computed small cases; refusals name the phase, term and overflow."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.plan.cluster import GIB
+from nemo_tlt.plan.memory import (
+    PlanDoesNotFit, RolloutShape, TrainingShape, check_fit, parameter_count, rollout_memory, training_memory,
+)
+from nemo_tlt.weights.layout import ParallelLayout
+
+# h 64, q 64 (4 heads x 16), kv 32 (2 heads x 16), ffn 128, 2 layers, vocab 64 (padded to 128).
+CFG = LMConfig(family="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+               num_kv_heads=2)
+LAYER = 2 * 64 + 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128  # 36992
+
+
+def test_parameter_count_by_hand():
+    assert parameter_count(CFG) == 2 * LAYER + 2 * 64 * 64 + 64 == 82240
+
+
+def test_training_terms_by_hand():
+    shape = TrainingShape(layout=ParallelLayout(1, 1), dp=2, micro_batch=1, seq_len=10, num_micro_batches=4,
+                          reserve_gib=0.0)
+    got = training_memory(CFG, shape)
+    p_rank = 2 * LAYER + 2 * 128 * 64 + 64  # padded vocab rows in embedding and output layer
+    assert got == {"weights": 2 * p_rank, "gradients": 4 * p_rank, "optimizer": 12 * p_rank / 2,
+                   "activations": 2 * (2 * 10 * (4 * 64 + 2 * 64 + 2 * 32 + 3 * 128)),
+                   "logits": 8 * 10 * 128, "reserve": 0.0}
+
+
+def test_training_terms_split_by_tp_and_pp():
+    one = training_memory(CFG, TrainingShape(ParallelLayout(1, 1), dp=1, micro_batch=1, seq_len=10,
+                                             num_micro_batches=4, distributed_optimizer=False, reserve_gib=0.0))
+    split = training_memory(CFG, TrainingShape(ParallelLayout(2, 2), dp=1, micro_batch=1, seq_len=10,
+                                               num_micro_batches=4, distributed_optimizer=False, reserve_gib=0.0))
+    # The fullest of TP2 x PP2 is the last stage: one layer's TP half (norms whole), half the
+    # (padded, 256-row) output layer and the final norm; it holds one micro-batch in flight,
+    # its activations split by TP (sequence parallel), plus the fp32 logits and their gradient.
+    last = (LAYER - 128) // 2 + 128 + 256 // 2 * 64 + 64
+    assert split["weights"] == 2 * last and split["optimizer"] == 12 * last
+    assert split["activations"] == 2 * 10 * (4 * 64 + 2 * 64 + 2 * 32 + 3 * 128) // 2
+    assert split["logits"] == 8 * 10 * 256 // 2
+    assert one["weights"] > split["weights"]
+
+
+def test_rollout_terms_by_hand():
+    shape = RolloutShape(tp=1, concurrency=4, context=10, sd=True, sd_rows=2, max_num_verify=3,
+                         drafter_training=True, harvest_bytes=1000, workspace_gib=0.0, reserve_gib=0.0)
+    training = {"weights": 5.0, "gradients": 7.0, "optimizer": 11.0}
+    drafter = 2 * 64 * 64 + 64 + LAYER + 64
+    assert rollout_memory(CFG, shape, training) == {
+        "weights": 2.0 * 82240, "kv_cache": 2 * 2 * 2 * 16 * 2 * 4 * 10, "drafter": 2 * drafter,
+        "drafter_training": 16 * drafter + 1000, "logits": 4 * 64 * max(4, 2 * 4), "workspace": 0.0,
+        "training_state": 0.0, "reserve": 0.0}
+    keep = rollout_memory(CFG, RolloutShape(tp=1, concurrency=4, context=10, training_state="all",
+                                            kv_tokens=7, sd=False), training)
+    assert keep["training_state"] == 23.0 and keep["kv_cache"] == 2 * 2 * 2 * 16 * 2 * 7 and keep["drafter"] == 0
+
+
+def test_refusal_names_phase_term_and_overflow():
+    memory = {"training": {"weights": 10 * GIB, "optimizer": 30 * GIB},
+              "rollout": {"weights": 5 * GIB, "kv_cache": 50 * GIB}}
+    check_fit(memory, 55.0)
+    with pytest.raises(PlanDoesNotFit, match=r"rollout needs 55\.0 GiB per GPU, 15\.0 GiB more than the GPU's "
+                                             r"40\.0 GiB; largest term rollout\.kv_cache = 50\.0 GiB") as err:
+        check_fit(memory, 40.0)
+    assert "training" not in str(err.value)
+
+
+def test_cli_refuses_a_layout_that_does_not_fit(tmp_path, capsys):
+    from nemo_tlt.plan.cli import main
+
+    out = tmp_path / "plan.json"
+    rc = main(["model_config=conf/models/llama3.3-70b-instruct", "cluster.nodes=1", "training.tensor_parallel=8",
+               "rollout.tensor_parallel=8", "batch.prompts=8", "batch.group_size=1", "--out", str(out)])
+    plan = json.loads(out.read_text())
+    assert rc == 1 and plan["fits"] is False
+    assert "training needs" in plan["refusal"] and "largest term training." in plan["refusal"]
+    assert set(plan["memory_gib"]) == {"training", "rollout"} and plan["gpu_memory_gib"] == 79.6
+    assert set(plan["reshard"]) >= {"peak_extra_bytes_per_rank", "largest_layer_bytes", "bytes_moved_per_rank"}
+    assert "plan does not fit" in capsys.readouterr().err
