@@ -13,7 +13,10 @@ patches, for its lifetime only:
   attention mask allocate on cuda explicitly.
 
 The shims refuse to run where CUDA is available: on a GPU they would silently
-move training to the CPU, which is never what anyone wants.
+move training to the CPU, which is never what anyone wants. CPU work on a GPU
+host runs in processes that cannot see the GPU: ``gloo_launch.run_gloo`` starts
+its children with ``CUDA_VISIBLE_DEVICES=""`` (what ``nemo-tlt convert`` and
+``nemo-tlt bench reshard`` use).
 
 Also here: ``seed_model_parallel`` (megatron's RNG tracker seeded without cuda),
 ``causal_attention_mask`` (the explicit mask megatron needs on CPU) and
@@ -61,8 +64,10 @@ class CpuShims:
     def __init__(self) -> None:
         if torch.cuda.is_available():
             raise RuntimeError(
-                "megatron_patches.cpu_shims must not be applied where CUDA is available; "
-                "they exist only for CPU-only test and laptop runs"
+                "megatron_patches.cpu_shims must not be applied where CUDA is available: they would silently "
+                "move megatron-core off the GPU. To run on the CPU on this host, hide the GPU from the process "
+                "before it starts (CUDA_VISIBLE_DEVICES= ..., or megatron_patches.gloo_launch.run_gloo, whose "
+                "children start that way); to use the GPU, run megatron-core without the shims (NCCL, torchrun)"
             )
         self._saved: dict[str, Any] = {
             "current_device": torch.cuda.current_device,

@@ -1,25 +1,33 @@
 """Run a function on N CPU processes joined by a gloo process group.
 
-Contract: ``run_gloo(fn, world_size, *args, timeout_s=...)`` spawns
-``world_size`` fresh processes, initialises ``torch.distributed`` with gloo
-(file rendezvous, so no port is raced), calls ``fn(rank, world_size, *args)``
+Contract: ``run_gloo(fn, world_size, *args, timeout_s=..., hide_cuda=True)``
+spawns ``world_size`` fresh processes, initialises ``torch.distributed`` with
+gloo (file rendezvous, so no port is raced), calls ``fn(rank, world_size, *args)``
 and returns the per-rank return values (which must be picklable). If any
 rank raises, the others are terminated and a RuntimeError carrying that rank's
 traceback is raised; if the deadline passes, every process is killed and a
 TimeoutError is raised. Nothing is left running either way.
+
+The children are CPU processes: by default they start with
+``CUDA_VISIBLE_DEVICES=""`` in their environment (set from exec on, so before
+they import torch), which makes ``torch.cuda.is_available()`` false in them
+and lets ``megatron_patches.cpu_shims`` run there on a GPU host too. The
+parent's environment carries the setting only while the children start and is
+restored at once. ``hide_cuda=False`` passes the parent's GPU visibility through.
 
 Used by tests, the CPU conversion tool and the reshard benchmark; on a cluster
 the job launcher (torchrun / SLURM) creates the process group instead.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.multiprocessing as mp
@@ -48,7 +56,29 @@ def _child(rank: int, world: int, init_file: str, fn: Callable, args: tuple, res
             dist.destroy_process_group()
 
 
-def run_gloo(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
+@contextlib.contextmanager
+def _spawn_environment(hide_cuda: bool) -> Iterator[None]:
+    """The environment spawned children inherit at exec: CUDA hidden if asked, restored after.
+
+    Setting the variable inside the child would come too late: the spawn bootstrap
+    imports the parent's main module (and with it torch) before ``fn`` runs.
+    """
+    if not hide_cuda:
+        yield
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def run_gloo(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0,
+             hide_cuda: bool = True) -> list[Any]:
     if world_size < 1:
         raise ValueError(f"run_gloo: world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
@@ -57,8 +87,9 @@ def run_gloo(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_child, args=(r, world_size, init_file, fn, args, results), daemon=False)
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        with _spawn_environment(hide_cuda):
+            for p in procs:
+                p.start()
         ok = False
         try:
             values = _collect(procs, results, world_size, time.monotonic() + timeout_s, timeout_s)
@@ -92,6 +123,9 @@ def _collect(procs: list, results: Any, world: int, deadline: float, timeout_s: 
                 continue
         if not ok:
             raise RuntimeError(f"run_gloo: rank {rank} failed:\n{value}")
+        # Full pickle is safe here: these bytes were written by torch.save in a child this function
+        # spawned, handed over a private queue, never read from a file or another program; and
+        # fn may return any picklable object, which weights_only=True would refuse.
         values[rank] = torch.load(io.BytesIO(value), weights_only=False)
     return [values[r] for r in range(world)]
 

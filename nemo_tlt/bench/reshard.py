@@ -1,6 +1,7 @@
 """``nemo-tlt bench reshard``: streaming reshard vs gather-everything, TP2 x PP2 -> rollout TP1 / TP2.
 
-Contract: ``main(argv) -> int`` runs 4 CPU processes (gloo), gives every rank a
+Contract: ``main(argv) -> int`` runs 4 CPU processes (gloo; started with the GPU
+hidden, so it runs on GPU hosts too), gives every rank a
 random fp32 Megatron shard of a Llama-shaped model (about 1.03B parameters by
 default), then for each rollout TP size runs ``stream_reshard`` and
 ``gather_reshard`` to the first ``tp`` ranks and writes a JSON file with:

@@ -1,6 +1,7 @@
 """run_gloo: values come back per rank; a failing rank or a hang is reported and nothing is left running."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -20,6 +21,10 @@ def _rank1_fails(rank: int, world: int) -> None:
     if rank == 1:
         raise ValueError("boom on rank 1")
     dist.barrier()  # rank 0 would wait here forever without the launcher's clean-up
+
+
+def _cuda_view(rank: int, world: int) -> tuple[str | None, bool]:
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available()
 
 
 def _sleeps(rank: int, world: int) -> None:
@@ -45,3 +50,17 @@ def test_timeout_kills_everything():
     with pytest.raises(TimeoutError, match="did not finish"):
         run_gloo(_sleeps, 1, timeout_s=5)
     assert not [p for p in multiprocessing.active_children() if p.is_alive()]
+
+
+@pytest.mark.timeout(120)
+def test_children_start_with_cuda_hidden(monkeypatch):
+    """A user's GPU selection (here "0") is replaced by "" in the children only: CUDA
+    initialises from the environment the process started with, so this is what makes
+    torch.cuda.is_available() false there on a GPU host."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert run_gloo(_cuda_view, 2, timeout_s=90) == [("", False), ("", False)]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    assert run_gloo(_cuda_view, 1, timeout_s=90, hide_cuda=False)[0][0] == "0"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert run_gloo(_cuda_view, 1, timeout_s=90)[0][0] == ""
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ

@@ -5,7 +5,9 @@ without --overwrite.
 """
 from __future__ import annotations
 
+import functools
 import json
+import os
 
 import pytest
 import torch
@@ -43,6 +45,42 @@ def test_hf_torch_dist_hf_round_trip_is_bit_exact_bf16(tmp_path):
         assert back[name].dtype == torch.bfloat16 and torch.equal(back[name], original[name]), name
     assert LMConfig.from_hf_config(json.loads((tmp_path / "back" / "config.json").read_text())) == cfg
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def _on_gpu_host(worker: str, seen: str, rank: int, world: int, *args) -> None:
+    """Run convert_cli's ``worker`` in a gloo child as it runs on a GPU host: there torch sees
+    the GPU unless CUDA_VISIBLE_DEVICES is empty, and the CPU shims refuse to run where it does.
+    Records the CUDA_VISIBLE_DEVICES this child started with in ``seen``."""
+    from nemo_tlt.weights import convert_cli
+
+    with open(f"{seen}.{rank}", "w") as f:
+        json.dump(os.environ.get("CUDA_VISIBLE_DEVICES"), f)
+    torch.cuda.is_available = lambda: os.environ.get("CUDA_VISIBLE_DEVICES") != ""
+    getattr(convert_cli, worker)(rank, world, *args)
+
+
+@pytest.mark.timeout(240)
+def test_torch_dist_round_trip_on_a_gpu_host(tmp_path, monkeypatch):
+    """Conversion must not trip the CPU shims' refusal on a machine with a GPU: its gloo
+    processes start with the GPU hidden. The GPU host is simulated in the parent and, through
+    _on_gpu_host, in the children (only the parent's monkeypatch would not reach them)."""
+    pytest.importorskip("megatron.core")
+    from nemo_tlt.weights import convert_cli
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for worker in ("_save_worker", "_load_worker"):
+        monkeypatch.setattr(convert_cli, worker, functools.partial(_on_gpu_host, worker, str(tmp_path / worker)))
+    cfg = LMConfig(num_heads=4, num_kv_heads=2)
+    src = _hf_folder(tmp_path / "hf", cfg)
+    assert main(["--from", "hf", "--to", "torch_dist", "--input", str(src), "--output", str(tmp_path / "ckpt")]) == 0
+    assert main(["--from", "torch_dist", "--to", "hf", "--input", str(tmp_path / "ckpt"),
+                 "--output", str(tmp_path / "back")]) == 0
+    original, back = read_state_dict(src), read_state_dict(tmp_path / "back")
+    assert all(torch.equal(back[k], original[k]) for k in original)
+    for worker in ("_save_worker", "_load_worker"):
+        assert json.loads((tmp_path / f"{worker}.0").read_text()) == ""
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"  # the parent's own setting is untouched
 
 
 def test_hf_to_trtllm(tmp_path):
