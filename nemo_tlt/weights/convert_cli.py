@@ -4,11 +4,14 @@ Contract: ``main(argv) -> int`` (also ``tools/convert_checkpoint.py``). Supporte
 
 * ``--from hf --to torch_dist --tp T --pp P``: a gloo world of T*P CPU processes
   builds the GPTModel shards and megatron's ``dist_checkpointing`` writes them;
+  the processes are started with the GPU hidden (``run_gloo``), so this works
+  on GPU hosts as on CPU-only ones;
 * ``--from torch_dist --to hf``: loaded by megatron at TP=PP=1 (megatron reshards
   on load), written as ``config.json`` + ``model.safetensors``; checkpoints from
   other tools need ``--hf-config`` (a config.json describing the model);
 * ``--from legacy --to hf --hf-config config.json``: legacy ``mp_rank_XX[_YYY]``
-  Megatron checkpoints (TP/PP read from the folder names);
+  Megatron checkpoints (TP/PP read from the folder names), unpickled with only
+  what Megatron-LM stores allowed; ``--trust-pickle`` lifts that for files you trust;
 * ``--from hf --to trtllm --tp T``: TensorRT-LLM checkpoint folder.
 
 Errors are clear and early (unknown architecture, mismatched tensor shapes, a TP
@@ -54,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="cast the weights written (default: keep their dtype)")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="legacy: unpickle the .pt files with full pickle (can run code in them); "
+                        "only for files you trust that hold more than Megatron-LM stores")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="limit for the gloo worker processes")
     return p
 
@@ -144,7 +150,8 @@ def convert(args: argparse.Namespace) -> None:
             check_rollout_tp(cfg, args.tp)
     elif not os.path.isdir(args.input):
         raise FileNotFoundError(f"{args.input}: not a directory")
-    # torch_dist work runs on CPU processes joined by gloo, whatever the machine.
+    # torch_dist work runs on CPU processes joined by gloo, whatever the machine: run_gloo
+    # hides any GPU from them, so megatron's CPU shims run there on GPU hosts too.
     from megatron_patches.gloo_launch import run_gloo
 
     with atomic_output_dir(args.output, overwrite=args.overwrite) as tmp:
@@ -159,7 +166,8 @@ def convert(args: argparse.Namespace) -> None:
             from nemo_tlt.weights.legacy import legacy_to_canonical
 
             hf_cfg = _hf_config(args.hf_config)
-            write_hf(_cast(legacy_to_canonical(args.input, hf_cfg), dtype), hf_cfg, tmp)
+            canonical = legacy_to_canonical(args.input, hf_cfg, trust_pickle=args.trust_pickle)
+            write_hf(_cast(canonical, dtype), hf_cfg, tmp)
         else:
             hf_cfg = _hf_config(args.hf_config) if args.hf_config else None
             run_gloo(_load_worker, 1, args.input, hf_cfg, dtype, str(tmp), timeout_s=args.timeout_s)

@@ -1,6 +1,6 @@
 """Read legacy Megatron checkpoints (``--ckpt-format torch``): ``mp_rank_XX[_YYY]/model_optim_rng.pt``.
 
-Contract: ``read_legacy_shards(folder)`` finds the rank folders (``mp_rank_{tp:02d}``
+Contract: ``read_legacy_shards(folder, trust_pickle=False)`` finds the rank folders (``mp_rank_{tp:02d}``
 without PP, ``mp_rank_{tp:02d}_{pp:03d}`` with PP) directly in ``folder`` or in
 the iteration named by ``latest_checkpointed_iteration.txt``, loads each file's
 ``model`` entry (a megatron-core GPTModel state dict) and returns
@@ -9,8 +9,11 @@ with an ``LMConfig`` (legacy checkpoints only record the padded vocabulary, so
 the model config must come from the caller, e.g. an HF ``config.json``).
 Uneven pipeline stages are recovered from the layer counts found in the files.
 
-Files are opened with ``weights_only=False`` because Megatron pickles its
-argparse namespace into them: read only checkpoints you trust.
+Files are unpickled by ``megatron_pickle.load_megatron_pickle``: only what
+Megatron-LM stores in them (its argparse namespace, RNG states, megatron-core
+enums) is allowed, anything else is refused with an error naming the file, the
+global and ``--trust-pickle``; ``trust_pickle=True`` uses full pickle, which runs
+any code a file carries: only for checkpoints you trust.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.weights.layout import ParallelLayout
 from nemo_tlt.weights.megatron_layout import StateDict, megatron_to_canonical, split_layer_keys
+from nemo_tlt.weights.megatron_pickle import load_megatron_pickle
 
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
@@ -35,7 +39,8 @@ def _iteration_dir(folder: Path) -> Path:
     return folder / ("release" if text == "release" else f"iter_{int(text):07d}")
 
 
-def read_legacy_shards(folder: str | os.PathLike) -> tuple[dict[tuple[int, int], StateDict], ParallelLayout]:
+def read_legacy_shards(folder: str | os.PathLike, trust_pickle: bool = False
+                       ) -> tuple[dict[tuple[int, int], StateDict], ParallelLayout]:
     root = _iteration_dir(Path(folder))
     found: dict[tuple[int, int], Path] = {}
     for entry in sorted(root.iterdir()) if root.is_dir() else []:
@@ -51,7 +56,7 @@ def read_legacy_shards(folder: str | os.PathLike) -> tuple[dict[tuple[int, int],
         raise ValueError(f"{root}: rank folders missing for (pp, tp) {missing}")
     shards: dict[tuple[int, int], StateDict] = {}
     for coords, path in found.items():
-        blob = torch.load(path, map_location="cpu", weights_only=False)
+        blob = load_megatron_pickle(path, trust_pickle=trust_pickle)
         if "model" not in blob:
             raise ValueError(f"{path}: no 'model' entry (is this a Megatron checkpoint?)")
         shards[coords] = {k: v for k, v in blob["model"].items() if isinstance(v, torch.Tensor)}
@@ -75,6 +80,6 @@ def _layout_for(counts: list[int], tp: int, root: Path) -> ParallelLayout:
     raise ValueError(f"{root}: pipeline stages hold {counts} layers, which megatron cannot produce")
 
 
-def legacy_to_canonical(folder: str | os.PathLike, cfg: LMConfig) -> StateDict:
-    shards, layout = read_legacy_shards(folder)
+def legacy_to_canonical(folder: str | os.PathLike, cfg: LMConfig, trust_pickle: bool = False) -> StateDict:
+    shards, layout = read_legacy_shards(folder, trust_pickle=trust_pickle)
     return megatron_to_canonical(shards, cfg, layout)
