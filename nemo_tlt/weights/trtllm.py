@@ -20,10 +20,26 @@ lm_head.weight                               lm_head (embedding when tied), voca
 ===========================================  ==========================================  ==========
 
 The fc/gate assignment (HF ``up_proj`` -> TRT ``mlp.gate``, ``gate_proj`` ->
-``mlp.fc``) follows TensorRT-LLM's published Llama converter. ``write_trtllm_checkpoint``
-writes ``config.json`` + ``rank{N}.safetensors``. Only names, shapes and splits are
-tested here; TensorRT-LLM itself does not install on CPU machines, so that it
-loads this folder is NOT tested in this repository.
+``mlp.fc``) follows TensorRT-LLM's published Llama converter. A Llama with
+``attention_bias`` also gets ``attention.dense.bias`` (HF o_proj.bias, whole on
+every rank: TensorRT-LLM adds a row-parallel bias once, after the all-reduce).
+``write_trtllm_checkpoint`` writes ``config.json`` + ``rank{N}.safetensors``.
+
+``config.json`` fields, as TensorRT-LLM's ``PretrainedConfig`` /
+``LLaMAConfig`` / ``QWenConfig`` read them (TensorRT-LLM 1.0 line, source read at
+``tensorrt_llm/models/modeling_utils.py``, ``models/llama/config.py``,
+``models/qwen/config.py`` and ``models/qwen/model.py``): ``architecture`` is the HF
+class name (``MODEL_MAP`` sends ``Qwen2ForCausalLM`` to ``QWenForCausalLM``);
+``qwen_type`` (``"qwen2"`` here) is read by ``QWenDecoderLayer``, which has no
+default for it and halves ``intermediate_size`` for ``"qwen"`` (Qwen-1);
+``attn_bias`` covers q/k/v (and, for Llama, the output projection);
+``rotary_base`` / ``rotary_scaling`` are HF's ``rope_theta`` / ``rope_scaling``;
+``mapping`` becomes a ``Mapping``. Other keys in the file would only become
+stray attributes, so none are written.
+
+Only names, shapes, splits and these config values are tested here; TensorRT-LLM
+itself does not install on CPU machines, so that it loads this folder is NOT
+tested in this repository.
 """
 from __future__ import annotations
 
@@ -45,7 +61,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 
 def trtllm_config(cfg: LMConfig, tp: int, dtype: torch.dtype) -> dict[str, Any]:
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[cfg.family]
-    return {
+    config: dict[str, Any] = {
         "architecture": arch,
         "dtype": _DTYPE_NAMES[dtype],
         "num_hidden_layers": cfg.num_layers,
@@ -60,13 +76,18 @@ def trtllm_config(cfg: LMConfig, tp: int, dtype: torch.dtype) -> dict[str, Any]:
         "norm_epsilon": cfg.rms_norm_eps,
         "position_embedding_type": "rope_gpt_neox",
         "rotary_base": cfg.rope_theta,
-        "qkv_bias": bool(cfg.qkv_bias),
+        # TensorRT-LLM's converters pass HF's rope_scaling dict through as is; HF omits the
+        # key (None here) when the rotary frequencies are not scaled.
+        "rotary_scaling": cfg.to_hf_config().get("rope_scaling"),
         "attn_bias": bool(cfg.qkv_bias),
         "mlp_bias": False,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "use_parallel_embedding": False,
         "mapping": {"world_size": tp, "tp_size": tp, "pp_size": 1},
     }
+    if cfg.family == "qwen2":
+        config["qwen_type"] = "qwen2"
+    return config
 
 
 def _rank_layer(canonical: Mapping[str, torch.Tensor], i: int, cfg: LMConfig, tp: int, r: int) -> dict:
@@ -90,6 +111,12 @@ def _rank_layer(canonical: Mapping[str, torch.Tensor], i: int, cfg: LMConfig, tp
     }
     if cfg.qkv_bias:
         out[dst + "attention.qkv.bias"] = torch.cat([rows(f"self_attn.{p}_proj.bias") for p in "qkv"], dim=0)
+    if cfg.family == "llama" and cfg.qkv_bias:
+        # TensorRT-LLM's Llama attention gives the dense layer a bias whenever attn_bias is set.
+        if src + "self_attn.o_proj.bias" not in canonical:
+            raise ValueError(f"{src}self_attn.o_proj.bias is missing: TensorRT-LLM's Llama attn_bias=true "
+                             "needs the output projection's bias too (HF attention_bias covers q/k/v and o)")
+        out[dst + "attention.dense.bias"] = canonical[src + "self_attn.o_proj.bias"]
     return out
 
 

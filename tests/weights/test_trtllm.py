@@ -22,6 +22,9 @@ def test_names_shapes_and_splits_qwen2_tp2():
     canonical = random_canonical(cfg)
     config, ranks = canonical_to_trtllm(canonical, cfg, 2)
     assert config["architecture"] == "Qwen2ForCausalLM" and config["mapping"]["tp_size"] == 2
+    # QWenDecoderLayer reads qwen_type: "qwen" (Qwen-1) would halve intermediate_size.
+    assert config["qwen_type"] == "qwen2" and config["intermediate_size"] == cfg.intermediate_size
+    assert config["attn_bias"] is True and config["rotary_base"] == cfg.rope_theta
     hd, src = cfg.head_dim, "model.layers.1."
     for r, sd in enumerate(ranks):
         dst = "transformer.layers.1."
@@ -58,3 +61,30 @@ def test_tied_llama_folder(tmp_path):
     assert not any(k.endswith("qkv.bias") for k in sd)
     with pytest.raises(FileExistsError, match="--overwrite"):
         write_trtllm_checkpoint(canonical, cfg, 1, out)
+
+
+def test_config_fields_are_tensorrt_llm_names():
+    """Every key is one TensorRT-LLM's PretrainedConfig / LLaMAConfig / QWenConfig defines (a
+    stray key would only become an unused attribute there); Llama carries no qwen_type."""
+    known = {"architecture", "dtype", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "head_size", "hidden_size", "intermediate_size", "vocab_size", "max_position_embeddings",
+             "hidden_act", "norm_epsilon", "position_embedding_type", "rotary_base", "rotary_scaling",
+             "attn_bias", "mlp_bias", "tie_word_embeddings", "use_parallel_embedding", "mapping", "qwen_type"}
+    llama = canonical_to_trtllm(random_canonical(LMConfig()), LMConfig(), 1)[0]
+    qwen = canonical_to_trtllm(random_canonical(LMConfig(family="qwen2")), LMConfig(family="qwen2"), 1)[0]
+    assert set(llama) <= known and set(qwen) <= known
+    assert "qwen_type" not in llama and llama["rotary_scaling"] is None and llama["attn_bias"] is False
+
+
+def test_llama_attention_bias_includes_the_output_projection():
+    cfg = LMConfig(family="llama", qkv_bias=True, num_heads=4, num_kv_heads=2, num_layers=1)
+    canonical = random_canonical(cfg)
+    bias = torch.randn(cfg.hidden_size)
+    canonical["model.layers.0.self_attn.o_proj.bias"] = bias
+    config, ranks = canonical_to_trtllm(canonical, cfg, 2)
+    assert config["attn_bias"] is True
+    for sd in ranks:  # added once after the row-parallel all-reduce: whole on every rank
+        assert torch.equal(sd["transformer.layers.0.attention.dense.bias"], bias)
+    del canonical["model.layers.0.self_attn.o_proj.bias"]
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj\.bias is missing"):
+        canonical_to_trtllm(canonical, cfg, 2)
