@@ -1,7 +1,6 @@
-"""`nemo-tlt plan CONFIG.yaml [key=value ...] [--out F.json] [--simulate] [--png F.png]`
-and `nemo-tlt plan --calibrate RUN_DIR [--out F.json]`: parse -> plan -> print / write.
+"""`nemo-tlt plan CONFIG.yaml [key=value ...] [--out F.json] [--simulate] [--png F.png]`: parse -> plan -> print / write.
 
-Exit status: 0 when the plan fits (or the calibration ran), 1 when it does not fit
+Exit status: 0 when the plan fits, 1 when it does not fit
 (the JSON is still written, with ``fits: false`` and the ``refusal``), 2 on bad input.
 """
 from __future__ import annotations
@@ -18,7 +17,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="JSON file to write")
     p.add_argument("--simulate", action="store_true", help="simulate RL steps with and without TLT")
     p.add_argument("--png", help="with --simulate: the slowest step's timeline as a PNG")
-    p.add_argument("--calibrate", metavar="RUN_DIR", help="a `nemo-tlt train --compare-baseline` run folder")
     return p
 
 
@@ -27,18 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides, args.config = [args.config, *args.overrides], None  # overrides of the defaults only
     try:
-        if args.calibrate:
-            from nemo_tlt.plan.calibrate import calibrate
-            result = calibrate(args.calibrate)
-            fits = True
-        else:
-            from nemo_tlt.plan.build import make_plan
-            from nemo_tlt.plan.config import load_plan_config
-            plan = load_plan_config(args.config, args.overrides)
-            result, runs = make_plan(plan, simulate_steps=args.simulate or bool(args.png))
-            fits = result["fits"]
-            if args.png and runs is not None:
-                _png(runs, result, args.png)
+        from nemo_tlt.plan.build import make_plan
+        from nemo_tlt.plan.config import load_plan_config
+        plan = load_plan_config(args.config, args.overrides)
+        result, runs = make_plan(plan, simulate_steps=args.simulate or bool(args.png))
+        fits = result["fits"]
+        if args.png and runs is not None:
+            _png(runs, result, args.png)
     except (ValueError, FileNotFoundError) as err:
         print(f"nemo-tlt plan: {err}", file=sys.stderr)
         return 2

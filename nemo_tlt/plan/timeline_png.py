@@ -23,7 +23,7 @@ def plot_step(results: dict[str, StepResult], fixed: dict[str, float], path: str
             for start, seconds, _, label in trace:
                 ax.broken_barh([(start, seconds)], (y - 0.4, 0.8), color=colour[label])
             end = res.replica_s[y]
-            idle_colour = "#ee7733" if res.trained_gpu_s > 0 else "#dddddd"
+            idle_colour = "#aa3377" if res.trained_gpu_s > 0 else "#dddddd"
             ax.broken_barh([(end, res.rollout_s - end)], (y - 0.4, 0.8), color=idle_colour)
         t = res.rollout_s
         for phase, seconds in fixed.items():
@@ -33,7 +33,7 @@ def plot_step(results: dict[str, StepResult], fixed: dict[str, float], path: str
         ax.set_title(f"{name}: step {res.step_s:.1f} s, rollout {res.rollout_s:.1f} s", fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("seconds")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colour[k]) for k in ["", *arms]]
-    handles += [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#dddddd", "#ee7733", "#4477aa")]
+    handles += [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#dddddd", "#aa3377", "#4477aa")]
     fig.legend(handles, ["plain", *[f"SD {a}" for a in arms], "idle", "drafter training", "log-prob/update/sync"],
                loc="upper right", fontsize=7, ncol=4)
     fig.tight_layout(rect=(0, 0, 1, 0.92))
