@@ -1,6 +1,8 @@
 """The demo's models (main job and benchmarks), made here and cached: nothing is downloaded.
 
-`prepare_assets` trains (once per configuration, then reuses from the cache):
+`prepare_assets` returns, for each model, the copy shipped with the package when it
+was trained with exactly the requested configuration (``nemo_tlt.rl.shipped_assets``);
+otherwise it trains (once per configuration, then reuses from the cache):
 1. the *target*: a small Llama-family LM SFT-trained on the long-tailed synthetic
    arithmetic task (nemo_tlt.rl.sft.cached_warm_start);
 2. an EAGLE *drafter* trained on the target's own generations (hidden states
@@ -24,15 +26,18 @@ import torch
 from nemo_tlt.drafter.data import DrafterSample
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.drafter.io import load_drafter, save_drafter
+from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.drafter.train import DrafterTrainConfig, train_drafter
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import load_hf_folder
-from nemo_tlt.rl.sft import SFTConfig, cached_warm_start
+from nemo_tlt.rl.sft import SFTConfig, cached_warm_start, warm_start_name
+from nemo_tlt.rl.shipped_assets import shipped_folder
 from nemo_tlt.rl.tasks import Problem, TaskConfig, make_problems
 from nemo_tlt.rl.tokenizer import CharTokenizer
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
+from nemo_tlt.speculative.tree_shape import TreeShape
 
 log = logging.getLogger(__name__)
 _VOCAB = CharTokenizer().vocab_size
@@ -108,22 +113,54 @@ def _train_drafter_on_target(target_dir: Path, config: AssetConfig, out: Path, p
     return save_drafter(drafter, out, extra={"train_stats": stats, "num_samples": len(samples)})
 
 
-def prepare_assets(config: AssetConfig = AssetConfig(), cache_dir: str | os.PathLike | None = None,
-                   progress: bool = True) -> Assets:
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
-    log.info("target: SFT warm start (cached under %s)", cache)
-    target_dir = cached_warm_start(cache, config.target, config.task, config.sft, config.sft_examples, progress)
-    assistant_dir = cached_warm_start(cache, config.assistant, config.task, config.sft, config.sft_examples,
-                                      progress)
-    key = _key({"target": target_dir.name, "prompts": config.drafter_prompts,
+def drafter_name(target_name: str, config: AssetConfig) -> str:
+    """The cache folder name of the drafter trained on the target cached as ``target_name``."""
+    key = _key({"target": target_name, "prompts": config.drafter_prompts,
                 "max_new": config.drafter_max_new_tokens, "train": asdict(config.drafter_train),
                 "data": [list(d) for d in config.drafter_data], "format": 3})
-    drafter_dir = cache / f"drafter-eagle-{key}"
+    return f"drafter-eagle-{key}"
+
+
+def prepare_assets(config: AssetConfig = AssetConfig(), cache_dir: str | os.PathLike | None = None,
+                   progress: bool = True, shipped: bool = True) -> Assets:
+    """The three demo models for ``config``: the shipped ones where they were trained
+    with exactly this configuration (``shipped``), else the cache's, trained on first use."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+
+    def find(role: str, name: str) -> Path | None:
+        folder = shipped_folder(role, name) if shipped else None
+        if folder is not None:
+            log.info("%s: shipped with the package (%s)", role, name)
+        return folder
+
+    def warm_start(role: str, model: LMConfig) -> Path:
+        found = find(role, warm_start_name(model, config.task, config.sft, config.sft_examples))
+        if found is not None:
+            return found
+        log.info("%s: SFT warm start (cached under %s)", role, cache)
+        return cached_warm_start(cache, model, config.task, config.sft, config.sft_examples, progress)
+
+    target_dir = warm_start("target", config.target)
+    assistant_dir = warm_start("assistant", config.assistant)
+    # named after the target's configuration, not its folder (a shipped one is just "target")
+    name = drafter_name(warm_start_name(config.target, config.task, config.sft, config.sft_examples), config)
+    drafter_dir = find("drafter", name) or cache / name
     if not (drafter_dir / "drafter.json").is_file():
         log.info("drafter: training EAGLE on the target's generations")
         _train_drafter_on_target(target_dir, config, drafter_dir, progress)
     return Assets(target_dir, drafter_dir, assistant_dir)
+
+
+def measure_acceptance(target, drafter, task: TaskConfig, shape: TreeShape, num_prompts: int,
+                       max_new_tokens: int, seed: int = 20_000) -> dict[str, float]:
+    """Greedy SD with ``shape`` on ``num_prompts`` task prompts, one batch: the drafter's
+    mean accepted length (tokens per verify step, the engine's definition) and the
+    target forwards per generated token."""
+    _, reqs = task_requests(task, num_prompts, seed)
+    engine = TorchRolloutEngine(target, drafter, policy=FixedSDPolicy(shape))
+    stats = engine.generate(reqs, SamplingParams(mode="greedy", max_new_tokens=max_new_tokens)).stats
+    return {"mean_accept_len": float(stats.mean_accept_len),
+            "target_fwd_per_token": stats.target_forwards / max(1, stats.tokens_generated)}
 
 
 def load_assets(assets: Assets):

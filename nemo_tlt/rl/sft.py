@@ -228,6 +228,13 @@ def warm_start_key(model_config: LMConfig, task_config: TaskConfig, sft_config: 
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def warm_start_name(model_config: LMConfig, task_config: TaskConfig, sft_config: SFTConfig,
+                    num_examples: int) -> str:
+    """The folder name ``cached_warm_start`` stores this configuration under."""
+    key = warm_start_key(model_config, task_config, sft_config, num_examples, CharTokenizer())
+    return f"warm_start-{task_config.name}-{key}"
+
+
 def check_fits(model_config: LMConfig, task_config: TaskConfig, sft_config: SFTConfig,
                tokenizer: CharTokenizer) -> None:
     """Raise ValueError when the task's longest example cannot be trained or represented."""
@@ -263,7 +270,7 @@ def cached_warm_start(
     tokenizer = CharTokenizer()
     check_fits(model_config, task_config, sft_config, tokenizer)
     key = warm_start_key(model_config, task_config, sft_config, num_examples, tokenizer)
-    folder = Path(cache_dir) / f"warm_start-{task_config.name}-{key}"
+    folder = Path(cache_dir) / warm_start_name(model_config, task_config, sft_config, num_examples)
     if (folder / "config.json").is_file() and (folder / "warm_start.json").is_file():
         return folder
     problems = make_problems(task_config, num_examples, np.random.default_rng(sft_config.seed))
