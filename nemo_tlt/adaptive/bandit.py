@@ -18,8 +18,9 @@ Contract
   preemption) and tracks a drafter whose acceptance changes as it is retrained.
 * The median is of ``reward / batch_size ** size_exponent``. Within a bucket the
   batch shrinks as rows finish, and a step's cost grows with the batch like
-  ``batch ** b``; with ``size_exponent = b`` arms pulled at different batch sizes
-  compare fairly (0: raw throughput; 1: per running row). The exponent is applied
+  ``batch ** b``, so its throughput like ``batch ** (1 - b)``; with
+  ``size_exponent = 1 - b`` arms pulled at different batch sizes compare fairly
+  (0: raw throughput; 1: per running row). The exponent is applied
   when ranking, not when storing, so a new estimate of b (see
   nemo_tlt.adaptive.step_cost) rescales every reward in the windows alike.
 * :meth:`BegMab.select` first pulls every arm of the bucket ``min_pulls`` times

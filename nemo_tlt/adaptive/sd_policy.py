@@ -68,11 +68,12 @@ class SDPolicyConfig:
     record_trace: bool = False
     # The bandit's reward per step: "throughput" is TLT's tokens / second;
     # "per_row" divides it by the running batch size (accepted length per second);
-    # "scaled" divides it by running**b, b the exponent of step time in batch size
-    # fitted online (see step_cost.py). Within one batch-size bucket the batch shrinks
-    # as rows finish, so with throughput an arm tried early (more rows) keeps a higher
-    # median than one tried later, and per row the other way round, unless a step's
-    # cost grows exactly like the batch. "scaled" removes that bias for any b.
+    # "scaled" divides it by running**(1 - b), b the exponent of step time in batch
+    # size fitted online (see step_cost.py). Within one batch-size bucket the batch
+    # shrinks as rows finish, so with throughput an arm tried early (more rows) keeps a
+    # higher median than one tried later unless a step's cost grows exactly like the
+    # batch (b = 1), and per row the other way round unless it does not grow at all
+    # (b = 0). "scaled" removes that bias for any b.
     reward: str = "scaled"
 
     def __post_init__(self) -> None:
@@ -221,9 +222,9 @@ class AdaptiveSDPolicy(_TracedPolicy):
 
     def _exponent(self) -> float:
         """The batch-size exponent the bandit divides rewards by: 0 for throughput, 1 per
-        row, the fitted step-time exponent for "scaled"."""
+        row, 1 - b for "scaled" (b the fitted step-time exponent; see step_cost.py)."""
         if self.config.reward == "scaled":
-            return self.step_cost.exponent()
+            return 1.0 - self.step_cost.exponent()
         return 1.0 if self.config.reward == "per_row" else 0.0
 
     def state_dict(self) -> dict[str, Any]:

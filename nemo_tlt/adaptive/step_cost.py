@@ -3,20 +3,21 @@
 Within one bandit bucket the running batch shrinks as rows finish (from 64 to 16 in
 the top bucket of the default long-tail rollout), so a reward that depends on the
 batch size ranks arms by *when* they were pulled as much as by what they do. If a
-step of arm a at batch r takes t = c_a * r**b, then
+step of arm a at batch r takes t = c_a * r**b and keeps acc_a tokens per row, then
+its throughput is tokens / t = acc_a * r**(1 - b) / c_a, and
 
-    tokens / t / r**b = accepted length per row / c_a
+    (tokens / t) / r**(1 - b) = accepted length per row / c_a
 
-does not depend on r: arms compare on what they control. ``b = 1`` (compute-bound
-decoding) gives the "per_row" reward, ``b = 0`` (a fixed cost per step) gives
-"throughput"; on the 2-core CPU b was about 0.33. :class:`StepCostFit` estimates b
-as the pooled within-arm least-squares slope of log(seconds) on log(running): each
-arm's own cost level c_a is its intercept, so arms pulled at different batch sizes
-do not bias the slope. The bandit applies the current b when it ranks, to every
-reward in its windows alike (BegMab.size_exponent): on the default long-tail
-benchmark b read 0.78 after 10 steps (all in the crowded head), 0.26 at the end of
-the first rollout and 0.31-0.32 after the next two, and rewards scaled once with the
-early b would have kept that error until they left their window.
+does not depend on r: arms compare on what they control. ``b = 0`` (a fixed cost per
+step, overhead-bound decoding) makes that the "per_row" reward, ``b = 1``
+(compute-bound: time grows like the batch) plain "throughput"; on the 2-core CPU b
+was about 0.3. :class:`StepCostFit` estimates b as the pooled within-group
+least-squares slope of log(seconds) on log(running): each group (an arm, or a
+bucket) has its own cost level as intercept, so groups pulled at different batch
+sizes do not bias the slope. Consumers apply the current b when they rank, to every
+stored reward alike: b read 0.78 after the first 10 steps of the default long-tail
+benchmark (all in the crowded head) and about 0.3 later, and rewards scaled once
+with the early b would keep that error until they left their window.
 """
 from __future__ import annotations
 
@@ -55,11 +56,17 @@ class StepCostFit:
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
             s[i] += v
 
-    def exponent(self) -> float:
+    def fitted(self) -> float | None:
+        """The fitted b clamped to [0, 1], or None while the batch sizes have not spread."""
         slope, spread = pooled_slope(self._stats)
         if spread < MIN_SPREAD:
-            return self.prior
+            return None
         return min(1.0, max(0.0, slope))
+
+    def exponent(self) -> float:
+        """The fitted b, or the prior while there is too little spread to fit it."""
+        fitted = self.fitted()
+        return self.prior if fitted is None else fitted
 
     def state_dict(self) -> dict[str, Any]:
         return {"stats": {k: list(v) for k, v in self._stats.items()}}
@@ -71,3 +78,9 @@ class StepCostFit:
                 for v in stats.values()):
             raise ValueError("step-cost state must be a dict with 'stats': {arm: [n, sx, sy, sxx, sxy]}")
         self._stats = {str(k): [float(x) for x in v] for k, v in stats.items()}
+
+
+def throughput_at(tokens_per_s: float, running: int, reference: int, b: float) -> float:
+    """What a step that made ``tokens_per_s`` at batch ``running`` would make at batch
+    ``reference`` if its time grows like running**b: throughput scales as r**(1 - b)."""
+    return tokens_per_s * (reference / running) ** (1.0 - b)

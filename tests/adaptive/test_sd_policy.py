@@ -126,6 +126,21 @@ def test_scaled_reward_ranks_arms_whose_steps_cost_running_to_the_half():
     assert best("throughput", big_batch_arm=0) == ARMS[0]   # fooled: arm 0 ran with more rows
 
 
+def test_scaled_reward_divides_throughput_by_running_to_one_minus_b():
+    # Step time = 0.01 * running**0.25: throughput grows like running**0.75, so the
+    # scaled reward must divide by running**0.75 (at b = 0.5 above, b and 1 - b agree).
+    # Arm 1 keeps 3.3 tokens a row, arm 0 3.0; whichever ran at batch 60, arm 1 wins.
+    for big_batch_arm in (0, 1):
+        bandit = BegMab(BanditConfig(ARMS[:2], (8, 64), epsilon=0.0), np.random.default_rng(0))
+        policy = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=64, threshold_off=64, reward="scaled"), bandit=bandit)
+        steps = [(a, r) for r in (1, 2, 4) for a in (0, 1)] + [(big_batch_arm, 60), (1 - big_batch_arm, 10)]
+        for arm, rows in steps:
+            policy.observe(rows, ARMS[arm], round(rows * (3.0, 3.3)[arm]), 0.01 * rows ** 0.25)
+        assert policy.step_cost.exponent() == pytest.approx(0.25, abs=0.02)
+        assert bandit.size_exponent == pytest.approx(0.75, abs=0.02)
+        assert bandit.bucket_stats(bandit.bucket_of(10)).best_arm == ARMS[1], big_batch_arm
+
+
 def test_observe_rejects_bad_outcomes():
     policy = AdaptiveSDPolicy(SDPolicyConfig(), bandit=make_bandit())
     for args, match in [

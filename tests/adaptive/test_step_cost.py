@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from nemo_tlt.adaptive.step_cost import StepCostFit, pooled_slope
+from nemo_tlt.adaptive.step_cost import StepCostFit, pooled_slope, throughput_at
 
 
 def _fill(fit: StepCostFit, b: float, costs: dict[str, float], runnings: dict[str, list[int]], rng=None):
@@ -53,11 +53,13 @@ def test_prior_until_the_batch_sizes_spread():
 
 def test_scaled_reward_is_flat_in_batch_size_when_the_model_holds():
     fit = StepCostFit()
-    _fill(fit, 0.5, {"a": 0.01}, {"a": [1, 4, 16, 64]})
-    # 3 tokens a row at any batch size: the same reward
+    _fill(fit, 0.3, {"a": 0.01}, {"a": [1, 4, 16, 64]})
+    # 3 tokens a row at any batch size: the same reward, and the same throughput at batch 8
     b = fit.exponent()
-    rewards = [3 * r / (0.01 * r ** 0.5) / r ** b for r in (1, 7, 40)]
+    rewards = [3 * r / (0.01 * r ** 0.3) / r ** (1 - b) for r in (1, 7, 40)]
     assert rewards == pytest.approx([300.0] * 3)
+    at8 = [throughput_at(3 * r / (0.01 * r ** 0.3), r, 8, b) for r in (1, 7, 40)]
+    assert at8 == pytest.approx([3 * 8 / (0.01 * 8 ** 0.3)] * 3)
 
 
 def test_state_round_trip_and_bad_state():
