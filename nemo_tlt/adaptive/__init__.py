@@ -1,5 +1,7 @@
-"""Adaptive speculative decoding: the BEG-MAB bandit over tree shapes and the SD on/off policy."""
+"""Adaptive speculative decoding: the SD policies (learned: plain or which tree per
+batch-size bucket; threshold: BEG-MAB over tree shapes below a batch-size threshold)."""
 from nemo_tlt.adaptive.bandit import BanditConfig, BegMab, BucketStats
+from nemo_tlt.adaptive.learned_policy import LearnedSDConfig, LearnedSDPolicy
 from nemo_tlt.adaptive.sd_policy import AdaptiveSDPolicy, FixedSDPolicy, SDPolicyConfig, SpecPolicy
 
 __all__ = [
@@ -8,6 +10,8 @@ __all__ = [
     "BegMab",
     "BucketStats",
     "FixedSDPolicy",
+    "LearnedSDConfig",
+    "LearnedSDPolicy",
     "SDPolicyConfig",
     "SpecPolicy",
 ]

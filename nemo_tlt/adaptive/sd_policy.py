@@ -93,12 +93,12 @@ class SDPolicyConfig:
             )
 
 
-def _check_running(num_running: int) -> None:
+def check_running(num_running: int) -> None:
     if isinstance(num_running, bool) or not isinstance(num_running, numbers.Integral) or num_running < 1:
         raise ValueError(f"num_running must be an int >= 1, got {num_running!r}")
 
 
-def _check_outcome(tokens_generated: int, elapsed_s: float) -> None:
+def check_outcome(tokens_generated: int, elapsed_s: float) -> None:
     if (
         isinstance(tokens_generated, bool)
         or not isinstance(tokens_generated, numbers.Integral)
@@ -110,7 +110,7 @@ def _check_outcome(tokens_generated: int, elapsed_s: float) -> None:
         raise ValueError(f"elapsed_s must be a finite number > 0, got {elapsed_s!r}")
 
 
-class _Trace:
+class ChoiceTrace:
     """Optional per-step record of (num_running, shape name); kept only when asked."""
 
     def __init__(self, enabled: bool) -> None:
@@ -136,10 +136,10 @@ class _Trace:
         return tuple(self._entries)
 
 
-class _TracedPolicy:
+class TracedPolicy:
     """The trace accessors both policies share; subclasses set ``self._trace``."""
 
-    _trace: _Trace
+    _trace: ChoiceTrace
 
     @property
     def trace(self) -> tuple[TraceEntry, ...]:
@@ -152,8 +152,12 @@ class _TracedPolicy:
     def step_counts(self) -> dict[str, int]:
         return {"sd_steps": self._trace.sd_steps, "plain_steps": self._trace.plain_steps}
 
+    def drafter_updated(self) -> None:
+        """The drafter's weights changed. These policies keep no estimate that depends
+        on the drafter's quality beyond their window (see LearnedSDPolicy for one that does)."""
 
-class AdaptiveSDPolicy(_TracedPolicy):
+
+class AdaptiveSDPolicy(TracedPolicy):
     """SD for the long tail, with hysteresis; tree shape from a bandit or fixed."""
 
     def __init__(
@@ -178,7 +182,7 @@ class AdaptiveSDPolicy(_TracedPolicy):
         self.bandit = bandit
         self.fixed_shape = fixed_shape
         self._sd_on = False
-        self._trace = _Trace(config.record_trace)
+        self._trace = ChoiceTrace(config.record_trace)
         self.step_cost = StepCostFit()
         if bandit is not None:  # the bandit ranks reward / running**exponent (see BegMab)
             bandit.set_size_exponent(self._exponent())
@@ -189,7 +193,7 @@ class AdaptiveSDPolicy(_TracedPolicy):
         return self._sd_on
 
     def choose(self, num_running: int) -> TreeShape | None:
-        _check_running(num_running)
+        check_running(num_running)
         if not self.config.enabled:
             shape = None
         else:
@@ -210,8 +214,8 @@ class AdaptiveSDPolicy(_TracedPolicy):
     def observe(
         self, num_running: int, shape: TreeShape | None, tokens_generated: int, elapsed_s: float
     ) -> None:
-        _check_running(num_running)
-        _check_outcome(tokens_generated, elapsed_s)
+        check_running(num_running)
+        check_outcome(tokens_generated, elapsed_s)
         # Plain steps carry no information about tree shapes; fixed shapes learn nothing.
         if shape is None or self.bandit is None:
             return
@@ -252,7 +256,7 @@ class AdaptiveSDPolicy(_TracedPolicy):
         self._sd_on = state["sd_on"]
 
 
-class FixedSDPolicy(_TracedPolicy):
+class FixedSDPolicy(TracedPolicy):
     """Always SD with one tree shape, or (shape None) always plain decoding."""
 
     def __init__(self, shape: TreeShape | None, record_trace: bool = False) -> None:
@@ -261,18 +265,18 @@ class FixedSDPolicy(_TracedPolicy):
         if not isinstance(record_trace, bool):
             raise ValueError(f"FixedSDPolicy.record_trace must be a bool, got {record_trace!r}")
         self.shape = shape
-        self._trace = _Trace(record_trace)
+        self._trace = ChoiceTrace(record_trace)
 
     def choose(self, num_running: int) -> TreeShape | None:
-        _check_running(num_running)
+        check_running(num_running)
         self._trace.record(num_running, self.shape)
         return self.shape
 
     def observe(
         self, num_running: int, shape: TreeShape | None, tokens_generated: int, elapsed_s: float
     ) -> None:
-        _check_running(num_running)
-        _check_outcome(tokens_generated, elapsed_s)
+        check_running(num_running)
+        check_outcome(tokens_generated, elapsed_s)
 
     def state_dict(self) -> dict[str, Any]:
         return {"shape": None if self.shape is None else self.shape.name}

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nemo_tlt.adaptive.bandit import BanditConfig, BegMab
+from nemo_tlt.adaptive.learned_policy import LearnedSDConfig, LearnedSDPolicy
 from nemo_tlt.adaptive.sd_policy import AdaptiveSDPolicy, SDPolicyConfig
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.rollout.protocol import Request
@@ -52,6 +53,29 @@ def test_adaptive_rollout_is_lossless(rollout, mode, kind):
     switches = sum(1 for a, b in zip(modes, modes[1:]) if (a is None) != (b is None))
     assert switches >= 1
     assert len({m for m in modes if m}) >= 2, "the bandit should have tried several arms"
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+@pytest.mark.parametrize("kind", ["eagle", "oracle", "adversarial"])
+def test_learned_policy_rollout_is_lossless(rollout, mode, kind):
+    """The learned policy switches between plain and trees from step timings (and, with
+    a drafter that never accepts, falls back to plain): outputs stay the plain ones."""
+    target, reqs = rollout
+    sp = SamplingParams(mode=mode, temperature=1.0, max_new_tokens=60, seed=4)
+    base = TorchRolloutEngine(target).generate(reqs, sp)
+    drafter = {"eagle": lambda: EagleDrafter(EagleConfig.from_target(target.config)),
+               "oracle": OracleDrafter, "adversarial": lambda: OracleDrafter(adversarial=True)}[kind]()
+    engine = TorchRolloutEngine(target, drafter)
+    policy = LearnedSDPolicy(LearnedSDConfig(ARMS, bucket_edges=(2, 4, 8, 16), min_pulls=1, probe_shortest=2,
+                                             reprobe_shortest=4))
+    modes = []
+    for _ in range(3):
+        out = engine.generate(reqs, sp, policy=policy)
+        assert [r.tokens for r in out.results] == [r.tokens for r in base.results]
+        modes += [t.shape for t in out.stats.trace]
+    assert None in modes and len({m for m in modes if m}) >= 2
+    if kind == "adversarial":
+        assert policy.guard.collapses >= 1  # it noticed the drafter accepts nothing
 
 
 def test_kv_memory_is_bounded(rollout):

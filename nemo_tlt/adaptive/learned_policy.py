@@ -1,0 +1,179 @@
+"""The learned SD policy: per batch-size bucket, plain decoding or a tree shape,
+chosen from what the steps that ran cost.
+
+Contract
+--------
+* Implements :class:`~nemo_tlt.adaptive.sd_policy.SpecPolicy` (``choose`` /
+  ``observe``). Its choices depend only on running-row counts, tokens-kept counts
+  and step timings, never on the tokens sampled, so every acceptance mode stays
+  lossless whatever it picks.
+* Plain decoding is arm 0 of every bucket, beside the tree shapes; the measure
+  and the bounded exploration are those of :class:`~nemo_tlt.adaptive.arm_table.ArmTable`
+  (throughput moved to the batch size being decided with a fitted step-time
+  exponent per arm; probes of losing arms on exponential back-off).
+* ``max_sd_running`` is an optional bound (never speculate above that many rows),
+  not the mechanism.
+* A :class:`~nemo_tlt.adaptive.collapse.CollapseGuard` watches the accepted length
+  per row of the SD steps: when it collapses (untrained or stale drafter), every
+  bucket decodes plainly and one SD step with the cheapest tree (fewest verified
+  nodes) probes the drafter on exponential back-off. A probe that accepts again ends
+  the collapse and the tree arms are measured afresh.
+* :meth:`drafter_updated` is called when the drafter's weights change: what the tree
+  arms measured (acceptance is the drafter's) is discounted (windows halved, probe
+  waits halved) and a collapsed drafter is probed again soon; plain decoding's
+  measurements do not depend on the drafter and are kept.
+* ``state_dict`` is JSON-serialisable and restores the same future choices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from nemo_tlt.adaptive.arm_table import ArmTable
+from nemo_tlt.adaptive.collapse import CollapseGuard
+from nemo_tlt.adaptive.sd_policy import ChoiceTrace, TracedPolicy, check_outcome, check_running
+from nemo_tlt.checks import check_float, check_int
+from nemo_tlt.speculative.tree_shape import TreeShape
+
+_STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LearnedSDConfig:
+    """Arms, buckets, exploration and collapse detection of a :class:`LearnedSDPolicy`."""
+
+    arms: tuple[TreeShape, ...]
+    # Doubling buckets: the right choice changes with the batch size, and within a
+    # bucket spanning a factor 2 moving throughputs with one exponent is accurate.
+    bucket_edges: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128)
+    window: int = 16             # steps per (bucket, arm) the estimate is the median of
+    min_pulls: int = 2           # pulls of every arm (plain too) per bucket before exploiting
+    probe_shortest: int = 8      # bucket steps before a losing arm is first probed again
+    probe_longest: int = 256     # the longest a losing arm goes unprobed (bucket steps)
+    collapse_accept: float = 1.3  # accepted tokens per row per SD step below which SD is lost
+    collapse_steps: int = 3      # SD steps whose mean acceptance decides a collapse
+    reprobe_shortest: int = 16   # decode steps before a collapsed drafter is first probed
+    reprobe_longest: int = 1024  # the longest a collapsed drafter goes unprobed (decode steps)
+    max_sd_running: Optional[int] = None  # optional bound: never speculate above this many rows
+    enabled: bool = True
+    record_trace: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "arms", tuple(self.arms))
+        object.__setattr__(self, "bucket_edges", tuple(self.bucket_edges))
+        if not self.arms:
+            raise ValueError("LearnedSDConfig.arms must hold at least one TreeShape, got none")
+        for i, arm in enumerate(self.arms):
+            if not isinstance(arm, TreeShape):
+                raise ValueError(f"LearnedSDConfig.arms[{i}] must be a TreeShape, got {arm!r}")
+            if arm in self.arms[:i]:
+                raise ValueError(f"LearnedSDConfig.arms[{i}]={arm.name} is listed twice; arms must be unique")
+        for i, edge in enumerate(self.bucket_edges):
+            check_int(f"LearnedSDConfig.bucket_edges[{i}]", edge, 2)
+            if i and edge <= self.bucket_edges[i - 1]:
+                raise ValueError(f"LearnedSDConfig.bucket_edges must be strictly increasing, got {self.bucket_edges}")
+        check_int("LearnedSDConfig.window", self.window, 1)
+        check_int("LearnedSDConfig.min_pulls", self.min_pulls, 1, self.window)
+        check_int("LearnedSDConfig.probe_shortest", self.probe_shortest, 1)
+        check_int("LearnedSDConfig.probe_longest", self.probe_longest, self.probe_shortest)
+        check_float("LearnedSDConfig.collapse_accept", self.collapse_accept, 1.0)
+        check_int("LearnedSDConfig.collapse_steps", self.collapse_steps, 1)
+        check_int("LearnedSDConfig.reprobe_shortest", self.reprobe_shortest, 1)
+        check_int("LearnedSDConfig.reprobe_longest", self.reprobe_longest, self.reprobe_shortest)
+        if self.max_sd_running is not None:
+            check_int("LearnedSDConfig.max_sd_running", self.max_sd_running, 1)
+        for name in ("enabled", "record_trace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LearnedSDConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+
+class LearnedSDPolicy(TracedPolicy):
+    """Plain or which tree, per step, learned online from step costs (see the module docstring)."""
+
+    def __init__(self, config: LearnedSDConfig) -> None:
+        if not isinstance(config, LearnedSDConfig):
+            raise ValueError(f"LearnedSDPolicy.config must be a LearnedSDConfig, got {type(config).__name__}")
+        self.config = config
+        self._choices: tuple[TreeShape | None, ...] = (None, *config.arms)
+        self._index = {shape: i for i, shape in enumerate(self._choices)}
+        self.table, self.guard = self._fresh_table(), self._fresh_guard()
+        # The drafter probe: the tree that verifies the fewest nodes is the cheapest to lose.
+        self._probe_arm = 1 + min(range(len(config.arms)),
+                                  key=lambda i: (config.arms[i].num_verify, config.arms[i].depth, i))
+        self._trace = ChoiceTrace(config.record_trace)
+
+    @property
+    def collapsed(self) -> bool:
+        """Whether the drafter currently counts as collapsed (plain decoding everywhere)."""
+        return self.guard.collapsed
+
+    def choose(self, num_running: int) -> TreeShape | None:
+        check_running(num_running)
+        self.guard.tick()
+        bound = self.config.max_sd_running
+        if not self.config.enabled or (bound is not None and num_running > bound):
+            arm = 0
+        elif self.guard.collapsed:
+            arm = self._probe_arm if self.guard.probe_due() else 0
+        else:
+            arm = self.table.choose(num_running)
+        shape = self._choices[arm]
+        self._trace.record(num_running, shape)
+        return shape
+
+    def observe(self, num_running: int, shape: TreeShape | None, tokens_generated: int, elapsed_s: float) -> None:
+        check_running(num_running)
+        check_outcome(tokens_generated, elapsed_s)
+        arm = self._index.get(shape) if shape is None or isinstance(shape, TreeShape) else None
+        if arm is None:
+            names = ", ".join(a.name for a in self.config.arms)
+            raise ValueError(f"observe: shape {shape!r} is neither None (plain) nor one of the arms ({names})")
+        if arm and self.guard.record(tokens_generated / num_running) == "recovered":
+            # A drafter that accepts again is a different drafter: measure its trees afresh.
+            self.table.forget(range(1, len(self._choices)))
+        self.table.record(num_running, arm, tokens_generated / elapsed_s, elapsed_s)
+
+    def drafter_updated(self) -> None:
+        """The drafter's weights changed: discount what depended on them."""
+        self.table.discount(range(1, len(self._choices)))
+        self.guard.drafter_changed()
+
+    def log_dict(self, prefix: str = "sd_policy") -> dict[str, float]:
+        """Flat scalars: collapse state, and per bucket the pulls and the estimate of each
+        choice at the bucket's lowest batch size (plain is named 'plain')."""
+        out = {f"{prefix}/collapsed": float(self.guard.collapsed), f"{prefix}/collapses": float(self.guard.collapses)}
+        edges = self.config.bucket_edges
+        for b in range(self.table.num_buckets):
+            lo = 1 if b == 0 else edges[b - 1]
+            label = f"[{lo},{edges[b] if b < len(edges) else 'inf'})"
+            for arm, shape in enumerate(self._choices):
+                name = "plain" if shape is None else shape.name
+                out[f"{prefix}/bucket{b}{label}/pulls/{name}"] = float(self.table.pulls(b)[arm])
+                est = self.table.estimate(b, arm, lo)
+                if est is not None:
+                    out[f"{prefix}/bucket{b}{label}/tokens_per_s/{name}"] = est
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": _STATE_VERSION, "kind": "learned", "arms": [a.name for a in self.config.arms],
+                "table": self.table.state_dict(), "collapse": self.guard.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("kind") != "learned" or state.get("version") != _STATE_VERSION:
+            raise ValueError(f"LearnedSDPolicy state must be a dict with kind 'learned' and version "
+                             f"{_STATE_VERSION}, got {state if not isinstance(state, dict) else state.get('kind')!r}")
+        arms = [a.name for a in self.config.arms]
+        if state.get("arms") != arms:
+            raise ValueError(f"LearnedSDPolicy state 'arms'={state.get('arms')!r} does not match this policy's {arms}")
+        table, guard = self._fresh_table(), self._fresh_guard()
+        table.load_state_dict(state.get("table"))  # into fresh copies: a bad state changes nothing
+        guard.load_state_dict(state.get("collapse"))
+        self.table, self.guard = table, guard
+
+    def _fresh_table(self) -> ArmTable:
+        c = self.config
+        return ArmTable(len(self._choices), c.bucket_edges, c.window, c.min_pulls, c.probe_shortest, c.probe_longest)
+
+    def _fresh_guard(self) -> CollapseGuard:
+        c = self.config
+        return CollapseGuard(c.collapse_accept, c.collapse_steps, c.reprobe_shortest, c.reprobe_longest)

@@ -1,0 +1,237 @@
+"""The learned SD policy: plain decoding or a tree per bucket from step costs, collapse
+fallback with back-off probes, discount on a new drafter, state that travels."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nemo_tlt.adaptive.learned_policy import LearnedSDConfig, LearnedSDPolicy
+from nemo_tlt.adaptive.sd_policy import SpecPolicy
+from nemo_tlt.speculative.tree_shape import TreeShape
+
+CHAIN, TREE = TreeShape(4, 1, 4), TreeShape(6, 2, 12)
+
+
+class Sim:
+    """Step costs of a machine where SD pays below ~10 rows and plain above: plain
+    t = 0.01 + 0.001 r; a tree t = 0.02 + c r and keeps `accept` tokens a row."""
+
+    def __init__(self, accept: dict = None):
+        self.accept = {None: 1.0, CHAIN: 4.0, TREE: 4.5} if accept is None else accept
+
+    def cost(self, shape, r: int) -> float:
+        slope = {None: 0.001, CHAIN: 0.006, TREE: 0.009}[shape]
+        return (0.01 if shape is None else 0.02) + slope * r
+
+    def rate(self, shape, r: int) -> float:
+        return self.accept[shape] * r / self.cost(shape, r)
+
+    def step(self, policy, r: int):
+        shape = policy.choose(r)
+        policy.observe(r, shape, round(self.accept[shape] * r), self.cost(shape, r))
+        return shape
+
+    def rollout(self, policy, start: int = 256) -> list:
+        """Running rows fall from `start` to 1 (a long tail: many steps at few rows)."""
+        runs = [max(1, int(start * 0.9 ** i)) for i in range(80)] + [1] * 40
+        return [(r, self.step(policy, r)) for r in runs]
+
+
+def policy(**kw) -> LearnedSDPolicy:
+    return LearnedSDPolicy(LearnedSDConfig(arms=(CHAIN, TREE), **kw))
+
+
+def oracle(sim: Sim, r: int):
+    return max((None, CHAIN, TREE), key=lambda s: sim.rate(s, r))
+
+
+def test_learns_plain_for_the_crowded_head_and_sd_for_the_tail():
+    sim, p = Sim(), policy()
+    for _ in range(6):
+        steps = sim.rollout(p)
+    head = [s for r, s in steps if r >= 48]
+    tail = [s for r, s in steps if r <= 4]
+    assert head.count(None) >= 0.9 * len(head)
+    assert sum(s is not None for s in tail) >= 0.9 * len(tail)
+    # Exploration is bounded: in the sixth rollout the cost over the per-step oracle is small.
+    spent = sum(sim.cost(s, r) / (sim.accept[s] * r) for r, s in steps)
+    best = sum(sim.cost(oracle(sim, r), r) / (sim.accept[oracle(sim, r)] * r) for r, s in steps)
+    assert spent <= 1.05 * best
+
+
+def test_a_threshold_free_start_is_not_stuck_plain_on_a_big_batch_when_sd_pays():
+    # A machine where SD pays at every batch size: the policy speculates from the head on.
+    sim = Sim({None: 1.0, CHAIN: 6.0, TREE: 4.0})
+    p = policy()
+    for _ in range(8):
+        steps = sim.rollout(p)
+    head = [s for r, s in steps if r >= 128]
+    assert sum(s is CHAIN for s in head) >= 0.8 * len(head)
+
+
+def test_collapse_is_noticed_within_a_few_sd_steps_and_probed_on_back_off():
+    sim = Sim({None: 1.0, CHAIN: 1.0, TREE: 1.0})  # an untrained drafter: nothing accepted
+    p = policy()
+    sd_before = 0
+    for r in [8] * 50:
+        shape = sim.step(p, r)
+        if p.collapsed:
+            break
+        sd_before += shape is not None
+    assert p.collapsed and sd_before <= 3
+    probes = [sim.step(p, 8) for _ in range(2000)]
+    sd = [i for i, s in enumerate(probes) if s is not None]
+    assert 3 <= len(sd) <= 8, sd  # 16, 32, 64, ... steps apart, capped at 1024
+    assert all(probes[i] is CHAIN for i in sd)  # the cheapest tree probes
+    gaps = [b - a for a, b in zip(sd, sd[1:])]
+    assert gaps == sorted(gaps)
+
+
+def test_a_retrained_drafter_is_picked_up_soon_after_drafter_updated():
+    sim = Sim({None: 1.0, CHAIN: 1.0, TREE: 1.0})
+    p = policy()
+    for _ in range(3000):
+        sim.step(p, 4)
+    assert p.collapsed and p.guard.backoff.wait == 1024  # unannounced, the next probe could be 1024 steps away
+    sim.accept = {None: 1.0, CHAIN: 4.0, TREE: 4.5}
+    p.drafter_updated()
+    steps = [sim.step(p, 4) for _ in range(60)]
+    assert not p.collapsed
+    assert sum(s is not None for s in steps[-20:]) >= 18
+
+
+def test_drafter_updated_halves_tree_windows_and_keeps_plain():
+    sim, p = Sim(), policy()
+    for _ in range(3):
+        sim.rollout(p)
+    bucket = p.table.bucket_of(1)
+    before = [len(w) for w in p.table._windows[bucket]]
+    p.drafter_updated()
+    after = [len(w) for w in p.table._windows[bucket]]
+    assert after[0] == before[0]
+    assert after[1:] == [n - n // 2 for n in before[1:]]
+
+
+def test_choices_depend_on_the_measured_cost_not_on_a_threshold():
+    # The same policy on two machines whose break-even differs decides differently at 32 rows.
+    picks = {}
+    for name, accept in (("sd_pays", {None: 1.0, CHAIN: 6.0, TREE: 4.0}), ("plain_pays", None)):
+        sim, p = Sim(accept), policy()
+        for _ in range(5):
+            steps = sim.rollout(p)
+        picks[name] = [s for r, s in steps if 28 <= r <= 36]
+    assert all(s is not None for s in picks["sd_pays"][-3:])
+    assert all(s is None for s in picks["plain_pays"][-3:])
+
+
+def test_max_sd_running_bounds_speculation():
+    sim = Sim({None: 1.0, CHAIN: 6.0, TREE: 4.0})
+    p = policy(max_sd_running=16)
+    for _ in range(3):
+        steps = sim.rollout(p)
+    assert all(s is None for r, s in steps if r > 16)
+    assert any(s is not None for r, s in steps if r <= 16)
+
+
+def test_disabled_never_speculates():
+    p = policy(enabled=False)
+    assert all(Sim().step(p, r) is None for r in (1, 2, 64))
+
+
+def test_state_round_trip_through_json_gives_identical_future_choices():
+    sim = Sim()
+    a = policy()
+    for _ in range(2):
+        sim.rollout(a)
+    for _ in range(200):  # into a collapse, so its state travels too
+        Sim({None: 1.0, CHAIN: 1.0, TREE: 1.0}).step(a, 3)
+    b = policy()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert [s for _, s in sim.rollout(a)] == [s for _, s in sim.rollout(b)]
+    assert a.state_dict() == b.state_dict()
+
+
+def test_bad_state_is_refused_and_changes_nothing():
+    p = policy()
+    Sim().rollout(p)
+    good = json.loads(json.dumps(p.state_dict()))
+    other = LearnedSDPolicy(LearnedSDConfig(arms=(CHAIN,)))
+    with pytest.raises(ValueError, match="arms"):
+        other.load_state_dict(good)
+    broken = json.loads(json.dumps(good))
+    broken["collapse"]["recent"] = "x"
+    fresh = policy()
+    with pytest.raises(ValueError, match="recent"):
+        fresh.load_state_dict(broken)
+    assert fresh.state_dict() == policy().state_dict()
+    for bad in (None, {"kind": "threshold"}, {**good, "version": 9}):
+        with pytest.raises(ValueError, match="LearnedSDPolicy state"):
+            p.load_state_dict(bad)
+
+
+def test_observe_refuses_an_unknown_shape_and_bad_outcomes():
+    p = policy()
+    with pytest.raises(ValueError, match="neither None"):
+        p.observe(4, TreeShape(2, 1, 2), 8, 0.1)
+    with pytest.raises(ValueError, match="elapsed_s"):
+        p.observe(4, None, 4, 0.0)
+    with pytest.raises(ValueError, match="num_running"):
+        p.choose(0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"arms": ()}, "arms"),
+    ({"arms": (CHAIN, CHAIN)}, "twice"),
+    ({"arms": ("4_1_4",)}, r"arms\[0\]"),
+    ({"bucket_edges": (4, 2)}, "increasing"),
+    ({"bucket_edges": (1, 4)}, r"bucket_edges\[0\]"),
+    ({"min_pulls": 20}, "min_pulls"),
+    ({"probe_longest": 4}, "probe_longest"),
+    ({"collapse_accept": 0.5}, "collapse_accept"),
+    ({"max_sd_running": 0}, "max_sd_running"),
+    ({"enabled": 1}, "enabled"),
+])
+def test_config_validation_names_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LearnedSDConfig(**({"arms": (CHAIN,)} | kwargs))
+
+
+def test_is_a_spec_policy_and_logs():
+    p = policy(record_trace=True)
+    Sim().rollout(p)
+    assert isinstance(p, SpecPolicy)
+    log = p.log_dict()
+    assert log["sd_policy/collapsed"] == 0.0
+    assert any(k.endswith("/tokens_per_s/plain") for k in log)
+    counts = p.step_counts()
+    assert counts["sd_steps"] + counts["plain_steps"] == len(p.trace) == 120
+
+
+def test_arms_pulled_early_and_late_in_a_bucket_compare_at_the_batch_size_decided():
+    # Steps cost 0.01 * r**0.3 for both arms; arm 2 keeps 3.3 tokens a row, arm 1 3.0.
+    # In the bucket [32, 64) arm 1 only ran at 60 rows and arm 2 at 33: by raw
+    # throughput arm 1 looks better (more rows); moved to the same batch size, arm 2 wins.
+    from nemo_tlt.adaptive.arm_table import ArmTable
+    table = ArmTable(3, (2, 4, 8, 16, 32, 64), window=8, min_pulls=1, probe_shortest=8, probe_longest=64)
+    for arm, acc in ((1, 3.0), (2, 3.3)):  # the fit: each arm at several batch sizes of the tail
+        for r in (1, 2, 3, 5, 7, 9, 12, 15):
+            table.record(r, arm, acc * r / (0.01 * r ** 0.3), 0.01 * r ** 0.3)
+    table.record(60, 1, 3.0 * 60 / (0.01 * 60 ** 0.3), 0.01 * 60 ** 0.3)
+    table.record(33, 2, 3.3 * 33 / (0.01 * 33 ** 0.3), 0.01 * 33 ** 0.3)
+    assert table.exponent(1) == pytest.approx(0.3, abs=1e-6)
+    bucket = table.bucket_of(40)
+    assert table.best(bucket, 40) == 2 and table.best(bucket, 60) == 2
+
+
+def test_a_losing_arm_is_probed_ever_more_rarely():
+    from nemo_tlt.adaptive.arm_table import ArmTable
+    table = ArmTable(2, (8,), window=8, min_pulls=1, probe_shortest=4, probe_longest=64)
+    picks = []
+    for _ in range(300):
+        arm = table.choose(3)
+        table.record(3, arm, (10.0, 20.0)[arm], 0.1)
+        picks.append(arm)
+    probes = [i for i, a in enumerate(picks) if a == 0][1:]  # after the first pull
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] == 64 and len(probes) <= 8
