@@ -16,6 +16,12 @@ pipeline stage). The Megatron layout, as read from megatron-core 0.16:
   ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight`` (accepted on input).
 
 Rotary embeddings are non-interleaved in both worlds, so q/k need no permutation.
+
+Biases: q/k/v biases (Qwen2; megatron ``add_qkv_bias``) are supported. A Llama with
+``attention_bias=True`` (``LMConfig.o_proj_bias``) also has an output-projection bias,
+which megatron-core 0.16 cannot hold without MLP biases HF Llama lacks
+(``add_bias_linear`` gives ``linear_proj``, ``linear_fc1`` and ``linear_fc2`` a bias
+together), so every entry point here refuses such a config (``check_megatron_biases``).
 """
 from __future__ import annotations
 
@@ -53,6 +59,21 @@ def check_tp(cfg: LMConfig, tp: int) -> None:
         problems.append(f"intermediate_size={cfg.intermediate_size}")
     if problems:
         raise ValueError(f"TP={tp} does not divide {', '.join(problems)}")
+
+
+def check_megatron_biases(cfg: LMConfig) -> None:
+    """Raise a clear ValueError for biases megatron-core's GPTModel cannot hold exactly.
+
+    Only an output-projection bias is at issue: megatron-core 0.16 gives ``linear_proj``
+    a bias only through ``add_bias_linear``, which also gives ``linear_fc1`` /
+    ``linear_fc2`` trainable biases that HF Llama (mlp_bias=false) has no place for.
+    """
+    if cfg.o_proj_bias:
+        raise ValueError(
+            "LMConfig.o_proj_bias is True (a Llama with attention_bias=true has q/k/v and o_proj biases); "
+            "megatron-core cannot hold an o_proj bias without MLP biases (add_bias_linear adds linear_proj, "
+            "linear_fc1 and linear_fc2 biases together), so the Megatron paths do not support it. Supported: "
+            "no attention biases (Llama, attention_bias=false) or q/k/v biases only (Qwen2, add_qkv_bias)")
 
 
 def _expect(t: Tensor, shape: tuple[int, ...], what: str) -> None:
@@ -109,6 +130,7 @@ def megatron_tensor_to_canonical(name: str, tp_parts: Sequence[Tensor], cfg: LMC
 
 def megatron_layer_to_canonical(tp_shards: Sequence[Mapping[str, Tensor]], cfg: LMConfig) -> StateDict:
     """TP shards of one layer (megatron layer-local names) -> canonical layer-local dict."""
+    check_megatron_biases(cfg)
     check_tp(cfg, len(tp_shards))
     names = [n for n in tp_shards[0] if not n.endswith("_extra_state")]
     if bool(cfg.qkv_bias) != ("self_attention.linear_qkv.bias" in names):
@@ -116,7 +138,7 @@ def megatron_layer_to_canonical(tp_shards: Sequence[Mapping[str, Tensor]], cfg: 
     out: StateDict = {}
     for name in names:
         out.update(megatron_tensor_to_canonical(name, [s[name] for s in tp_shards], cfg))
-    missing = set(LAYER_CANONICAL_NAMES) - set(out) - (set() if cfg.qkv_bias else set(QKV_BIAS_NAMES))
+    missing = layer_canonical_names(cfg) - set(out)
     if missing:
         raise ValueError(f"megatron layer is missing tensors for {sorted(missing)}")
     return out
@@ -130,9 +152,21 @@ LAYER_CANONICAL_NAMES = (
 ) + QKV_BIAS_NAMES
 
 
+def layer_canonical_names(cfg: LMConfig) -> set[str]:
+    """The canonical layer-local names a Megatron layer of `cfg` holds (no o_proj bias: see
+    check_megatron_biases)."""
+    return set(LAYER_CANONICAL_NAMES) - (set() if cfg.qkv_bias else set(QKV_BIAS_NAMES))
+
+
 def canonical_layer_to_megatron(layer: Mapping[str, Tensor], cfg: LMConfig, tp: int) -> list[StateDict]:
-    """Canonical layer-local dict -> one megatron layer-local dict per TP rank."""
+    """Canonical layer-local dict -> one megatron layer-local dict per TP rank.
+
+    A tensor this layout has no place for is refused, never dropped."""
+    check_megatron_biases(cfg)
     check_tp(cfg, tp)
+    unexpected = sorted(set(layer) - layer_canonical_names(cfg))
+    if unexpected:
+        raise ValueError(f"canonical layer has tensors the Megatron layout cannot hold: {unexpected}")
     hd, ng, nh, h = cfg.head_dim, cfg.num_kv_heads, cfg.num_heads, cfg.hidden_size
     hpg = nh // ng
     _expect(layer["self_attn.q_proj.weight"], (nh * hd, h), "q_proj.weight")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.weights.layout import ParallelLayout
 from nemo_tlt.weights.megatron_layout import (
-    StateDict, canonical_layer_to_megatron, check_tp, megatron_layer_to_canonical, megatron_tensor_to_canonical,
+    StateDict, canonical_layer_to_megatron, check_megatron_biases, check_tp, megatron_layer_to_canonical, megatron_tensor_to_canonical,
     megatron_to_canonical_ends,
 )
 from nemo_tlt.weights.rollout import check_rollout_tp, rollout_slice, vocab_rows
@@ -55,6 +55,7 @@ class ReshardPlan:
     meter: ByteMeter = field(default_factory=ByteMeter, compare=False)
 
     def __post_init__(self) -> None:
+        check_megatron_biases(self.cfg)
         check_tp(self.cfg, self.layout.tp)
         check_rollout_tp(self.cfg, self.rollout_tp)
         if len(set(self.receivers)) != len(self.receivers):
@@ -95,6 +96,8 @@ def megatron_shard_shapes(cfg: LMConfig, layout: ParallelLayout) -> dict[tuple[i
 
 
 def _canonical_layer_shapes(cfg: LMConfig) -> dict[str, tuple[int, ...]]:
+    # A Megatron layer never holds an o_proj bias (refused here rather than left out of the shapes).
+    check_megatron_biases(cfg)
     h, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
               "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),

@@ -109,3 +109,28 @@ def test_clear_errors():
     shards[(0, 1)]["decoder.layers.0.mlp.experts.weight"] = torch.zeros(1)
     with pytest.raises(ValueError, match="unknown megatron layer tensor"):
         megatron_to_canonical(shards, cfg, ParallelLayout(2, 1))
+
+
+def test_o_proj_bias_is_refused_not_dropped():
+    # A Llama with attention_bias=true has an o_proj bias megatron-core cannot hold without MLP
+    # biases; converting it either way must fail, not lose the bias.
+    cfg = LMConfig(family="llama", qkv_bias=True, num_heads=4, num_kv_heads=2)
+    canonical = random_canonical(cfg)
+    assert "model.layers.0.self_attn.o_proj.bias" in canonical
+    layout = ParallelLayout(2, 1)
+    with pytest.raises(ValueError, match=r"LMConfig\.o_proj_bias .*q/k/v biases only"):
+        canonical_to_megatron(canonical, cfg, layout)
+    # Megatron shards with q/k/v biases (as Qwen2 has) read under that config: also refused.
+    qkv_only = LMConfig(**{**cfg.to_dict(), "family": "qwen2"})
+    shards = canonical_to_megatron(random_canonical(qkv_only), qkv_only, layout)
+    with pytest.raises(ValueError, match=r"LMConfig\.o_proj_bias"):
+        megatron_to_canonical(shards, cfg, layout)
+
+
+def test_a_canonical_tensor_without_a_megatron_place_is_refused():
+    cfg = LMConfig(num_heads=4, num_kv_heads=2)
+    layer = {k.removeprefix("model.layers.0."): v for k, v in random_canonical(cfg).items()
+             if k.startswith("model.layers.0.")}
+    layer["self_attn.o_proj.bias"] = torch.zeros(cfg.hidden_size)
+    with pytest.raises(ValueError, match=r"cannot hold: \['self_attn.o_proj.bias'\]"):
+        canonical_layer_to_megatron(layer, cfg, tp=2)

@@ -46,3 +46,12 @@ def test_plan_validation():
         ReshardPlan(cfg, ParallelLayout(2, 1), rollout_tp=4)
     with pytest.raises(ValueError, match="receivers has duplicates"):
         ReshardPlan(cfg, ParallelLayout(2, 1), rollout_tp=1, receivers=(0, 0))
+
+
+def test_o_proj_bias_is_refused():
+    # Megatron shards never hold an o_proj bias: the reshard must not plan without it.
+    cfg = LMConfig(family="llama", qkv_bias=True)
+    with pytest.raises(ValueError, match=r"LMConfig\.o_proj_bias"):
+        megatron_shard_shapes(cfg, ParallelLayout(2, 1))
+    with pytest.raises(ValueError, match=r"LMConfig\.o_proj_bias"):
+        ReshardPlan(cfg, ParallelLayout(2, 1), rollout_tp=1)
