@@ -2,9 +2,12 @@
 
 Contract: ``build_gpt_model(cfg, layout)`` returns this rank's GPTModel (its TP
 shard of its PP stage) for a Llama / Qwen2 family config: RMSNorm, SwiGLU,
-rotary position embeddings with ``rope_theta``, GQA through
+rotary position embeddings with ``rope_theta`` (and Llama-3.1 ``llama3`` scaling
+through megatron-core's ``rope_scaling`` / ``rope_scaling_factor``), GQA through
 ``num_query_groups``, Qwen2's q/k/v biases through ``add_qkv_bias``, tied or
-untied output layer, vocabulary padded as Megatron pads it. It uses only
+untied output layer, vocabulary padded as Megatron pads it. A config megatron-core
+cannot reproduce exactly is refused with a ValueError naming the field
+(``check_megatron_model``), never built approximately. It uses only
 megatron-core modules (``get_gpt_layer_local_spec``: no Transformer Engine) and
 ``use_cpu_initialization=True`` so the same call works under gloo on CPU (with
 ``megatron_patches.cpu_shims``) and under NCCL on GPUs.
@@ -18,12 +21,53 @@ import torch.nn.functional as F
 
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.weights.layout import ParallelLayout
+from nemo_tlt.weights.megatron_layout import check_megatron_biases
+
+# megatron-core 0.16's llama3 scaling (RotaryEmbedding._apply_scaling) takes only `factor`
+# from GPTModel (rope_scaling_factor); these three stay at its defaults, Llama-3.1's values.
+_MCORE_LLAMA3_FIXED = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _mcore_llama3_defaults() -> dict[str, float]:
+    """The values megatron-core's llama3 rope scaling always uses for _MCORE_LLAMA3_FIXED,
+    read from the installed version rather than assumed."""
+    import inspect
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    params = inspect.signature(RotaryEmbedding._apply_scaling).parameters
+    return {name: params[name].default for name in _MCORE_LLAMA3_FIXED}
+
+
+def check_megatron_model(cfg: LMConfig) -> None:
+    """Raise a ValueError naming the field when megatron-core's GPTModel cannot compute
+    exactly what `cfg` (and so the reference DecoderLM) computes."""
+    check_megatron_biases(cfg)
+    if cfg.rope_scaling is None:
+        return
+    fixed = _mcore_llama3_defaults()
+    for name, value in fixed.items():
+        got = getattr(cfg.rope_scaling, name)
+        if got != value:
+            raise ValueError(
+                f"LMConfig.rope_scaling.{name}={got!r} is not supported by megatron-core's llama3 rope scaling, "
+                f"which fixes {', '.join(f'{k}={v}' for k, v in fixed.items())} (Llama-3.1's values) and takes "
+                "only `factor`")
+
+
+def rope_kwargs(cfg: LMConfig) -> dict:
+    """GPTModel's rotary keyword arguments for `cfg` (after check_megatron_model)."""
+    kwargs = {"rotary_base": int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta}
+    if cfg.rope_scaling is None:
+        return {**kwargs, "rope_scaling": False}
+    return {**kwargs, "rope_scaling": True, "rope_scaling_factor": float(cfg.rope_scaling.factor)}
 
 
 def transformer_config(cfg: LMConfig, layout: ParallelLayout, *, dtype: torch.dtype = torch.float32):
     """The megatron ``TransformerConfig`` equivalent of ``cfg`` under ``layout``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    check_megatron_model(cfg)
     layout.stage_layer_counts(cfg.num_layers)  # fail early with our message, not megatron's assert
     if cfg.num_kv_heads % layout.tp:
         raise ValueError(
@@ -89,7 +133,7 @@ def build_gpt_model(
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta,
+        **rope_kwargs(cfg),
         parallel_output=True,
         vp_stage=vp_stage,
     )

@@ -15,10 +15,11 @@ Contract: ``main(argv) -> int`` (also ``tools/convert_checkpoint.py``). Supporte
 * ``--from hf --to trtllm --tp T``: TensorRT-LLM checkpoint folder.
 
 Errors are clear and early (unknown architecture, mismatched tensor shapes, a TP
-that does not divide heads / kv groups / MLP width); an existing output is
-refused without ``--overwrite``; output is written to a temp folder and renamed,
-so a failed conversion leaves nothing behind. Exit code 0 on success, 2 on a
-usage or input error.
+that does not divide heads / kv groups / MLP width, a model the Megatron routes
+cannot hold exactly: an o_proj bias, or llama3 rope scaling megatron-core lacks);
+an existing output is refused without ``--overwrite``; output is written to a temp
+folder and renamed, so a failed conversion leaves nothing behind. Exit code 0 on
+success, 2 on a usage or input error.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from tqdm import tqdm
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.atomic import atomic_output_dir
 from nemo_tlt.weights.layout import ParallelLayout
-from nemo_tlt.weights.megatron_layout import check_tp
+from nemo_tlt.weights.megatron_layout import check_megatron_biases, check_tp
 
 _ROUTES = {("hf", "torch_dist"), ("torch_dist", "hf"), ("legacy", "hf"), ("hf", "trtllm")}
 
@@ -142,6 +143,9 @@ def convert(args: argparse.Namespace) -> None:
         if args.dst == "torch_dist":
             layout = ParallelLayout(tp=args.tp, pp=args.pp, num_layers_in_first_stage=args.first_stage_layers,
                                     num_layers_in_last_stage=args.last_stage_layers)
+            from megatron_patches.gpt_builder import check_megatron_model
+
+            check_megatron_model(cfg)
             check_tp(cfg, layout.tp)
             layout.stage_layer_counts(cfg.num_layers)
         else:
@@ -166,10 +170,15 @@ def convert(args: argparse.Namespace) -> None:
             from nemo_tlt.weights.legacy import legacy_to_canonical
 
             hf_cfg = _hf_config(args.hf_config)
+            check_megatron_biases(hf_cfg)
             canonical = legacy_to_canonical(args.input, hf_cfg, trust_pickle=args.trust_pickle)
             write_hf(_cast(canonical, dtype), hf_cfg, tmp)
         else:
             hf_cfg = _hf_config(args.hf_config) if args.hf_config else None
+            if hf_cfg is not None:
+                from megatron_patches.gpt_builder import check_megatron_model
+
+                check_megatron_model(hf_cfg)
             run_gloo(_load_worker, 1, args.input, hf_cfg, dtype, str(tmp), timeout_s=args.timeout_s)
         steps.update()
     steps.update()

@@ -21,6 +21,7 @@ class Case:
     cfg: LMConfig
     layout: ParallelLayout
     rollout_tps: tuple[int, ...] = ()
+    tokens: torch.Tensor | None = None  # None: the session's shared tokens
 
 
 def perturb_norms(model, cfg: LMConfig, layout: ParallelLayout) -> None:
@@ -56,6 +57,8 @@ def run_case(case: Case, tokens: torch.Tensor, world: int) -> dict | None:
     from nemo_tlt.weights.megatron_live import gather_canonical, local_shard, rank_coords
     from nemo_tlt.weights.reshard import ReshardPlan, gather_reshard, groups_created, stream_reshard
 
+    if case.tokens is not None:
+        tokens = case.tokens
     init_model_parallel(case.layout.tp, case.layout.pp, seed=1234)
     model = build_gpt_model(case.cfg, case.layout)
     perturb_norms(model, case.cfg, case.layout)

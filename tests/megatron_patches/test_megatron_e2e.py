@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from mcore_workers import Case, session  # noqa: E402
 
 from megatron_patches.gloo_launch import run_gloo  # noqa: E402
-from nemo_tlt.model.config import LMConfig  # noqa: E402
+from nemo_tlt.model.config import LMConfig, RopeScaling  # noqa: E402
 from nemo_tlt.model.lm import DecoderLM  # noqa: E402
 from nemo_tlt.weights.layout import ParallelLayout  # noqa: E402
 from nemo_tlt.weights.megatron_layout import canonical_to_megatron  # noqa: E402
@@ -31,13 +31,27 @@ CASES = [
     Case("qwen2_tied_uneven", LMConfig(family="qwen2", vocab_size=VOCAB, num_layers=3, tie_word_embeddings=True,
                                        rope_theta=1_000_000.0),
          ParallelLayout(tp=2, pp=2, num_layers_in_first_stage=1), rollout_tps=(1, 2)),
+    # Llama-3.1 rope scaling (factor 32, as Llama-3.2's) over a sequence longer than
+    # original_max_position_embeddings (8192: megatron-core fixes it). Unscaled or wrongly
+    # scaled frequencies move these logits by 5e-5 to 3e-4 (tolerance 1e-5), mostly far
+    # into the sequence. head_dim 16 at theta 5e5 puts half the frequencies in the scaled
+    # and interpolated bands; tiny widths keep the 8200^2 attention cheap.
+    Case("llama3_scaled_long", LMConfig(family="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                        num_heads=2, num_kv_heads=2, head_dim=16, rope_theta=500_000.0,
+                                        max_position_embeddings=8200, rope_scaling=RopeScaling(factor=32.0)),
+         ParallelLayout(tp=2, pp=2),
+         tokens=torch.randint(0, VOCAB, (1, 8200), generator=torch.Generator().manual_seed(1))),
 ]
 TOKENS = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
+def _tokens(case: Case) -> torch.Tensor:
+    return TOKENS if case.tokens is None else case.tokens
+
+
 @pytest.fixture(scope="module")
 def results():
-    return run_gloo(session, 4, CASES, TOKENS, timeout_s=240)[0]
+    return run_gloo(session, 4, CASES, TOKENS, timeout_s=400)[0]
 
 
 def _decoder(case: Case, canonical: dict) -> DecoderLM:
@@ -51,9 +65,9 @@ def _decoder(case: Case, canonical: dict) -> DecoderLM:
 def test_reference_lm_logits_equal_megatron(results, case):
     res = results[case.name]
     mega = res["logits"]
-    assert mega.shape == (2, 9, ParallelLayout(tp=2).padded_vocab_size(VOCAB))
+    assert mega.shape == (*_tokens(case).shape, ParallelLayout(tp=2).padded_vocab_size(VOCAB))
     with torch.no_grad():
-        ref = _decoder(case, res["canonical"])(TOKENS)
+        ref = _decoder(case, res["canonical"])(_tokens(case))
     torch.testing.assert_close(ref, mega[..., :VOCAB], rtol=1e-5, atol=1e-5)
 
 
@@ -72,7 +86,7 @@ def test_hf_transformers_logits_equal_megatron(results, case):
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary" in k for k in missing)
     with torch.no_grad():
-        ref = model(TOKENS).logits
+        ref = model(_tokens(case)).logits
     torch.testing.assert_close(ref, res["logits"][..., :VOCAB], rtol=1e-5, atol=1e-5)
 
 
@@ -103,7 +117,7 @@ def test_hidden_capture_equals_reference_hidden(results, case):
     assert res["active"] == [False, False, True, True]  # only the last pipeline stage has the final norm
     assert len(res["hidden"]) == 1
     with torch.no_grad():
-        ref = _decoder(case, res["canonical"]).hidden(TOKENS)
+        ref = _decoder(case, res["canonical"]).hidden(_tokens(case))
     torch.testing.assert_close(res["hidden"][0], ref, rtol=1e-5, atol=1e-5)
 
 

@@ -133,3 +133,21 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(trtllm, "write_trtllm_files", explode)
     assert main(["--from", "hf", "--to", "trtllm", "--input", str(src), "--output", str(tmp_path / "o")]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_megatron_routes_refuse_what_megatron_cannot_hold(tmp_path, capsys):
+    from nemo_tlt.model.config import RopeScaling
+
+    out = tmp_path / "out"
+    o_bias = _hf_folder(tmp_path / "o_bias", LMConfig(family="llama", qkv_bias=True))
+    assert main(["--from", "hf", "--to", "torch_dist", "--input", str(o_bias), "--output", str(out)]) == 2
+    assert "LMConfig.o_proj_bias is True" in capsys.readouterr().err
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    assert main(["--from", "legacy", "--to", "hf", "--input", str(legacy), "--hf-config",
+                 str(o_bias / "config.json"), "--output", str(out)]) == 2
+    assert "LMConfig.o_proj_bias is True" in capsys.readouterr().err
+    scaled = _hf_folder(tmp_path / "scaled", LMConfig(rope_scaling=RopeScaling(high_freq_factor=8.0)))
+    assert main(["--from", "hf", "--to", "torch_dist", "--input", str(scaled), "--output", str(out)]) == 2
+    assert "LMConfig.rope_scaling.high_freq_factor=8.0" in capsys.readouterr().err
+    assert not out.exists()
