@@ -70,6 +70,10 @@ class ArmTable:
             return own
         return self._pooled.exponent()
 
+    def pooled_exponent(self) -> float:
+        """b pooled over every arm (each arm its own cost level)."""
+        return self._pooled.exponent()
+
     def estimate(self, bucket: int, arm: int, running: int) -> float | None:
         """Median throughput of the arm's window in ``bucket``, moved to batch ``running``."""
         window = self._windows[bucket][arm]

@@ -3,11 +3,16 @@
 One rollout = P prompts x G samples (coupled sampling, so every method must emit
 the same tokens) whose lengths are long-tailed. Methods, same prompts and seeds:
 `longtail_plain`; SD always on with each fixed arm (`longtail_fixed_<d>_<k>_<n>`);
-`longtail_adaptive` (SD below a running-batch threshold, BEG-MAB picking the arm
-per batch-size bucket). Methods run in round-robin rounds; each reports its median
-round (the adaptive bandit keeps learning across rounds, as it does across RL steps,
-so its first, cold round counts as one of them). Writes JSON with the adaptive run's
-step trace and a timeline PNG beside it.
+`longtail_adaptive`: with `--policy learned` (default) plain decoding or a tree per
+batch-size bucket, learned from step costs (nemo_tlt.adaptive.learned_policy); with
+`--policy threshold` SD below a running-batch threshold and BEG-MAB picking the arm.
+`--drafter untrained` swaps the demo drafter for a freshly initialised one (what a
+run starts with, or a drafter gone stale). Methods run in round-robin rounds, each
+round starting one method later; each reports its median round (the adaptive policy
+keeps learning across rounds, as it does across RL steps, so its first, cold round
+counts as one of them). `ratios_rounds` holds each round's own ratios (methods of
+one round ran back to back) and `noise` the spread between rounds. Writes JSON with
+the adaptive run's step trace and a timeline PNG beside it.
 """
 from __future__ import annotations
 
@@ -21,7 +26,9 @@ import numpy as np
 import torch
 
 from nemo_tlt.adaptive.bandit import BanditConfig, BegMab
+from nemo_tlt.adaptive.learned_policy import LearnedSDConfig, LearnedSDPolicy
 from nemo_tlt.adaptive.sd_policy import REWARDS, AdaptiveSDPolicy, FixedSDPolicy, SDPolicyConfig
+from nemo_tlt.drafter.eagle import EagleDrafter
 from nemo_tlt.rl.assets import AssetConfig, default_cache_dir, load_assets, prepare_assets, task_requests
 from nemo_tlt.bench.common import format_table, machine_info, write_json
 from nemo_tlt.bench.headroom import per_bucket_oracle
@@ -53,13 +60,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=4, help="samples per prompt (G)")
     p.add_argument("--max-new-tokens", type=int, default=400)
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma-separated depth_topk_numverify")
-    p.add_argument("--threshold-on", type=int, default=64, help="SD turns on at <= this many running")
-    p.add_argument("--threshold-off", type=int, default=96, help="SD turns off above this many running")
-    p.add_argument("--bucket-edges", default="2,4,8,16", help="bandit batch-size bucket edges")
-    p.add_argument("--epsilon", type=float, default=0.1)
-    p.add_argument("--min-pulls", type=int, default=3, help="pulls of every arm per bucket before exploiting")
+    p.add_argument("--policy", choices=["learned", "threshold"], default="learned",
+                   help="the adaptive method: learned plain-or-tree per bucket, or threshold + BEG-MAB")
+    p.add_argument("--drafter", choices=["trained", "untrained"], default="trained",
+                   help="the demo drafter, or a freshly initialised one of the same shape (seeded by --seed)")
+    p.add_argument("--threshold-on", type=int, default=64, help="threshold: SD turns on at <= this many running")
+    p.add_argument("--threshold-off", type=int, default=96, help="threshold: SD turns off above this many running")
+    p.add_argument("--max-sd-running", type=int, default=None,
+                   help="learned: optional bound, never speculate above this many running rows")
+    p.add_argument("--bucket-edges", default=None,
+                   help="batch-size bucket edges (default: learned 2,4,...,128; threshold 2,4,8,16)")
+    p.add_argument("--epsilon", type=float, default=0.1, help="threshold: the bandit's exploration rate")
+    p.add_argument("--min-pulls", type=int, default=None,
+                   help="pulls of every arm per bucket before exploiting (default: learned 2, threshold 3)")
     p.add_argument("--reward", choices=list(REWARDS), default="scaled",
-                   help="bandit reward: tokens/s over running**b (b fitted), per running row, or tokens/s")
+                   help="threshold: bandit reward, tokens/s over running**(1-b) (b fitted), per running row, "
+                        "or tokens/s")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=5,
@@ -79,12 +95,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.threads < 0:
         p.error(f"--threads must be >= 0, got {args.threads}")
+    for flag in ("num_prompts", "group_size", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.temperature <= 0:
+        p.error(f"--temperature must be > 0, got {args.temperature}")
     args.arm_shapes = [TreeShape.parse(s, field=f"--arms[{i}]") for i, s in enumerate(args.arms.split(","))]
+    learned = args.policy == "learned"
+    if args.bucket_edges is None:
+        args.bucket_edges = ",".join(map(str, LearnedSDConfig.bucket_edges if learned else (2, 4, 8, 16)))
+    if args.min_pulls is None:
+        args.min_pulls = LearnedSDConfig.min_pulls if learned else 3
     try:
         args.edges = tuple(int(x) for x in args.bucket_edges.split(","))
     except ValueError:
         p.error(f"--bucket-edges must be comma-separated integers, got {args.bucket_edges!r}")
     return args
+
+
+def make_adaptive(args: argparse.Namespace) -> AdaptiveSDPolicy | LearnedSDPolicy:
+    """The policy of `longtail_adaptive`; one for all rounds, so it learns across rollouts."""
+    if args.policy == "learned":
+        return LearnedSDPolicy(LearnedSDConfig(tuple(args.arm_shapes), args.edges, min_pulls=args.min_pulls,
+                                               max_sd_running=args.max_sd_running))
+    bandit = BegMab(BanditConfig(tuple(args.arm_shapes), args.edges, args.epsilon, min_pulls=args.min_pulls),
+                    np.random.default_rng(args.seed))
+    return AdaptiveSDPolicy(SDPolicyConfig(threshold_on=args.threshold_on, threshold_off=args.threshold_off,
+                                           reward=args.reward), bandit)
+
+
+def untrained_like(drafter, seed: int) -> EagleDrafter:
+    """A freshly initialised drafter of the same shape (seeded), for `--drafter untrained`."""
+    if not isinstance(drafter, EagleDrafter):
+        raise ValueError(f"--drafter untrained: expected the demo EAGLE drafter, got {type(drafter).__name__}")
+    return EagleDrafter(drafter.config, generator=torch.Generator().manual_seed(seed)).eval()
+
+
+def round_ratios(rounds: dict[str, list], best_fixed: str) -> dict[str, Any]:
+    """Each round's adaptive / plain and adaptive / best fixed (the methods of one round
+    ran back to back, so these pair out slow and quiet moments), and the spread of each
+    method's wall times between rounds ((max - min) / median)."""
+    walls = {name: [r["wall_s"] for r, _ in rs] for name, rs in rounds.items()}
+    ada = walls["longtail_adaptive"]
+    per_round = {"adaptive_vs_plain": [a / b for a, b in zip(ada, walls["longtail_plain"])],
+                 "adaptive_vs_best_fixed": [a / b for a, b in zip(ada, walls[best_fixed])]}
+    noise = {name: (max(w) - min(w)) / float(np.median(w)) for name, w in walls.items()}
+    return {"rounds": per_round, "median": {k: float(np.median(v)) for k, v in per_round.items()},
+            "noise": noise}
 
 
 def longtail_requests(task, num_prompts: int, group: int, seed: int) -> list[Request]:
@@ -115,16 +172,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     config = AssetConfig()
     target, drafter = load_assets(prepare_assets(config, args.cache_dir))
+    if args.drafter == "untrained":
+        drafter = untrained_like(drafter, args.seed)
     reqs = longtail_requests(config.task, args.num_prompts, args.group_size, 30_000 + args.seed)
     sp = SamplingParams("coupled", temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                         seed=args.seed)
     plain, sd = TorchRolloutEngine(target), TorchRolloutEngine(target, drafter)
     sd.generate(reqs[:2], sp, policy=FixedSDPolicy(args.arm_shapes[0]))  # warm-up
-    bandit = BegMab(BanditConfig(tuple(args.arm_shapes), args.edges, args.epsilon, min_pulls=args.min_pulls),
-                    np.random.default_rng(args.seed))
-    # One bandit for all rounds: it keeps learning across rollouts, as in training.
-    adaptive = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=args.threshold_on, threshold_off=args.threshold_off,
-                                               reward=args.reward), bandit)
+    adaptive = make_adaptive(args)
     runs = [("longtail_plain", "plain", plain, lambda: None)]
     runs += [(f"longtail_fixed_{s.name}", f"longtail_fixed_{s.name}", sd, lambda s=s: FixedSDPolicy(s))
              for s in args.arm_shapes]
@@ -154,12 +209,21 @@ def main(argv: list[str] | None = None) -> int:
     ada = results["longtail_adaptive"]["wall_s"]
     ratios = {"adaptive_vs_plain": ada / results["longtail_plain"]["wall_s"],
               "adaptive_vs_best_fixed": ada / best_fixed[0], "best_fixed": best_fixed[1],
-              "speedup_vs_plain": results["longtail_plain"]["wall_s"] / ada}
-    # The most a per-bucket arm choice could gain here (estimated from the fixed runs'
-    # median-round traces), next to what the bandit got: steps only, not prefill.
-    headroom = per_bucket_oracle({s.name: traces[f"longtail_fixed_{s.name}"] for s in args.arm_shapes},
-                                 bandit.bucket_of)
-    headroom["best_per_bucket"] = {bandit.bucket_stats(b).label: arm for b, arm in headroom["best_per_bucket"].items()}
+              "speedup_vs_plain": results["longtail_plain"]["wall_s"] / ada,
+              "best_fixed_vs_plain": best_fixed[0] / results["longtail_plain"]["wall_s"]}
+    per_round = round_ratios(rounds, best_fixed[1])
+    # The most a per-bucket choice could gain here (estimated from the fixed runs'
+    # median-round traces), next to what the adaptive run got: steps only, not prefill.
+    # "oracle_with_plain" lets the oracle decode plainly in a bucket too.
+    bucket_of = _bucket_of(args.edges)
+    fixed_traces = {s.name: traces[f"longtail_fixed_{s.name}"] for s in args.arm_shapes}
+    headroom = per_bucket_oracle(fixed_traces, bucket_of)
+    with_plain = per_bucket_oracle(fixed_traces | {"plain": traces["plain"]}, bucket_of)
+    headroom["oracle_with_plain_steps_s"] = with_plain["oracle_steps_s"]
+    headroom["oracle_with_plain_vs_best_fixed"] = with_plain["oracle_steps_s"] / headroom["best_fixed_steps_s"]
+    headroom["best_per_bucket"] = {_label(args.edges, b): arm for b, arm in headroom["best_per_bucket"].items()}
+    headroom["best_per_bucket_with_plain"] = {_label(args.edges, b): arm
+                                              for b, arm in with_plain["best_per_bucket"].items()}
     headroom["adaptive_steps_s"] = sum(t.seconds for t in trace)
     headroom["adaptive_vs_best_fixed_steps"] = headroom["adaptive_steps_s"] / headroom["best_fixed_steps_s"]
     png = plot_rollout_timeline({k: traces[k] for k in ("plain", "adaptive")} |
@@ -167,9 +231,14 @@ def main(argv: list[str] | None = None) -> int:
                                 Path(args.out).with_suffix(".png"),
                                 title=f"{len(reqs)} sequences, response length median {lengths[len(lengths) // 2]}"
                                       f", max {lengths[-1]}")
+    learned = isinstance(adaptive, LearnedSDPolicy)
     payload = {"benchmark": "rollout", "workload": "longtail", "results": results, "outputs_identical": identical,
-               "ratios": ratios, "headroom": headroom, "timeline_png": str(png), "bandit": bandit.log_dict(),
-               "step_time_exponent": adaptive.step_cost.exponent(),
+               "ratios": ratios, "ratios_rounds": per_round["rounds"], "ratios_round_median": per_round["median"],
+               "noise": per_round["noise"], "headroom": headroom, "timeline_png": str(png),
+               "bandit": adaptive.log_dict() if learned else adaptive.bandit.log_dict(),
+               "step_time_exponent": (adaptive.table.pooled_exponent() if learned else adaptive.step_cost.exponent()),
+               "step_time_exponents": ({"plain" if a is None else a.name: adaptive.table.exponent(i)
+                                        for i, a in enumerate((None, *args.arm_shapes))} if learned else None),
                "response_lengths": {"median": lengths[len(lengths) // 2], "max": lengths[-1], "min": lengths[0]},
                "trace": [vars(t) for t in trace], "machine": machine_info(),
                "config": {k: v for k, v in vars(args).items() if k not in ("arm_shapes",)}}
@@ -177,7 +246,20 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results, ["wall_s", "tokens_per_s", "target_forwards", "sd_steps", "mean_accept_len",
                                  "outside_steps_s"]))
     print("ratios: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in ratios.items()))
+    print("per round: " + "; ".join(f"{k} " + " ".join(f"{x:.2f}" for x in v) for k, v in per_round["rounds"].items())
+          + " | noise (max-min)/median: " + ", ".join(f"{k[len('longtail_'):]}={v:.2f}"
+                                                    for k, v in per_round["noise"].items()))
     print(f"decode steps: per-bucket oracle {headroom['oracle_vs_best_fixed']:.2f}x the best fixed arm "
-          f"({headroom['best_fixed']}), adaptive {headroom['adaptive_vs_best_fixed_steps']:.2f}x")
+          f"({headroom['best_fixed']}), with plain {headroom['oracle_with_plain_vs_best_fixed']:.2f}x, "
+          f"adaptive {headroom['adaptive_vs_best_fixed_steps']:.2f}x")
     print(f"outputs_identical: {identical}; timeline: {png}; wrote {args.out}")
     return 0
+
+
+def _bucket_of(edges: tuple[int, ...]):
+    return lambda running: int(np.searchsorted(np.asarray(edges), running, side="right"))
+
+
+def _label(edges: tuple[int, ...], bucket: int) -> str:
+    lo = 1 if bucket == 0 else edges[bucket - 1]
+    return f"[{lo},{edges[bucket] if bucket < len(edges) else 'inf'})"

@@ -83,6 +83,46 @@ def test_longtail_workload(tiny):
     assert 0.0 <= payload["step_time_exponent"] <= 1.0 and payload["headroom"]["oracle_vs_best_fixed"] <= 1.0
 
 
+@pytest.mark.parametrize("policy", ["learned", "threshold"])
+def test_longtail_untrained_drafter_size_seed_temperature_and_policy(tiny, policy):
+    out = tiny / f"lt_{policy}.json"
+    assert rollout.main(["--workload", "longtail", "--out", str(out), "--num-prompts", "2", "--group-size", "3",
+                         "--max-new-tokens", "12", "--arms", "2_1_2,3_2_4", "--drafter", "untrained",
+                         "--policy", policy, "--seed", "7", "--temperature", "0.7", "--repeats", "3",
+                         "--cache-dir", str(tiny / "cache")]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["outputs_identical"] is True
+    cfg = payload["config"]
+    assert (cfg["drafter"], cfg["policy"], cfg["seed"], cfg["temperature"]) == ("untrained", policy, 7, 0.7)
+    assert cfg["bucket_edges"] == ("2,4,8,16,32,64,128" if policy == "learned" else "2,4,8,16")
+    assert sum(1 for t in payload["trace"]) and len(payload["ratios_rounds"]["adaptive_vs_plain"]) == 3
+    ada = payload["results"]["longtail_adaptive"]["wall_s_rounds"]
+    plain = payload["results"]["longtail_plain"]["wall_s_rounds"]
+    assert payload["ratios_rounds"]["adaptive_vs_plain"] == pytest.approx([a / b for a, b in zip(ada, plain)])
+    assert set(payload["noise"]) == set(payload["results"]) and all(v >= 0 for v in payload["noise"].values())
+    assert payload["headroom"]["oracle_with_plain_vs_best_fixed"] <= payload["headroom"]["oracle_vs_best_fixed"]
+    assert payload["bandit"]
+    if policy == "learned":  # the same run with the demo drafter drafts differently
+        trained = tiny / "lt_trained.json"
+        assert rollout.main(["--workload", "longtail", "--out", str(trained), "--num-prompts", "2", "--group-size",
+                             "3", "--max-new-tokens", "12", "--arms", "2_1_2,3_2_4", "--seed", "7", "--temperature",
+                             "0.7", "--repeats", "1", "--cache-dir", str(tiny / "cache")]) == 0
+        accept = {n: r["mean_accept_len"] for n, r in json.loads(trained.read_text())["results"].items()}
+        assert accept["longtail_fixed_2_1_2"] != payload["results"]["longtail_fixed_2_1_2"]["mean_accept_len"]
+
+
+def test_untrained_drafter_differs_from_the_trained_one_and_is_seeded():
+    from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
+    from nemo_tlt.model.config import LMConfig as C
+    trained = EagleDrafter(EagleConfig(C(vocab_size=57, hidden_size=32, intermediate_size=64, num_heads=2,
+                                         num_kv_heads=1, num_layers=1)))
+    with torch.no_grad():
+        trained.fc.weight.add_(1.0)
+    a, b = longtail.untrained_like(trained, 3), longtail.untrained_like(trained, 3)
+    assert torch.equal(a.fc.weight, b.fc.weight) and not torch.equal(a.fc.weight, trained.fc.weight)
+    assert not torch.equal(longtail.untrained_like(trained, 4).fc.weight, a.fc.weight)
+
+
 def test_median_round_is_the_middle_wall_time():
     rounds = [({"wall_s": w}, f"trace{w}") for w in (3.0, 1.0, 5.0, 2.0)]
     assert longtail.median_round(rounds) == ({"wall_s": 2.0}, "trace2.0")   # lower middle of 4
