@@ -23,6 +23,7 @@ from typing import List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from nemo_tlt.adaptive.learned_policy import LearnedSDConfig
 from nemo_tlt.adaptive.sd_policy import REWARDS
 from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.rl.tasks import TASK_NAMES, TaskConfig
@@ -117,12 +118,20 @@ class GRPOBlock:
             raise ValueError(f"grpo.acceptance must be one of {list(MODES)}, got {self.acceptance!r}")
 
 
+SD_POLICIES = ("threshold", "learned")
+
+
 @dataclass(frozen=True)
 class RolloutBlock:
-    """Adaptive SD: on when a worker's running batch is <= threshold_on, off again
-    above threshold_off; BEG-MAB picks one of ``arms`` per batch-size bucket."""
+    """Adaptive SD, per worker. ``sd_policy: threshold``: SD on when the running batch is
+    <= threshold_on, off again above threshold_off; BEG-MAB picks one of ``arms`` per
+    batch-size bucket. ``sd_policy: learned``: per bucket, plain decoding or one of
+    ``arms`` from the measured cost of the steps that ran, falling back to plain when
+    the drafter's acceptance collapses (nemo_tlt.adaptive.learned_policy); the
+    thresholds, epsilon and reward are not used, ``max_sd_running`` is an optional bound."""
 
     sd_enabled: bool = True
+    sd_policy: str = "threshold"
     threshold_on: int = 8
     threshold_off: int = 12
     arms: List[str] = field(default_factory=lambda: ["4_2_8", "6_2_12", "3_1_3"])
@@ -131,8 +140,15 @@ class RolloutBlock:
     window: int = 32
     min_pulls: int = 1          # pulls of every arm per bucket before the bandit exploits
     reward: str = "scaled"      # bandit reward: "scaled", "per_row" or "throughput" (see SDPolicyConfig)
+    max_sd_running: Optional[int] = None  # learned: never speculate above this many running rows (null: no bound)
+    collapse_accept: float = 1.3  # learned: accepted tokens per row per SD step below which SD counts as lost
 
     def __post_init__(self) -> None:
+        if self.sd_policy not in SD_POLICIES:
+            raise ValueError(f"rollout.sd_policy must be one of {', '.join(SD_POLICIES)}, got {self.sd_policy!r}")
+        if self.max_sd_running is not None:
+            check_int("rollout.max_sd_running", self.max_sd_running, 1)
+        check_float("rollout.collapse_accept", self.collapse_accept, 1.0)
         if self.reward not in REWARDS:
             raise ValueError(f"rollout.reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
         check_int("rollout.threshold_on", self.threshold_on, 1)
@@ -157,6 +173,14 @@ class RolloutBlock:
         self.shapes  # parse now: a malformed arm fails at load time, naming its index
         for i, edge in enumerate(self.bucket_edges):
             check_int(f"rollout.bucket_edges[{i}]", edge, 2)
+            if i and edge <= self.bucket_edges[i - 1]:
+                raise ValueError(f"rollout.bucket_edges must be strictly increasing, got {list(self.bucket_edges)}")
+
+    def learned_config(self) -> LearnedSDConfig:
+        """The learned SD policy's config from this block (``sd_policy: learned``)."""
+        return LearnedSDConfig(self.shapes, self.bucket_edges, window=self.window, min_pulls=self.min_pulls,
+                               collapse_accept=self.collapse_accept, max_sd_running=self.max_sd_running,
+                               enabled=self.sd_enabled)
 
     @property
     def shapes(self) -> tuple[TreeShape, ...]:

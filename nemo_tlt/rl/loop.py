@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_tlt.adaptive.bandit import BanditConfig, BegMab
+from nemo_tlt.adaptive.learned_policy import LearnedSDPolicy
 from nemo_tlt.adaptive.sd_policy import AdaptiveSDPolicy, SDPolicyConfig
 from nemo_tlt.config import TLTConfig
 from nemo_tlt.drafter.io import load_drafter
@@ -174,12 +175,15 @@ class RLWorker:
         cfg, rank = self.cfg, self.comm.rank
         drafter = load_drafter(self.spec.drafter_dir, self.engine.target)
         self.engine.load_drafter(drafter)
-        bandit = BegMab(BanditConfig(cfg.rollout.shapes, cfg.rollout.bucket_edges, cfg.rollout.epsilon,
-                                     cfg.rollout.window, cfg.rollout.min_pulls),
-                        np.random.default_rng([cfg.seed, rank, 0xB4]))
-        self.sd_policy = AdaptiveSDPolicy(
-            SDPolicyConfig(cfg.rollout.sd_enabled, cfg.rollout.threshold_on, cfg.rollout.threshold_off,
-                           reward=cfg.rollout.reward), bandit)
+        if cfg.rollout.sd_policy == "learned":
+            self.sd_policy = LearnedSDPolicy(cfg.rollout.learned_config())
+        else:
+            bandit = BegMab(BanditConfig(cfg.rollout.shapes, cfg.rollout.bucket_edges, cfg.rollout.epsilon,
+                                         cfg.rollout.window, cfg.rollout.min_pulls),
+                            np.random.default_rng([cfg.seed, rank, 0xB4]))
+            self.sd_policy = AdaptiveSDPolicy(
+                SDPolicyConfig(cfg.rollout.sd_enabled, cfg.rollout.threshold_on, cfg.rollout.threshold_off,
+                               reward=cfg.rollout.reward), bandit)
         hidden = self.engine.target.config.hidden_size
         self.buffer = HarvestBuffer(HarvestConfig(hidden, max_bytes=cfg.drafter.harvest_max_mb << 20))
         self.idle_thread = ThreadPoolExecutor(1, "tlt-idle", initializer=_init_idle_thread,
@@ -319,6 +323,8 @@ class RLWorker:
         t0 = time.perf_counter()
         self.engine.load_drafter(self.trainer.model)
         rnd = report.round
+        if rnd.optimizer_steps:  # new drafter weights: the SD policy discounts what it learned of the old
+            self.sd_policy.drafter_updated()
         return {"idle_s": report.idle_seconds, "train_s": report.training_seconds, "drafter_samples": rnd.samples,
                 "drafter_steps": rnd.optimizer_steps, "drafter_loss": rnd.mean_loss if rnd.micro_steps else None,
                 "stop_latency_s": report.stop_latency_s, "drafter_sync_s": time.perf_counter() - t0}

@@ -235,3 +235,19 @@ def test_a_losing_arm_is_probed_ever_more_rarely():
     probes = [i for i, a in enumerate(picks) if a == 0][1:]  # after the first pull
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[-1] == 64 and len(probes) <= 8
+
+
+def test_rollout_block_builds_the_learned_config_and_validates_its_fields():
+    from nemo_tlt.config import load_config
+    cfg = load_config(None, ["rollout.sd_policy=learned", "rollout.max_sd_running=12", "rollout.collapse_accept=1.5",
+                             "rollout.arms=['4_1_4','6_2_12']", "rollout.bucket_edges=[2,4,8]"]).rollout
+    learned = cfg.learned_config()
+    assert learned.arms == (CHAIN, TREE) and learned.bucket_edges == (2, 4, 8)
+    assert (learned.max_sd_running, learned.collapse_accept, learned.enabled) == (12, 1.5, True)
+    assert load_config(None, []).rollout.sd_policy == "threshold"
+    for bad, match in ((["rollout.sd_policy=always"], "rollout.sd_policy"),
+                       (["rollout.max_sd_running=0"], "rollout.max_sd_running"),
+                       (["rollout.collapse_accept=0.9"], "rollout.collapse_accept"),
+                       (["rollout.bucket_edges=[4,2]"], "rollout.bucket_edges")):
+        with pytest.raises(ValueError, match=match):
+            load_config(None, bad)
