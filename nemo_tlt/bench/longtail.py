@@ -175,8 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.drafter == "untrained":
         drafter = untrained_like(drafter, args.seed)
     reqs = longtail_requests(config.task, args.num_prompts, args.group_size, 30_000 + args.seed)
-    sp = SamplingParams("coupled", temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                        seed=args.seed)
+    compare(args, target, drafter, reqs)
+    return 0
+
+
+def run_rounds(args, target, drafter, reqs: list[Request], sp: SamplingParams):
+    """Every method once per round, `args.repeats` rounds. Returns (rounds: name ->
+    [(result, trace)], outputs: key -> token lists, the adaptive policy, run keys)."""
     plain, sd = TorchRolloutEngine(target), TorchRolloutEngine(target, drafter)
     sd.generate(reqs[:2], sp, policy=FixedSDPolicy(args.arm_shapes[0]))  # warm-up
     adaptive = make_adaptive(args)
@@ -194,11 +199,37 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             res, outputs[key], trace = _run(engine, reqs, sp, make_policy())
             rounds[name].append((res, trace))
+    return rounds, outputs, adaptive, [(name, key) for name, key, *_ in runs]
+
+
+def headroom_of(args, traces: dict[str, Any], adaptive_trace) -> dict[str, Any]:
+    """The most a per-bucket choice could gain here (estimated from the fixed runs'
+    median-round traces), next to what the adaptive run got: steps only, not prefill.
+    "oracle_with_plain" lets the oracle decode plainly in a bucket too."""
+    bucket_of = _bucket_of(args.edges)
+    fixed_traces = {s.name: traces[f"longtail_fixed_{s.name}"] for s in args.arm_shapes}
+    headroom = per_bucket_oracle(fixed_traces, bucket_of)
+    with_plain = per_bucket_oracle(fixed_traces | {"plain": traces["plain"]}, bucket_of)
+    headroom["oracle_with_plain_steps_s"] = with_plain["oracle_steps_s"]
+    headroom["oracle_with_plain_vs_best_fixed"] = with_plain["oracle_steps_s"] / headroom["best_fixed_steps_s"]
+    headroom["best_per_bucket"] = {_label(args.edges, b): arm for b, arm in headroom["best_per_bucket"].items()}
+    headroom["best_per_bucket_with_plain"] = {_label(args.edges, b): arm
+                                              for b, arm in with_plain["best_per_bucket"].items()}
+    headroom["adaptive_steps_s"] = sum(t.seconds for t in adaptive_trace)
+    headroom["adaptive_vs_best_fixed_steps"] = headroom["adaptive_steps_s"] / headroom["best_fixed_steps_s"]
+    return headroom
+
+
+def compare(args, target, drafter, reqs: list[Request]) -> dict[str, Any]:
+    """Run every method in rounds, write the JSON and the timeline, print the tables."""
+    sp = SamplingParams("coupled", temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                        seed=args.seed)
+    rounds, outputs, adaptive, runs = run_rounds(args, target, drafter, reqs, sp)
     # Each method reports its median round: on a noisy machine the fastest of several
     # rounds favours whichever method drew a quiet moment, and "best fixed arm" (a
     # minimum over arms too) would be a minimum over arms x rounds.
     results, traces = {}, {}
-    for name, key, *_ in runs:
+    for name, key in runs:
         res, traces[key] = median_round(rounds[name])
         results[name] = res | {"wall_s_rounds": [r["wall_s"] for r, _ in rounds[name]],
                                "wall_s_min": min(r["wall_s"] for r, _ in rounds[name])}
@@ -212,20 +243,7 @@ def main(argv: list[str] | None = None) -> int:
               "speedup_vs_plain": results["longtail_plain"]["wall_s"] / ada,
               "best_fixed_vs_plain": best_fixed[0] / results["longtail_plain"]["wall_s"]}
     per_round = round_ratios(rounds, best_fixed[1])
-    # The most a per-bucket choice could gain here (estimated from the fixed runs'
-    # median-round traces), next to what the adaptive run got: steps only, not prefill.
-    # "oracle_with_plain" lets the oracle decode plainly in a bucket too.
-    bucket_of = _bucket_of(args.edges)
-    fixed_traces = {s.name: traces[f"longtail_fixed_{s.name}"] for s in args.arm_shapes}
-    headroom = per_bucket_oracle(fixed_traces, bucket_of)
-    with_plain = per_bucket_oracle(fixed_traces | {"plain": traces["plain"]}, bucket_of)
-    headroom["oracle_with_plain_steps_s"] = with_plain["oracle_steps_s"]
-    headroom["oracle_with_plain_vs_best_fixed"] = with_plain["oracle_steps_s"] / headroom["best_fixed_steps_s"]
-    headroom["best_per_bucket"] = {_label(args.edges, b): arm for b, arm in headroom["best_per_bucket"].items()}
-    headroom["best_per_bucket_with_plain"] = {_label(args.edges, b): arm
-                                              for b, arm in with_plain["best_per_bucket"].items()}
-    headroom["adaptive_steps_s"] = sum(t.seconds for t in trace)
-    headroom["adaptive_vs_best_fixed_steps"] = headroom["adaptive_steps_s"] / headroom["best_fixed_steps_s"]
+    headroom = headroom_of(args, traces, trace)
     png = plot_rollout_timeline({k: traces[k] for k in ("plain", "adaptive")} |
                                 {f"fixed {best_fixed[1][len('longtail_fixed_'):]}": traces[best_fixed[1]]},
                                 Path(args.out).with_suffix(".png"),
@@ -243,17 +261,23 @@ def main(argv: list[str] | None = None) -> int:
                "trace": [vars(t) for t in trace], "machine": machine_info(),
                "config": {k: v for k, v in vars(args).items() if k not in ("arm_shapes",)}}
     write_json(args.out, payload)
+    _print_summary(payload, args.out)
+    return payload
+
+
+def _print_summary(payload: dict[str, Any], out: str) -> None:
+    results, ratios, headroom = payload["results"], payload["ratios"], payload["headroom"]
     print(format_table(results, ["wall_s", "tokens_per_s", "target_forwards", "sd_steps", "mean_accept_len",
                                  "outside_steps_s"]))
     print("ratios: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in ratios.items()))
-    print("per round: " + "; ".join(f"{k} " + " ".join(f"{x:.2f}" for x in v) for k, v in per_round["rounds"].items())
+    print("per round: " + "; ".join(f"{k} " + " ".join(f"{x:.2f}" for x in v)
+                                    for k, v in payload["ratios_rounds"].items())
           + " | noise (max-min)/median: " + ", ".join(f"{k[len('longtail_'):]}={v:.2f}"
-                                                    for k, v in per_round["noise"].items()))
+                                                    for k, v in payload["noise"].items()))
     print(f"decode steps: per-bucket oracle {headroom['oracle_vs_best_fixed']:.2f}x the best fixed arm "
           f"({headroom['best_fixed']}), with plain {headroom['oracle_with_plain_vs_best_fixed']:.2f}x, "
           f"adaptive {headroom['adaptive_vs_best_fixed_steps']:.2f}x")
-    print(f"outputs_identical: {identical}; timeline: {png}; wrote {args.out}")
-    return 0
+    print(f"outputs_identical: {payload['outputs_identical']}; timeline: {payload['timeline_png']}; wrote {out}")
 
 
 def _bucket_of(edges: tuple[int, ...]):
