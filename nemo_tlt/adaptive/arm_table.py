@@ -17,7 +17,12 @@ differs between the crowded head and the tail), else pooled over arms, else 0.5.
 The median shrugs off a slow step (a page fault, a preemption).
 
 Choice, in a bucket: first every arm ``min_pulls`` times (the least-pulled next,
-ties to the lowest index, so plain first); then the arm with the best estimate,
+ties to the lowest index, so plain first), except arms that the neighbouring buckets
+already show to be clearly worse (their estimate there, moved to this batch size,
+below ``1 - skip_margin`` of the best one's): a bucket visited once per rollout
+(the first step, all rows running) would otherwise spend several rollouts pulling
+arms known to lose; skipped arms are still probed on back-off. Then the arm with the
+best estimate,
 except that each other arm is probed once when its
 :class:`~nemo_tlt.adaptive.backoff.Backoff` (counted in the bucket's own steps) is
 due, and each probe doubles its wait. An arm that loses keeps being probed less and
@@ -35,19 +40,20 @@ import numpy as np
 
 from nemo_tlt.adaptive.backoff import Backoff
 from nemo_tlt.adaptive.step_cost import StepCostFit, throughput_at
-from nemo_tlt.checks import check_int
+from nemo_tlt.checks import check_float, check_int
 
 
 class ArmTable:
     """Per-bucket windows of (throughput, batch size), pull counts and probe back-offs."""
 
     def __init__(self, num_arms: int, bucket_edges: Sequence[int], window: int, min_pulls: int,
-                 probe_shortest: int, probe_longest: int) -> None:
+                 probe_shortest: int, probe_longest: int, skip_margin: float = 0.2) -> None:
         check_int("ArmTable.num_arms", num_arms, 1)
         check_int("ArmTable.window", window, 1)
         check_int("ArmTable.min_pulls", min_pulls, 1, window)
         self.num_arms, self.edges = num_arms, np.asarray(tuple(bucket_edges))
-        self.window, self.min_pulls = window, min_pulls
+        check_float("ArmTable.skip_margin", skip_margin, 0.0, 1.0)
+        self.window, self.min_pulls, self.skip_margin = window, min_pulls, float(skip_margin)
         self.num_buckets = len(self.edges) + 1
         nb, na = self.num_buckets, num_arms
         self._windows: list[list[deque[tuple[float, int]]]] = [
@@ -82,6 +88,27 @@ class ArmTable:
         b = self.exponent(arm)
         return statistics.median(throughput_at(tps, r, running, b) for tps, r in window)
 
+    def neighbour_estimate(self, bucket: int, arm: int, running: int) -> float | None:
+        """The arm's median throughput over the windows of the adjacent buckets, moved to
+        batch ``running``; None if it ran in neither."""
+        b = self.exponent(arm)
+        pooled = [throughput_at(tps, r, running, b) for nb in (bucket - 1, bucket + 1)
+                  if 0 <= nb < self.num_buckets for tps, r in self._windows[nb][arm]]
+        return statistics.median(pooled) if pooled else None
+
+    def _still_to_pull(self, bucket: int, running: int) -> list[int]:
+        """Arms below min_pulls here, less those the neighbours show clearly losing."""
+        pulls = self._pulls[bucket]
+        under = [a for a in range(self.num_arms) if pulls[a] < self.min_pulls]
+        if not under:
+            return []
+        prior = {a: self.neighbour_estimate(bucket, a, running) for a in range(self.num_arms)}
+        known = [v for v in prior.values() if v is not None]
+        if not known:
+            return under
+        bar = (1.0 - self.skip_margin) * max(known)
+        return [a for a in under if prior[a] is None or prior[a] >= bar]
+
     def best(self, bucket: int, running: int) -> int | None:
         """The arm with the best estimate at ``running`` (ties: lowest index); None if none tried."""
         best, value = None, -1.0
@@ -97,11 +124,11 @@ class ArmTable:
         bucket = self.bucket_of(running)
         self._clock[bucket] += 1
         now, pulls = self._clock[bucket], self._pulls[bucket]
-        fewest = min(range(self.num_arms), key=lambda a: (pulls[a], a))
-        if pulls[fewest] < self.min_pulls:
-            return fewest
+        to_pull = self._still_to_pull(bucket, running)
+        if to_pull:
+            return min(to_pull, key=lambda a: (pulls[a], a))
         best = self.best(bucket, running)
-        assert best is not None  # every arm was pulled
+        assert best is not None  # an arm that is not skipped was pulled
         previous = self._greedy[bucket]
         if previous is not None and previous != best:
             self._probes[bucket][previous].reset(now)  # displaced: check it again soon

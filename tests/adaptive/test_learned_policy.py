@@ -251,3 +251,17 @@ def test_rollout_block_builds_the_learned_config_and_validates_its_fields():
                        (["rollout.bucket_edges=[4,2]"], "rollout.bucket_edges")):
         with pytest.raises(ValueError, match=match):
             load_config(None, bad)
+
+
+def test_a_new_bucket_skips_arms_its_neighbour_shows_losing_but_probes_them_later():
+    from nemo_tlt.adaptive.arm_table import ArmTable
+    table = ArmTable(3, (4, 8), window=8, min_pulls=2, probe_shortest=8, probe_longest=64)
+    for _ in range(2):  # bucket [8, inf) at batch 10: plain well behind, the trees close
+        for arm, tps in ((0, 100.0), (1, 300.0), (2, 280.0)):
+            table.record(10, arm, tps, 0.05)
+    picks = []
+    for _ in range(8):
+        picks.append(table.choose(6))
+        table.record(6, picks[-1], (60.0, 200.0, 190.0)[picks[-1]], 0.05)
+    assert 0 not in picks[:7] and {1, 2} <= set(picks[:4])
+    assert picks[7] == 0  # the skipped arm's first back-off probe
