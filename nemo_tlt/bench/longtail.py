@@ -31,7 +31,7 @@ from nemo_tlt.adaptive.sd_policy import REWARDS, AdaptiveSDPolicy, FixedSDPolicy
 from nemo_tlt.drafter.eagle import EagleDrafter
 from nemo_tlt.rl.assets import AssetConfig, default_cache_dir, load_assets, prepare_assets, task_requests
 from nemo_tlt.bench.common import format_table, machine_info, write_json
-from nemo_tlt.bench.headroom import per_bucket_oracle
+from nemo_tlt.bench.headroom import bucket_seconds, per_bucket_oracle
 from nemo_tlt.bench.timeline import plot_rollout_timeline
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
@@ -215,6 +215,9 @@ def headroom_of(args, traces: dict[str, Any], adaptive_trace) -> dict[str, Any]:
     headroom["best_per_bucket"] = {_label(args.edges, b): arm for b, arm in headroom["best_per_bucket"].items()}
     headroom["best_per_bucket_with_plain"] = {_label(args.edges, b): arm
                                               for b, arm in with_plain["best_per_bucket"].items()}
+    headroom["bucket_seconds"] = {  # decode-step seconds per bucket of every method's median round
+        name: {_label(args.edges, b): secs for b, secs in sorted(bucket_seconds(trace, bucket_of).items())}
+        for name, trace in (fixed_traces | {"plain": traces["plain"], "adaptive": adaptive_trace}).items()}
     headroom["adaptive_steps_s"] = sum(t.seconds for t in adaptive_trace)
     headroom["adaptive_vs_best_fixed_steps"] = headroom["adaptive_steps_s"] / headroom["best_fixed_steps_s"]
     return headroom

@@ -101,6 +101,9 @@ def test_longtail_untrained_drafter_size_seed_temperature_and_policy(tiny, polic
     assert payload["ratios_rounds"]["adaptive_vs_plain"] == pytest.approx([a / b for a, b in zip(ada, plain)])
     assert set(payload["noise"]) == set(payload["results"]) and all(v >= 0 for v in payload["noise"].values())
     assert payload["headroom"]["oracle_with_plain_vs_best_fixed"] <= payload["headroom"]["oracle_vs_best_fixed"]
+    seconds = payload["headroom"]["bucket_seconds"]
+    assert set(seconds) == {"plain", "adaptive", "2_1_2", "3_2_4"}
+    assert sum(seconds["adaptive"].values()) == pytest.approx(payload["headroom"]["adaptive_steps_s"])
     assert payload["bandit"]
     if policy == "learned":  # the same run with the demo drafter drafts differently
         trained = tiny / "lt_trained.json"

@@ -74,7 +74,7 @@ def test_learned_policy_rollout_is_lossless(rollout, mode, kind):
         assert [r.tokens for r in out.results] == [r.tokens for r in base.results]
         modes += [t.shape for t in out.stats.trace]
     assert None in modes and len({m for m in modes if m}) >= 2
-    if kind == "adversarial":  # a drafter that is never right: by the third rollout it decodes plainly
+    if kind == "adversarial" and mode == "greedy":  # never right: by the third rollout it decodes plainly
         last = [t.shape for t in out.stats.trace]
         assert last.count(None) >= 0.8 * len(last)
 
