@@ -8,3 +8,13 @@
 
 Nothing is patched on import.
 """
+
+import importlib.util
+
+
+def require_megatron_core(command: str) -> None:
+    """Raise RuntimeError naming ``command`` and the install step when megatron-core is
+    missing, before any process is spawned (a child's bare ModuleNotFoundError says neither)."""
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        raise RuntimeError(f"{command} needs megatron-core, which is not installed; install it with "
+                           "pip install -e \".[megatron]\" (or pip install megatron-core)")

@@ -116,9 +116,15 @@ def _summarise(cfg: LMConfig, per_rank: list[dict], rollout_tps: list[int]) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_patches import require_megatron_core
     from megatron_patches.gloo_launch import run_gloo
 
     args = _parser().parse_args(argv)
+    try:
+        require_megatron_core("nemo-tlt bench reshard")
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     rollout_tps = [int(x) for x in args.rollout_tps.split(",")]
     cfg = LMConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
                    num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads)

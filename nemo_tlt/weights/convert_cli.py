@@ -135,6 +135,10 @@ def _hf_config(path: str | None) -> LMConfig:
 def convert(args: argparse.Namespace) -> None:
     if (args.src, args.dst) not in _ROUTES:
         raise ValueError(f"conversion {args.src} -> {args.dst} is not supported; supported: {sorted(_ROUTES)}")
+    if "torch_dist" in (args.src, args.dst):
+        from megatron_patches import require_megatron_core
+
+        require_megatron_core(f"nemo-tlt convert --from {args.src} --to {args.dst}")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     steps = tqdm(total=3, desc=f"convert {args.src}->{args.dst}", unit="step")
     if args.src == "hf":
