@@ -1,7 +1,12 @@
 """`nemo-tlt plan CONFIG.yaml [key=value ...] [--out F.json] [--simulate] [--png F.png]`: parse -> plan -> print / write.
 
+`nemo-tlt plan --calibrate RUN_DIR [--out F.json]` instead fits this machine's step costs
+on a `nemo-tlt train --compare-baseline` run folder and predicts its phase times
+(``nemo_tlt.plan.calibrate``).
+
 Exit status: 0 when the plan fits, 1 when it does not fit
 (the JSON is still written, with ``fits: false`` and the ``refusal``), 2 on bad input.
+With ``--calibrate``: 0 once the JSON is written, whether or not the targets are met.
 """
 from __future__ import annotations
 
@@ -17,11 +22,34 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="JSON file to write")
     p.add_argument("--simulate", action="store_true", help="simulate RL steps with and without TLT")
     p.add_argument("--png", help="with --simulate: the slowest step's timeline as a PNG")
+    p.add_argument("--calibrate", metavar="RUN_DIR",
+                   help="fit costs on a `nemo-tlt train --compare-baseline` run folder and predict its phases")
     return p
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    if args.config or args.overrides or args.simulate or args.png:
+        print("nemo-tlt plan: --calibrate takes a run folder only (no CONFIG.yaml, overrides, --simulate or --png)",
+              file=sys.stderr)
+        return 2
+    from nemo_tlt.plan.calibrate import calibrate
+    try:
+        result = calibrate(args.calibrate)
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        print(f"nemo-tlt plan --calibrate: {err}", file=sys.stderr)
+        return 2
+    text = json.dumps(result, indent=2)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    print(text)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.calibrate:
+        return _calibrate(args)
     if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides, args.config = [args.config, *args.overrides], None  # overrides of the defaults only
     try:
