@@ -1,0 +1,113 @@
+"""`nemo-tlt plan --calibrate`: on a synthetic `--compare-baseline` run folder whose times
+were generated token by token from known costs, the fit recovers those costs and the
+predicted phases equal the measured ones; a pair's prediction never uses its own timings."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nemo_tlt.plan.calibrate import calibrate
+from nemo_tlt.plan.cli import main
+from nemo_tlt.rl.report import pair_figures, summarize_pairs
+
+ROWS = 8        # per worker: 2 workers x 2 prompts x group 4
+ACCEPT = 4      # accepted tokens per SD step; every length is a multiple, so SD steps are whole
+COSTS = dict(a=0.010, b=0.0004, p_base=0.2, c=0.02, d=0.003, p_tlt=0.05, u0=0.07, u1=0.0006)
+FIXED = {"tlt": dict(logprob=2e-5, weight_sync=0.008, other=0.001, gap=0.04),
+         "baseline": dict(logprob=3e-5, weight_sync=0.009, other=0.0008, gap=0.002)}
+# per step: (longest of worker 0, longest of worker 1, length of every other row)
+STEPS = [(40, 16, 8), (120, 48, 12), (64, 100, 4), (200, 24, 16), (28, 60, 8), (88, 88, 20)]
+CONFIG = """workers:
+  num_workers: 2
+grpo:
+  prompts_per_step: 4
+  group_size: 4
+rollout:
+  threshold_on: 16
+  arms: ['4_1_4', '6_2_12']
+"""
+
+
+def worker_time(lengths: list[int], mode: str) -> float:
+    """Step by step: every running row advances 1 token (plain) or ACCEPT tokens (SD)."""
+    c = COSTS
+    per_step, per_row, prefill, adv = ((c["a"], c["b"], c["p_base"], 1) if mode == "baseline"
+                                       else (c["c"], c["d"], c["p_tlt"], ACCEPT))
+    t, done = prefill, 0
+    while any(n > done for n in lengths):
+        t += per_step + per_row * sum(n > done for n in lengths)
+        done += adv
+    return t
+
+
+def record(step: int, mode: str, slow: float) -> dict:
+    l0, l1, q = STEPS[step]
+    workers = [[l0] + [q] * (ROWS - 1), [l1] + [q] * (ROWS - 1)]
+    tokens = sum(map(sum, workers))
+    gen = [slow * worker_time(w, mode) for w in workers]
+    fx = FIXED[mode]
+    r = {"step": step, "mode": mode, "resp_len_max": max(l0, l1), "tokens": tokens,
+         "plain_steps": l0 + l1 if mode == "baseline" else 0, "sd_steps": (l0 + l1) // ACCEPT if mode == "tlt" else 0,
+         "mean_accept_len": float(ACCEPT) if mode == "tlt" else 0.0, "rollout_gen_s": gen,
+         "rollout_s": max(gen) + fx["gap"], "logprob_s": fx["logprob"],
+         "update_s": COSTS["u0"] + COSTS["u1"] * tokens, "weight_sync_s": fx["weight_sync"], "other_s": fx["other"]}
+    r["step_s"] = sum(r[k] for k in ("rollout_s", "logprob_s", "update_s", "weight_sync_s", "other_s"))
+    return r
+
+
+def write_run(root: Path, pairs: int = 3, slow: dict | None = None) -> Path:
+    """A run folder as `nemo-tlt train --compare-baseline` lays it out; `slow` scales the
+    generation times of some (pair, mode) runs."""
+    slow = slow or {}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text(CONFIG)
+    figures = []
+    for k in range(1, pairs + 1):
+        recs = {}
+        for mode in ("tlt", "baseline"):
+            recs[mode] = [record(s, mode, slow.get((k, mode), 1.0)) for s in range(len(STEPS))]
+            (root / f"pair{k}" / mode).mkdir(parents=True)
+            (root / f"pair{k}" / mode / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs[mode]))
+        figures.append(pair_figures(("tlt", "baseline"), recs["tlt"], recs["baseline"]))
+    (root / "report.json").write_text(json.dumps({**summarize_pairs(figures), "pairs": figures}))
+    return root
+
+
+def test_fit_recovers_the_generating_costs(tmp_path):
+    out = calibrate(write_run(tmp_path))
+    assert out["method"]["folds"].startswith("one per pair")
+    for fit in out["fits"].values():
+        got = [fit["decode_step_s"], fit["decode_per_row_s"], fit["baseline_prefill_s"], fit["sd_step_s"],
+               fit["sd_per_row_s"], fit["tlt_prefill_s"], fit["update_s"], fit["update_per_token_s"]]
+        np.testing.assert_allclose(got, list(COSTS.values()), rtol=1e-6)
+
+
+def test_predicted_phases_equal_measured(tmp_path):
+    out = calibrate(write_run(tmp_path))
+    assert out["predicted_speedup"] == pytest.approx(out["measured_speedup"], rel=1e-6)
+    assert {"tlt.rollout", "baseline.rollout", "tlt.update", "baseline.update", "tlt.step"} <= set(out["phases"])
+    for name, v in out["phases"].items():
+        assert v["predicted_s"] == pytest.approx(v["measured_s"], rel=1e-6, abs=1e-9), name
+    assert out["targets"]["speedup_met"] and all(out["targets"]["phases_met"].values())
+
+
+def test_a_pair_is_predicted_without_its_own_timings(tmp_path):
+    clean = calibrate(write_run(tmp_path / "clean"))
+    slowed = calibrate(write_run(tmp_path / "slowed", slow={(1, "tlt"): 2.0, (1, "baseline"): 3.0}))
+    p1c, p1s = clean["pairs"][0], slowed["pairs"][0]
+    for mode in ("tlt", "baseline"):  # pair 1's prediction comes from pairs 2 and 3 only
+        assert p1s[f"{mode}.step"]["predicted_s"] == pytest.approx(p1c[f"{mode}.step"]["predicted_s"], rel=1e-9)
+        assert p1s[f"{mode}.step"]["measured_s"] > p1c[f"{mode}.step"]["measured_s"]
+    assert slowed["pairs"][1]["predicted_speedup"] != pytest.approx(clean["pairs"][1]["predicted_speedup"])
+
+
+def test_cli_writes_the_json(tmp_path, capsys):
+    run = write_run(tmp_path / "run", pairs=2)
+    assert main(["--calibrate", str(run), "--out", str(tmp_path / "cal.json")]) == 0
+    out = json.loads((tmp_path / "cal.json").read_text())
+    assert {"predicted_speedup", "measured_speedup", "phases"} <= set(out)
+    assert main(["--calibrate", str(tmp_path / "nowhere")]) == 2
+    assert "report.json" in capsys.readouterr().err
