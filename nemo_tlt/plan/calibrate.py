@@ -24,12 +24,14 @@ Contract
   nothing the model uses. Each worker is simulated by ``simulate_replica`` (with SD
   at <= the config's ``threshold_on`` running rows, one arm whose accepted length is
   measured, epsilon 0); ``rollout_s`` is the slowest worker plus the fitted gap.
-* No circularity: the records are split into folds, with two or more pairs one fold
-  per pair (with one pair: even and odd steps). Every number predicted for a fold uses
-  costs fitted only on the other folds, and the accepted length of a predicted TLT step
-  is the other folds' mean at the same step index (their mean over all steps when no
-  other fold has that step). Nothing measured in a pair's own runs, timings or
-  accepted lengths, enters that pair's prediction except its response lengths.
+* No circularity: the records are split into folds: ``folds="pairs"`` (the default)
+  one fold per pair, ``folds="steps"`` (and always with one pair) even and odd steps,
+  which asks the cost model to carry over to steps of other response lengths. Every
+  number predicted for a fold uses costs fitted only on the other folds, and the
+  accepted length of a predicted TLT step is the other folds' mean at the same step
+  index (their mean over all steps when no other fold has that step). Nothing measured
+  in a fold, timings or accepted lengths, enters that fold's prediction except its
+  response lengths.
 * Output (``calibrate``): ``predicted_speedup`` (median over pairs of predicted baseline /
   TLT mean step time, the report's statistic), ``measured_speedup`` (the report's),
   ``phases`` ({"<mode>.<phase>": {predicted_s, measured_s}}, means over pairs of the
@@ -144,7 +146,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def read_records(run_dir: Path, layout: RunLayout) -> tuple[list[StepRecord], int]:
+def read_records(run_dir: Path, layout: RunLayout, by_pair: bool = True) -> tuple[list[StepRecord], int]:
     """Every step after the first of every run, and the number of pairs."""
     pairs = sorted(int(p.name[4:]) for p in run_dir.glob("pair*") if p.name[4:].isdigit())
     if not pairs:
@@ -156,7 +158,7 @@ def read_records(run_dir: Path, layout: RunLayout) -> tuple[list[StepRecord], in
         for mode, recs in runs.items():
             for r in recs[1:]:
                 base = base_by_step[r["step"]]
-                fold = k if len(pairs) > 1 else r["step"] % 2
+                fold = k if by_pair and len(pairs) > 1 else r["step"] % 2
                 phases = {p: float(r[f"{p}_s"]) for p in PHASES}
                 out.append(StepRecord(k, mode, r["step"], fold,
                                       worker_lengths(layout.rows, base["resp_len_max"], base["plain_steps"],
@@ -252,8 +254,10 @@ def _close(pred: float, meas: float, tol: float) -> bool:
     return abs(pred - meas) <= tol * abs(meas)
 
 
-def calibrate(run_dir: str | Path) -> dict[str, Any]:
+def calibrate(run_dir: str | Path, folds: str = "pairs") -> dict[str, Any]:
     """The calibration JSON of a `--compare-baseline` run folder (module docstring)."""
+    if folds not in ("pairs", "steps"):
+        raise ValueError(f"folds must be 'pairs' or 'steps', got {folds!r}")
     run_dir = Path(run_dir)
     report_path = run_dir / "report.json"
     if not report_path.is_file():
@@ -262,20 +266,20 @@ def calibrate(run_dir: str | Path) -> dict[str, Any]:
     if "speedup" not in report:
         raise ValueError(f"{report_path}: no 'speedup'; is this a `--compare-baseline` run?")
     layout = read_layout(run_dir)
-    records, n_pairs = read_records(run_dir, layout)
-    folds = sorted({r.fold for r in records})
-    if len(folds) < 2:
+    records, n_pairs = read_records(run_dir, layout, by_pair=folds == "pairs")
+    fold_ids = sorted({r.fold for r in records})
+    if len(fold_ids) < 2:
         raise ValueError(f"{run_dir}: calibration needs two folds (two pairs, or one pair of >= 3 steps)")
     fits, pred = {}, {}
-    for f in folds:
+    for f in fold_ids:
         fits[f] = fit_fold([r for r in records if r.fold != f], layout)
         for r in records:
             if r.fold == f:
                 pred[id(r)] = predict(r, fits[f], layout)
-    return _summarize(records, pred, fits, report, n_pairs, layout)
+    return _summarize(records, pred, fits, report, n_pairs > 1 and folds == "pairs", layout)
 
 
-def _summarize(records, pred, fits, report, n_pairs, layout) -> dict[str, Any]:
+def _summarize(records, pred, fits, report, by_pair, layout) -> dict[str, Any]:
     pairs = sorted({r.pair for r in records})
     per_run: dict[tuple[int, str], dict[str, tuple[float, float]]] = {}
     for k in pairs:
@@ -304,7 +308,7 @@ def _summarize(records, pred, fits, report, n_pairs, layout) -> dict[str, Any]:
                     "phases_met": {k: _close(v["predicted_s"], v["measured_s"], PHASE_TOLERANCE)
                                    for k, v in judged.items()},
                     "phases_not_judged": sorted(set(phases) - set(judged))},
-        "method": {"folds": "one per pair (leave one pair out)" if n_pairs > 1 else "even / odd steps",
+        "method": {"folds": "one per pair (leave one pair out)" if by_pair else "even / odd steps",
                    "steps": "every step after the first", "fitted_from": FITTED_FROM,
                    "workers": len(layout.rows), "rows_per_worker": list(layout.rows),
                    "sd_threshold": layout.threshold, "arm": str(layout.shape)},

@@ -24,6 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--png", help="with --simulate: the slowest step's timeline as a PNG")
     p.add_argument("--calibrate", metavar="RUN_DIR",
                    help="fit costs on a `nemo-tlt train --compare-baseline` run folder and predict its phases")
+    p.add_argument("--folds", choices=("pairs", "steps"), default="pairs",
+                   help="with --calibrate: predict each pair from the others (default) or odd steps from even")
     return p
 
 
@@ -34,7 +36,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         return 2
     from nemo_tlt.plan.calibrate import calibrate
     try:
-        result = calibrate(args.calibrate)
+        result = calibrate(args.calibrate, args.folds)
     except (ValueError, FileNotFoundError, KeyError) as err:
         print(f"nemo-tlt plan --calibrate: {err}", file=sys.stderr)
         return 2

@@ -85,8 +85,10 @@ def test_fit_recovers_the_generating_costs(tmp_path):
         np.testing.assert_allclose(got, list(COSTS.values()), rtol=1e-6)
 
 
-def test_predicted_phases_equal_measured(tmp_path):
-    out = calibrate(write_run(tmp_path))
+@pytest.mark.parametrize("folds", ["pairs", "steps"])
+def test_predicted_phases_equal_measured(tmp_path, folds):
+    out = calibrate(write_run(tmp_path), folds)
+    assert out["method"]["folds"] == ("one per pair (leave one pair out)" if folds == "pairs" else "even / odd steps")
     assert out["predicted_speedup"] == pytest.approx(out["measured_speedup"], rel=1e-6)
     assert {"tlt.rollout", "baseline.rollout", "tlt.update", "baseline.update", "tlt.step"} <= set(out["phases"])
     for name, v in out["phases"].items():
