@@ -40,12 +40,17 @@ def _calibrate(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, KeyError) as err:
         print(f"nemo-tlt plan --calibrate: {err}", file=sys.stderr)
         return 2
+    _emit(result, args.out)
+    return 0
+
+
+def _emit(result: dict, out: str | None) -> None:
+    """Print the result as JSON and, with --out, write the same text to that file."""
     text = json.dumps(result, indent=2)
-    if args.out:
-        with open(args.out, "w") as fh:
+    if out:
+        with open(out, "w") as fh:
             fh.write(text + "\n")
     print(text)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,11 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"nemo-tlt plan: {err}", file=sys.stderr)
         return 2
-    text = json.dumps(result, indent=2)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
-    print(text)
+    _emit(result, args.out)
     if not fits:
         print(f"nemo-tlt plan: {result['refusal']}", file=sys.stderr)
         return 1
