@@ -67,7 +67,7 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
     ("rollout.arms=['8_4']", r"rollout\.arms\[0\]: malformed tree shape"),
     ("rollout.arms=[4_2_8]", r"quote each arm"),
     ("rollout.epsilon=2", r"rollout\.epsilon"),
-    ("rollout.min_pulls=40", r"rollout\.min_pulls=40 must be <= rollout\.window=32"),
+    ("rollout.min_pulls=40", r"rollout\.min_pulls=40 must be <= rollout\.window=16"),
     ("rollout.reward=tokens", r"rollout\.reward must be one of scaled, per_row, throughput"),
     ("drafter.min_idle_workers=3", r"drafter\.min_idle_workers=3 exceeds workers\.num_workers=2"),
     ("workers.num_workers=0", r"workers\.num_workers"),
