@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -321,9 +321,10 @@ def _reraise(err: OmegaConfBaseException, source: str) -> ValueError:
     return ValueError(f"{source}: config key '{key}': {first}")
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TLTConfig:
-    """defaults <- YAML file <- ``key=value`` overrides, typed and validated."""
-    merged: DictConfig = OmegaConf.structured(TLTConfig)
+def load_structured(schema: type, path: str | Path | None = None, overrides: Sequence[str] = ()) -> Any:
+    """defaults of the dataclass ``schema`` <- YAML file <- ``key=value`` overrides, typed
+    and validated; every error is a ValueError naming the file (or "overrides") and the key."""
+    merged: DictConfig = OmegaConf.structured(schema)
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -346,6 +347,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise _reraise(err, "config") from None
-    assert isinstance(config, TLTConfig)
+    assert isinstance(config, schema)
     return config
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TLTConfig:
+    """defaults <- YAML file <- ``key=value`` overrides, typed and validated."""
+    return load_structured(TLTConfig, path, overrides)
 

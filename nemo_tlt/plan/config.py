@@ -12,10 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from nemo_tlt.checks import check_float, check_int
+from nemo_tlt.config import load_config, load_structured
 from nemo_tlt.plan.cluster import ClusterSpec
 from nemo_tlt.plan.memory import RECOMPUTE, TRAINING_STATE
 from nemo_tlt.speculative.tree_shape import TreeShape
@@ -155,21 +153,9 @@ class PlanConfig:
 
 
 def load_plan_config(path: str | Path | None, overrides: Sequence[str] = ()) -> PlanConfig:
-    merged: DictConfig = OmegaConf.structured(PlanConfig)
-    try:
-        if path is not None:
-            if not Path(path).is_file():
-                raise ValueError(f"plan config {path} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
-        for item in overrides:
-            if "=" not in item:
-                raise ValueError(f"override {item!r} is not of the form key=value")
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
-        config = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "?"
-        raise ValueError(f"{path or 'plan'}: config key '{key}': {str(err).splitlines()[0]}") from None
-    assert isinstance(config, PlanConfig)
+    """defaults <- plan YAML <- ``key=value`` overrides (nemo_tlt.config.load_structured); a
+    plan that names a training config is checked against it."""
+    config = load_structured(PlanConfig, path, overrides)
     if config.train_config is not None:
         check_train_config(config)
     return config
@@ -177,8 +163,6 @@ def load_plan_config(path: str | Path | None, overrides: Sequence[str] = ()) -> 
 
 def check_train_config(plan: PlanConfig) -> None:
     """Refuse a plan that disagrees with the training config it names."""
-    from nemo_tlt.config import load_config
-
     train = load_config(plan.train_config)
     pairs = [
         ("training.tensor_parallel", plan.training.tensor_parallel, "policy.tensor_parallel",
