@@ -48,6 +48,7 @@ from nemo_tlt.adaptive.sd_policy import AdaptiveSDPolicy, SDPolicyConfig
 from nemo_tlt.config import TLTConfig
 from nemo_tlt.drafter.io import load_drafter
 from nemo_tlt.model.hf_io import load_hf_folder
+from nemo_tlt.rl.decode_segments import decode_segments
 from nemo_tlt.rl.grpo import group_advantages
 from nemo_tlt.rl.policy import PolicyConfig, PolicyTrainer
 from nemo_tlt.rl.report import MetricsWriter
@@ -240,7 +241,7 @@ class RLWorker:
         t_start = time.perf_counter()
         problems = step_problems(cfg, step)
         mine = shard_prompts(len(problems), comm.rank, comm.world)
-        gen, idx, requests = self._rollout(step, problems, mine)
+        gen, idx, requests, segments = self._rollout(step, problems, mine)
         t_gen = time.perf_counter() - t_start
         idle = self._idle_time(step)
         t_meet = time.perf_counter()
@@ -267,7 +268,8 @@ class RLWorker:
         t_sync = time.perf_counter() - t0
         t_end = time.perf_counter()
         local = {"rank": comm.rank, "ids": idx, "tokens": [r.tokens for r in gen.results], "rewards": rewards,
-                 "gen_s": t_gen, "gen": gen.stats.summary(), "accept": gen.stats.accept_lengths, **idle,
+                 "gen_s": t_gen, "gen": gen.stats.summary(), "accept": gen.stats.accept_lengths,
+                 "segments": segments, **idle,
                  "upd": upd, "state": self._rank_state(), "weights": self._weights_digest()}
         per_rank = comm.gather(local)
         # With TP x PP > 1 the optimizer state is sharded: keep every rank's. Otherwise
@@ -299,14 +301,16 @@ class RLWorker:
         sp = SamplingParams(self.cfg.grpo.acceptance, temperature=self.cfg.grpo.temperature,
                             max_new_tokens=self.cfg.grpo.max_new_tokens, seed=step_seed(self.cfg.seed, step))
         harvest = self.spec.tlt and self.cfg.drafter.train_on_idle
+        t_gen = self.coord.now()
         out = self.engine.generate(requests, sp, return_hidden=harvest, policy=self.sd_policy)
+        segments = decode_segments(out.stats.trace, out.stats.prefill_s, out.stats.wall_s, t_gen)
         if harvest:
             self.buffer.advance_step(step)
             for req, res in zip(requests, out.results):
                 if len(req.prompt) + len(res.tokens) >= self.buffer.config.min_length:
                     self.buffer.add(torch.tensor(list(req.prompt) + res.tokens), res.hidden_states, step)
                 res.hidden_states = None  # the buffer holds its own compact copy
-        return out, idx, requests
+        return out, idx, requests, segments
 
     def _idle_time(self, step: int) -> dict[str, Any]:
         """This rank's share is done: train the drafter until everyone is (TLT), meet."""
@@ -365,6 +369,9 @@ class RLWorker:
             "replicas_identical": all(r["weights"] == per_rank[0]["weights"] for r in per_rank),
             "rewards": rewards, "rollout_digest": digest(tokens),
             "timeline": [[e.rank, e.state.value, e.time - self.t0] for e in timeline],
+            # per rank, where its rollout decoded plainly or with which tree (run-length)
+            "decode_segments": [[r["rank"], round(a - self.t0, 4), round(b - self.t0, 4), choice]
+                                for r in per_rank for a, b, choice in r["segments"]],
             "t_end": self.coord.now() - self.t0,
         }
 

@@ -11,7 +11,9 @@ Contract
   run given (``write_plots``; with ``--compare-baseline`` every run of every pair):
   reward vs step, step-time breakdown (rollout / log-prob / update / weight sync /
   other, with drafter-training worker-seconds beside it), accepted length per step,
-  worker timeline (BUSY / IDLE / TRAINING per worker).
+  worker timeline (BUSY / IDLE / TRAINING per worker, with a strip inside the BUSY
+  rollout time showing where the worker decoded plainly and where with SD, per tree
+  shape, from the records' ``decode_segments``).
 * TLT and its baseline run in pairs of alternating order. ``pair_figures`` compares
   the two runs of one pair on means over the steps after the first (the first pays
   one-time warm-up); ``compare_pairs`` gives the ``report.json`` figures as medians
@@ -34,7 +36,10 @@ import numpy as np
 BREAKDOWN = (("rollout_s", "rollout"), ("logprob_s", "log-prob"), ("update_s", "update"),
              ("weight_sync_s", "weight sync"), ("other_s", "other"))
 STATE_COLORS = {"busy": "#4477aa", "idle": "#dddddd", "training": "#ee7733"}
-_SKIP_SCALARS = {"step", "mode", "rewards", "timeline", "rollout_digest", "rollout_gen_s"}
+# decode strips: plain dark, SD shapes in colours the worker states do not use
+PLAIN_COLOR = "#333333"
+SHAPE_COLORS = ("#44bb99", "#aa3377", "#ccbb44", "#99ddff", "#882255", "#bbcc33")
+_SKIP_SCALARS = {"step", "mode", "rewards", "timeline", "decode_segments", "rollout_digest", "rollout_gen_s"}
 
 
 class MetricsWriter:
@@ -245,31 +250,59 @@ def timeline_segments(recs: list[dict]) -> dict[int, list[tuple[float, float, st
     return out
 
 
+def decode_strips(recs: list[dict]) -> dict[int, list[tuple[float, float, str]]]:
+    """Per rank: (start, end, choice) decode segments over the whole run ("plain" or a
+    tree shape's name); records written before they were logged contribute none."""
+    out: dict[int, list[tuple[float, float, str]]] = {}
+    for r in recs:
+        for rank, a, b, choice in r.get("decode_segments", []):
+            out.setdefault(int(rank), []).append((float(a), float(b), str(choice)))
+    return out
+
+
+def decode_colors(runs: dict[str, list[dict]]) -> dict[str, str]:
+    """One colour per decode choice over all runs (the same shape: the same colour)."""
+    shapes = sorted({c for recs in runs.values() for items in decode_strips(recs).values()
+                     for _, _, c in items if c != "plain"})
+    return {"plain": PLAIN_COLOR, **{s: SHAPE_COLORS[i % len(SHAPE_COLORS)] for i, s in enumerate(shapes)}}
+
+
 def plot_worker_timeline(runs: dict[str, list[dict]], path: str | Path) -> Path:
     plt = _plt()
     from matplotlib.patches import Patch
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.2 + 1.0 * len(runs) * 2), squeeze=False)
+    colors = decode_colors(runs)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.6 + 1.0 * len(runs) * 2), squeeze=False)
     for ax, (name, recs) in zip(axes[:, 0], runs.items()):
         segs = timeline_segments(recs)
         for rank, items in segs.items():
             for state in STATE_COLORS:
                 bars = [(a, b - a) for a, b, s in items if s == state and b > a]
                 ax.broken_barh(bars, (rank - 0.4, 0.8), color=STATE_COLORS[state])
+        # inside the BUSY rollout time: a strip of how each stretch was decoded
+        for rank, items in decode_strips(recs).items():
+            for choice, color in colors.items():
+                bars = [(a, b - a) for a, b, c in items if c == choice and b > a]
+                ax.broken_barh(bars, (rank - 0.4, 0.28), color=color, lw=0)
         for r in recs:
             ax.axvline(r["t_end"], color="k", lw=0.5, ls=":")
         ax.set_yticks(sorted(segs))
         ax.set_yticklabels([f"worker {k}" for k in sorted(segs)])
-        ax.set_title(f"{name}: worker states (dotted: end of an RL step)")
+        ax.set_title(f"{name}: worker states, lower strip: how the rollout decoded (dotted: end of an RL step)",
+                     fontsize=9)
         ax.set_xlabel("seconds since the run started")
-    axes[0][0].legend(handles=[Patch(color=c, label=s.upper()) for s, c in STATE_COLORS.items()],
-                      loc="upper right", fontsize=7)
-    return _save(fig, path)
+    handles = [Patch(color=c, label=s.upper()) for s, c in STATE_COLORS.items()]
+    handles += [Patch(color=c, label="decode: plain" if s == "plain" else f"decode: SD {s}")
+                for s, c in colors.items()]
+    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 7), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
+    return _save(fig, path, layout=False)
 
 
-def _save(fig, path: str | Path) -> Path:
+def _save(fig, path: str | Path, layout: bool = True) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    if layout:
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
     plt.close(fig)

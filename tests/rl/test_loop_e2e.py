@@ -72,6 +72,13 @@ def _final_policy(run: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in ck.tensors.items() if k.startswith("policy/")}
 
 
+def _rollout_span(timeline: list, rank: int) -> tuple[float, float]:
+    """(start, end) of `rank`'s BUSY rollout time in one step's timeline events."""
+    events = sorted((t, state) for k, state, t in timeline if k == rank)
+    busy = next(t for t, state in events if state == "busy")
+    return busy, next(t for t, state in events if state != "busy" and t >= busy)
+
+
 RUNS = [(1, "tlt"), (1, "baseline"), (2, "baseline"), (2, "tlt")]  # two pairs, alternating order
 
 
@@ -111,6 +118,17 @@ def test_tlt_vs_baseline_two_workers(tiny_models, tmp_path):
     for base in bases:  # the baseline did neither
         assert sum(r["sd_steps"] + r["drafter_samples"] for r in base) == 0
         assert sum(r["idle_s"] for r in base) > 0
+    # decode segments: each rank's plain / SD stretches lie inside its BUSY rollout span
+    for recs in runs.values():
+        for r in recs:
+            assert {seg[0] for seg in r["decode_segments"]} == {0, 1}
+            for rank in (0, 1):
+                busy, idle = _rollout_span(r["timeline"], rank)
+                segs = [seg[1:] for seg in r["decode_segments"] if seg[0] == rank]
+                assert all(busy - 1e-3 <= a <= b <= idle + 1e-3 for a, b, _ in segs)
+                assert 0 < sum(b - a for a, b, _ in segs) <= idle - busy + 1e-3
+    assert all(seg[3] == "plain" for base in bases for r in base for seg in r["decode_segments"])
+    assert any(seg[3] != "plain" for tlt in tlts for r in tlt for seg in r["decode_segments"])
     # coupled sampling: every run of every pair has the same tokens, rewards and policy weights
     first = runs[RUNS[0]]
     for recs in runs.values():
