@@ -21,9 +21,8 @@ Contract
 * An SD step right after plain steps (or the first of a rollout) also runs the
   drafter over every position it has not seen (the prompts, the plainly decoded
   tokens): a cost of having decoded plainly, paid once whichever tree comes next, so
-  its time is kept out of the estimates (its acceptance still counts for collapse).
-  On the 256-sequence long-tail bench that first step took 1.1 s against 0.3 s for
-  the next one; recorded, it made whichever tree ran first look 3x too slow.
+  its time is kept out of the estimates (its acceptance still counts for collapse);
+  recorded, it would make whichever tree runs first look several times too slow.
 * :meth:`drafter_updated` is called when the drafter's weights change: what the tree
   arms measured (acceptance is the drafter's) is discounted (windows halved, probe
   waits halved) and a collapsed drafter is probed again soon; plain decoding's
