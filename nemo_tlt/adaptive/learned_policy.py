@@ -23,6 +23,8 @@ Contract
   tokens): a cost of having decoded plainly, paid once whichever tree comes next, so
   its time is kept out of the estimates (its acceptance still counts for collapse);
   recorded, it would make whichever tree runs first look several times too slow.
+  The same tree then runs one more step, which is measured: a probe of a tree in a
+  bucket where plain decoding leads would otherwise never be.
 * :meth:`drafter_updated` is called when the drafter's weights change: what the tree
   arms measured (acceptance is the drafter's) is discounted (windows halved, probe
   waits halved) and a collapsed drafter is probed again soon; plain decoding's
@@ -103,6 +105,9 @@ class LearnedSDPolicy(TracedPolicy):
         self._index = {shape: i for i, shape in enumerate(self._choices)}
         self.table, self.guard = self._fresh_table(), self._fresh_guard()
         self._previous: tuple[int, int] | None = None  # (running, arm) of the last observed step
+        # A tree whose last step only caught the drafter up (not recorded): run it once more
+        # so that it is measured; else a probe after plain steps never would be.
+        self._pending: int | None = None
         # The drafter probe: the tree that verifies the fewest nodes is the cheapest to lose.
         self._probe_arm = 1 + min(range(len(config.arms)),
                                   key=lambda i: (config.arms[i].num_verify, config.arms[i].depth, i))
@@ -121,6 +126,8 @@ class LearnedSDPolicy(TracedPolicy):
             arm = 0
         elif self.guard.collapsed:
             arm = self._probe_arm if self.guard.probe_due() else 0
+        elif self._pending is not None:
+            arm = self._pending
         else:
             arm = self.table.choose(num_running)
         shape = self._choices[arm]
@@ -142,6 +149,7 @@ class LearnedSDPolicy(TracedPolicy):
             self.table.forget(range(1, len(self._choices)))
         if not catching_up:
             self.table.record(num_running, arm, tokens_generated / elapsed_s, elapsed_s)
+        self._pending = arm if catching_up else None
 
     def drafter_updated(self) -> None:
         """The drafter's weights changed: discount what depended on them."""
@@ -167,7 +175,7 @@ class LearnedSDPolicy(TracedPolicy):
     def state_dict(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION, "kind": "learned", "arms": [a.name for a in self.config.arms],
                 "table": self.table.state_dict(), "collapse": self.guard.state_dict(),
-                "previous": None if self._previous is None else list(self._previous)}
+                "previous": None if self._previous is None else list(self._previous), "pending": self._pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("kind") != "learned" or state.get("version") != _STATE_VERSION:
@@ -181,11 +189,16 @@ class LearnedSDPolicy(TracedPolicy):
                 isinstance(x, int) and not isinstance(x, bool) for x in previous)
                 and previous[0] >= 1 and 0 <= previous[1] < len(self._choices)):
             raise ValueError(f"LearnedSDPolicy state 'previous' must be null or [running, arm], got {previous!r}")
+        pending = state.get("pending")
+        if pending is not None and not (isinstance(pending, int) and not isinstance(pending, bool)
+                                        and 1 <= pending < len(self._choices)):
+            raise ValueError(f"LearnedSDPolicy state 'pending' must be null or a tree arm index, got {pending!r}")
         table, guard = self._fresh_table(), self._fresh_guard()
         table.load_state_dict(state.get("table"))  # into fresh copies: a bad state changes nothing
         guard.load_state_dict(state.get("collapse"))
         self.table, self.guard = table, guard
         self._previous = None if previous is None else (previous[0], previous[1])
+        self._pending = pending
 
     def _fresh_table(self) -> ArmTable:
         c = self.config

@@ -64,9 +64,11 @@ def test_a_threshold_free_start_is_not_stuck_plain_on_a_big_batch_when_sd_pays()
     # A machine where SD pays at every batch size: the policy speculates from the head on.
     sim = Sim({None: 1.0, CHAIN: 6.0, TREE: 4.0})
     p = policy()
-    for _ in range(8):
+    head = []
+    for i in range(8):
         steps = sim.rollout(p)
-    head = [s for r, s in steps if r >= 128]
+        if i >= 4:  # the head has 7 steps a rollout, and a measured probe takes two of them
+            head += [s for r, s in steps if r >= 128]
     assert sum(s is CHAIN for s in head) >= 0.8 * len(head)
 
 
@@ -284,3 +286,42 @@ def test_the_drafter_catch_up_after_plain_steps_is_kept_out_of_the_estimates():
     est = {a: p.table.estimate(bucket, a, 4) for a in range(3)}
     assert est[1] == pytest.approx(sim.rate(CHAIN, 4), rel=0.05)
     assert est[2] == pytest.approx(sim.rate(TREE, 4), rel=0.05)
+
+
+def test_a_tree_that_loses_to_plain_then_improves_is_adopted():
+    """Probes of a tree in a bucket where plain leads follow plain steps, so their first
+    step only catches the drafter up; the policy must still measure the tree, or a
+    drafter improved by idle-time training is never picked up there."""
+    p = LearnedSDPolicy(LearnedSDConfig(arms=(CHAIN,), bucket_edges=(2,)))
+    rates = {None: 40.0, CHAIN: 30.0}
+    late = []
+    for step in range(300):
+        if step == 20:
+            rates[CHAIN] = 60.0   # the drafter got better (without collapsing before)
+            p.drafter_updated()
+        shape = p.choose(8)
+        p.observe(8, shape, 16, 16 / rates[shape])
+        if step >= 200:
+            late.append(shape)
+    assert sum(s == CHAIN for s in late) >= 0.8 * len(late)
+
+
+def test_pending_measurement_travels_with_the_state():
+    p = LearnedSDPolicy(LearnedSDConfig(arms=(CHAIN,), bucket_edges=(2,)))
+    rates = {None: 40.0, CHAIN: 30.0}
+    for step in range(200):  # plain leads; stop right after a probe's catch-up step
+        shape = p.choose(8)
+        p.observe(8, shape, 16, 16 / rates[shape])
+        if step > 10 and shape == CHAIN:
+            break
+    assert shape == CHAIN
+    state = json.loads(json.dumps(p.state_dict()))
+    q, without = policy_like(p), policy_like(p)
+    q.load_state_dict(state)
+    without.load_state_dict({**state, "pending": None})
+    assert q.choose(8) == CHAIN == p.choose(8)  # the probe is measured after the resume too
+    assert without.choose(8) is None
+
+
+def policy_like(p: LearnedSDPolicy) -> LearnedSDPolicy:
+    return LearnedSDPolicy(p.config)
