@@ -142,7 +142,8 @@ class LearnedSDPolicy(TracedPolicy):
             names = ", ".join(a.name for a in self.config.arms)
             raise ValueError(f"observe: shape {shape!r} is neither None (plain) nor one of the arms ({names})")
         previous, self._previous = self._previous, (int(num_running), arm)
-        # Rows only finish within a rollout: more running rows than last step is a new one.
+        # A new rollout (begin_rollout, or more running rows than last step: rows only
+        # finish within one) starts with a catch-up, as does a tree after plain steps.
         catching_up = arm != 0 and (previous is None or previous[1] == 0 or num_running > previous[0])
         if arm and self.guard.record(tokens_generated / num_running) == "recovered":
             # A drafter that accepts again is a different drafter: measure its trees afresh.
@@ -150,6 +151,11 @@ class LearnedSDPolicy(TracedPolicy):
         if not catching_up:
             self.table.record(num_running, arm, tokens_generated / elapsed_s, elapsed_s)
         self._pending = arm if catching_up else None
+
+    def begin_rollout(self) -> None:
+        """A new rollout: its first SD step catches the drafter up on the prompts, whatever
+        the running count (rows cut off at max_new_tokens leave as many as the next starts with)."""
+        self._previous = None
 
     def drafter_updated(self) -> None:
         """The drafter's weights changed: discount what depended on them."""

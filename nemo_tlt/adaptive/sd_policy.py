@@ -42,6 +42,10 @@ REWARDS = ("scaled", "per_row", "throughput")
 class SpecPolicy(Protocol):
     """What the rollout engine asks every decode step."""
 
+    def begin_rollout(self) -> None:
+        """A new rollout starts: its rows are new (the engine calls this before its first step)."""
+        ...
+
     def choose(self, num_running: int) -> TreeShape | None:
         """Tree shape for this step, or None for plain (non-speculative) decoding."""
         ...
@@ -155,6 +159,9 @@ class TracedPolicy:
     def drafter_updated(self) -> None:
         """The drafter's weights changed. These policies keep no estimate that depends
         on the drafter's quality beyond their window (see LearnedSDPolicy for one that does)."""
+
+    def begin_rollout(self) -> None:
+        """A new rollout starts. These policies decide from the running count alone."""
 
 
 class AdaptiveSDPolicy(TracedPolicy):

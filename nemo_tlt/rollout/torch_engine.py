@@ -144,6 +144,8 @@ class TorchRolloutEngine:
         t_start = time.perf_counter()
         gen = torch.Generator().manual_seed(sampling.seed)
         results: list[RequestResult | None] = [None] * len(requests)
+        if policy is not None:
+            policy.begin_rollout()
         batch = self._prefill(requests, sampling, gen, stats)
         stats.prefill_s = time.perf_counter() - t_start
         self._retire(batch, sampling, results, return_hidden)

@@ -325,3 +325,16 @@ def test_pending_measurement_travels_with_the_state():
 
 def policy_like(p: LearnedSDPolicy) -> LearnedSDPolicy:
     return LearnedSDPolicy(p.config)
+
+
+def test_a_new_rollout_with_as_many_rows_starts_with_an_unrecorded_catch_up():
+    """Rows cut off at max_new_tokens end a rollout with as many rows as the next starts
+    with: the engine's begin_rollout, not the running count, marks the new rollout."""
+    p = LearnedSDPolicy(LearnedSDConfig(arms=(CHAIN,), bucket_edges=(2,)))
+    for _ in range(6):
+        shape = p.choose(8)
+        p.observe(8, shape, 32 if shape else 8, 0.1)
+    pulls = list(p.table.pulls(1))
+    p.begin_rollout()
+    p.observe(8, CHAIN, 32, 5.0)  # the slow catch-up step of the new rollout
+    assert list(p.table.pulls(1)) == pulls
