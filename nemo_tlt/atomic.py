@@ -1,4 +1,10 @@
-"""Write an output folder atomically: into a sibling temp folder, renamed into place on success.
+"""Write outputs atomically, and record files for later verification.
+
+``write_json_atomic`` writes a temp file beside the target and renames it over it, so
+a reader never sees half a file. ``file_record`` ({bytes, sha256}) is what manifests
+and checkpoint metadata store to verify a file later.
+
+Output folders: into a sibling temp folder, renamed into place on success.
 
 Contract: ``with atomic_output_dir(path, overwrite=False) as tmp:`` yields a fresh
 empty folder beside ``path``; when the block succeeds, ``tmp`` becomes ``path``
@@ -9,11 +15,13 @@ output. An existing ``path`` without ``overwrite`` is refused before any work.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 
 @contextlib.contextmanager
@@ -36,3 +44,26 @@ def atomic_output_dir(path: str | os.PathLike, *, overwrite: bool = False) -> It
         shutil.rmtree(old) if old.is_dir() else old.unlink()
     else:
         tmp.rename(target)
+
+
+def write_json_atomic(path: str | os.PathLike, payload: Any) -> Path:
+    """``payload`` as indented JSON at ``path`` (parents created), via a temp file and a rename."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    os.replace(tmp, out)
+    return out
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_record(path: str | os.PathLike) -> dict[str, Any]:
+    """{bytes, sha256} of a file, as manifests store it."""
+    return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}

@@ -1,11 +1,9 @@
-"""Shared benchmark plumbing: machine facts, JSON output, a plain-text table."""
+"""Shared benchmark plumbing: machine facts and a plain-text table (JSON output: nemo_tlt.atomic.write_json_atomic)."""
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import platform
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,15 +19,6 @@ def machine_info() -> dict[str, Any]:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
     }
-
-
-def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
-    os.replace(tmp, out)
-    return out
 
 
 def format_table(rows: dict[str, dict[str, Any]], columns: list[str]) -> str:

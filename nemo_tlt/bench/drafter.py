@@ -44,7 +44,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nemo_tlt.bench.common import format_table, machine_info, write_json
+from nemo_tlt.atomic import write_json_atomic
+from nemo_tlt.bench.common import format_table, machine_info
 from nemo_tlt.drafter.data import DrafterSample, pad_eagle_batch
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.drafter.packing import pack_eagle_batch
@@ -447,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                "pool_pairs": {"min": min(lengths), "median": int(np.median(lengths)), "max": max(lengths),
                               "mean": float(np.mean(lengths))},
                "machine": machine_info()}
-    write_json(args.out, payload)
+    write_json_atomic(args.out, payload)
     rows = {k: {"value": v, "target": (">= " if not k.startswith("preemption") else "<= ") + str(TARGETS[k]),
                 "met": meets[k]} for k, v in checks.items()}
     print(format_table(rows, ["value", "target", "met"]))

@@ -30,7 +30,8 @@ from nemo_tlt.adaptive.learned_policy import LearnedSDConfig, LearnedSDPolicy
 from nemo_tlt.adaptive.sd_policy import REWARDS, AdaptiveSDPolicy, FixedSDPolicy, SDPolicyConfig
 from nemo_tlt.drafter.eagle import EagleDrafter
 from nemo_tlt.rl.assets import AssetConfig, default_cache_dir, load_assets, prepare_assets, task_requests
-from nemo_tlt.bench.common import format_table, machine_info, write_json
+from nemo_tlt.atomic import write_json_atomic
+from nemo_tlt.bench.common import format_table, machine_info
 from nemo_tlt.bench.headroom import bucket_seconds, per_bucket_oracle
 from nemo_tlt.bench.timeline import plot_rollout_timeline
 from nemo_tlt.rollout.protocol import Request
@@ -263,7 +264,7 @@ def compare(args, target, drafter, reqs: list[Request]) -> dict[str, Any]:
                "response_lengths": {"median": lengths[len(lengths) // 2], "max": lengths[-1], "min": lengths[0]},
                "trace": [vars(t) for t in trace], "machine": machine_info(),
                "config": {k: v for k, v in vars(args).items() if k not in ("arm_shapes",)}}
-    write_json(args.out, payload)
+    write_json_atomic(args.out, payload)
     _print_summary(payload, args.out)
     return payload
 

@@ -42,7 +42,8 @@ from tqdm.auto import tqdm
 
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.rl.assets import AssetConfig, default_cache_dir, load_assets, prepare_assets, task_requests
-from nemo_tlt.bench.common import format_table, machine_info, write_json
+from nemo_tlt.atomic import write_json_atomic
+from nemo_tlt.bench.common import format_table, machine_info
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                           "max_new_tokens": args.max_new_tokens, "shape": args.tree_shape.name,
                           "target": config.target.to_dict(), "task": config.task.to_dict(),
                           "target_dir": assets.target_dir.name, "drafter_dir": assets.drafter_dir.name}}
-    write_json(args.out, payload)
+    write_json_atomic(args.out, payload)
     print(format_table(results, COLUMNS))
     print("ratios: " + ", ".join(f"{k}={v:.2f}x" for k, v in ratios.items()))
     print(f"greedy_outputs_identical: {identical}; coupled_outputs_identical: {coupled_identical}")

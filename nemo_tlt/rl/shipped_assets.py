@@ -17,27 +17,18 @@ naming the file (a damaged install is never loaded).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-from nemo_tlt.atomic import atomic_output_dir
+from nemo_tlt.atomic import atomic_output_dir, file_record, sha256_file
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "demo_assets"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 ROLES = ("target", "assistant", "drafter")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_manifest(root: Path = SHIPPED_DIR) -> dict[str, Any] | None:
@@ -90,7 +81,7 @@ def write_shipped(folders: dict[str, Path], out: str | os.PathLike, extra: dict[
             files = {}
             for path in sorted(p for p in Path(src).iterdir() if p.is_file()):
                 shutil.copyfile(path, dst / path.name)
-                files[path.name] = {"sha256": sha256_file(dst / path.name), "bytes": path.stat().st_size}
+                files[path.name] = file_record(dst / path.name)
             assets[role] = {"name": Path(src).name, "files": files}
         manifest = {"format": MANIFEST_FORMAT, "assets": assets, **extra}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")

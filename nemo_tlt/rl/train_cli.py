@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.config import TLTConfig, load_config
 from nemo_tlt.rl.loop import RunSpec, prepare_run_dir, run_rank
 from nemo_tlt.rl.report import compare_pairs, format_pairs, run_block, write_plots
@@ -149,13 +149,6 @@ def completed_summary(spec: RunSpec) -> dict[str, Any] | None:
     return summary if done else None
 
 
-def _save_summary(spec: RunSpec, summary: dict[str, Any]) -> None:
-    path = Path(spec.out_dir) / SUMMARY
-    tmp = path.with_name(f".{SUMMARY}.tmp")
-    tmp.write_text(json.dumps(summary))
-    os.replace(tmp, path)  # a crash never leaves a half-written summary that resume would trust
-
-
 def run_plan(plan: list[PlannedRun]) -> list[tuple[PlannedRun, dict[str, Any]]]:
     """Run (or, on resume, skip finished) runs in order; stops after an interrupted one."""
     done = []
@@ -167,7 +160,7 @@ def run_plan(plan: list[PlannedRun]) -> list[tuple[PlannedRun, dict[str, Any]]]:
             (Path(run.spec.out_dir) / SUMMARY).unlink(missing_ok=True)
             summary = launch(run.spec, run_rank)
             if summary["status"] == "completed":
-                _save_summary(run.spec, summary)
+                write_json_atomic(Path(run.spec.out_dir) / SUMMARY, summary)  # resume trusts only whole files
         done.append((run, summary))
         if summary["status"] != "completed":
             break

@@ -31,7 +31,6 @@ Contract
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 import os
@@ -45,6 +44,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from nemo_tlt.atomic import file_record, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,7 @@ class CheckpointManager:
             "format_version": FORMAT_VERSION,
             "step": snap.step,
             "created_unix": time.time(),
-            "files": {name: _file_record(tmp / name) for name in (WEIGHTS_FILE, EXTRA_FILE, JSON_FILE)},
+            "files": {name: file_record(tmp / name) for name in (WEIGHTS_FILE, EXTRA_FILE, JSON_FILE)},
             "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype)} for n, t in snap.tensors.items()},
         }
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -302,7 +303,7 @@ class CheckpointManager:
             size = file.stat().st_size
             if size != record["bytes"]:
                 return f"file {name} has {size} bytes, the manifest says {record['bytes']} (partial write?)"
-            if hash_files and _sha256(file) != record["sha256"]:
+            if hash_files and sha256_file(file) != record["sha256"]:
                 return f"file {name} does not match its SHA-256 in the manifest (corrupted)"
         return None
 
@@ -360,18 +361,6 @@ def _deep_host_copy(obj: Any) -> Any:
     if type(obj) in (list, tuple):
         return type(obj)(_deep_host_copy(v) for v in obj)
     return copy.deepcopy(obj)
-
-
-def _file_record(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync_path(path: Path) -> None:
