@@ -44,7 +44,9 @@ except ImportError:
 _NUMPY_DTYPES = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
                  np.uint64, np.float16, np.float32, np.float64)
 _BASE_GLOBALS: tuple[Any, ...] = (
-    argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO, signal.Signals,
+    argparse.Namespace, types.SimpleNamespace, io.BytesIO, signal.Signals,
+    # Python <= 3.12 pickles PosixPath as pathlib.PosixPath, 3.13 as pathlib._local.PosixPath
+    *((pathlib.PosixPath, f"{mod}.PosixPath") for mod in ("pathlib", "pathlib._local")),
     np.ndarray, np.dtype, *(type(np.dtype(t)) for t in _NUMPY_DTYPES),
     *((getattr(_np_multiarray, fn), f"{pkg}.multiarray.{fn}")
       for fn in ("_reconstruct", "scalar") for pkg in ("numpy._core", "numpy.core")),
