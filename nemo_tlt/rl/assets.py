@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.drafter.data import DrafterSample
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.drafter.io import load_drafter, save_drafter
-from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.drafter.train import DrafterTrainConfig, train_drafter
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import load_hf_folder
@@ -133,17 +133,19 @@ def prepare_assets(config: AssetConfig = AssetConfig(), cache_dir: str | os.Path
             log.info("%s: shipped with the package (%s)", role, name)
         return folder
 
-    def warm_start(role: str, model: LMConfig) -> Path:
-        found = find(role, warm_start_name(model, config.task, config.sft, config.sft_examples))
+    def warm_start(role: str, model: LMConfig, name: str) -> Path:
+        found = find(role, name)
         if found is not None:
             return found
         log.info("%s: SFT warm start (cached under %s)", role, cache)
         return cached_warm_start(cache, model, config.task, config.sft, config.sft_examples, progress)
 
-    target_dir = warm_start("target", config.target)
-    assistant_dir = warm_start("assistant", config.assistant)
+    target_name = warm_start_name(config.target, config.task, config.sft, config.sft_examples)
+    target_dir = warm_start("target", config.target, target_name)
+    assistant_dir = warm_start("assistant", config.assistant,
+                               warm_start_name(config.assistant, config.task, config.sft, config.sft_examples))
     # named after the target's configuration, not its folder (a shipped one is just "target")
-    name = drafter_name(warm_start_name(config.target, config.task, config.sft, config.sft_examples), config)
+    name = drafter_name(target_name, config)
     drafter_dir = find("drafter", name) or cache / name
     if not (drafter_dir / "drafter.json").is_file():
         log.info("drafter: training EAGLE on the target's generations")
