@@ -3,8 +3,8 @@
 Contract
 --------
 * Arms are :class:`~nemo_tlt.speculative.tree_shape.TreeShape` values; fastrl's
-  ``"depth_topk_numverify"`` strings are accepted only by
-  :meth:`BanditConfig.from_strings`.
+  ``"depth_topk_numverify"`` strings are parsed once, when :class:`BanditConfig`
+  is constructed (the config boundary).
 * The best tree shape depends on how many sequences are decoding (a deep, wide
   tree pays at batch 1 and costs too much verify compute at batch 64), so the
   bandit keeps one independent epsilon-greedy learner per batch-size *bucket*.
@@ -37,32 +37,33 @@ from __future__ import annotations
 import math
 import numbers
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, List, Sequence
 
 import numpy as np
 
 from nemo_tlt.checks import check_int
-from nemo_tlt.speculative.tree_shape import TreeShape
+from nemo_tlt.speculative.tree_shape import TreeShape, parse_arms
 
 _STATE_VERSION = 2  # 1: windows of plain rewards (loaded as earned at batch size 1)
 
 
 @dataclass(frozen=True)
 class BanditConfig:
-    """Arms, batch-size buckets and exploration of a :class:`BegMab`."""
+    """Arms, batch-size buckets and exploration of a :class:`BegMab` (the YAML block
+    ``rollout.bandit``). ``arms`` may be given as fastrl strings (``"4_2_8"``); they are
+    parsed into :class:`TreeShape` values here, once."""
 
-    arms: tuple[TreeShape, ...]
-    bucket_edges: tuple[int, ...]
+    arms: List[Any] = field(default_factory=lambda: ["4_2_8", "6_2_12", "3_1_3"])
+    bucket_edges: List[int] = field(default_factory=lambda: [2, 4])
     epsilon: float = 0.1
     window: int = 32
     min_pulls: int = 1
 
     def __post_init__(self) -> None:
-        # Normalise lists (e.g. from OmegaConf) to tuples so the config stays hashable.
-        object.__setattr__(self, "arms", tuple(self.arms))
+        # Tuples keep the config hashable; strings become TreeShapes at this boundary only.
+        object.__setattr__(self, "arms", parse_arms(self.arms, "BanditConfig"))
         object.__setattr__(self, "bucket_edges", tuple(self.bucket_edges))
-        self._validate_arms()
         self._validate_edges()
         eps = self.epsilon
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 <= eps <= 1.0:
@@ -70,23 +71,6 @@ class BanditConfig:
         object.__setattr__(self, "epsilon", float(eps))
         check_int("BanditConfig.window", self.window, 1)
         check_int("BanditConfig.min_pulls", self.min_pulls, 1, self.window)
-
-    def _validate_arms(self) -> None:
-        if not self.arms:
-            raise ValueError("BanditConfig.arms must hold at least one TreeShape, got none")
-        for i, arm in enumerate(self.arms):
-            if not isinstance(arm, TreeShape):
-                raise ValueError(
-                    f"BanditConfig.arms[{i}] must be a TreeShape, got {arm!r}; "
-                    "use BanditConfig.from_strings for 'depth_topk_numverify' strings"
-                )
-        seen: dict[TreeShape, int] = {}
-        for i, arm in enumerate(self.arms):
-            if arm in seen:
-                raise ValueError(
-                    f"BanditConfig.arms[{i}]={arm.name} duplicates arms[{seen[arm]}]; arms must be unique"
-                )
-            seen[arm] = i
 
     def _validate_edges(self) -> None:
         edges = self.bucket_edges
@@ -122,25 +106,6 @@ class BanditConfig:
         lo = 1 if bucket == 0 else self.bucket_edges[bucket - 1]
         hi = self.bucket_edges[bucket] if bucket < len(self.bucket_edges) else None
         return lo, hi
-
-    @classmethod
-    def from_strings(
-        cls,
-        arms: Sequence[str],
-        bucket_edges: Sequence[int],
-        epsilon: float = 0.1,
-        window: int = 32,
-        min_pulls: int = 1,
-    ) -> "BanditConfig":
-        """Build from fastrl-style arm strings such as ``["8_4_32", "6_2_16"]``."""
-        if isinstance(arms, str):
-            raise ValueError(
-                "BanditConfig.arms: expected a list of 'depth_topk_numverify' strings, "
-                f"got the string {arms!r}"
-            )
-        shapes = tuple(TreeShape.parse(text, field=f"BanditConfig.arms[{i}]") for i, text in enumerate(arms))
-        return cls(arms=shapes, bucket_edges=tuple(bucket_edges), epsilon=epsilon, window=window,
-                   min_pulls=min_pulls)
 
 
 @dataclass(frozen=True)

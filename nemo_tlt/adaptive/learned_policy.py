@@ -33,14 +33,14 @@ Contract
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
 
 from nemo_tlt.adaptive.arm_table import ArmTable
 from nemo_tlt.adaptive.collapse import CollapseGuard
 from nemo_tlt.adaptive.sd_policy import ChoiceTrace, TracedPolicy, check_outcome, check_running
 from nemo_tlt.checks import check_float, check_int
-from nemo_tlt.speculative.tree_shape import TreeShape
+from nemo_tlt.speculative.tree_shape import TreeShape, parse_arms
 
 _STATE_VERSION = 1
 
@@ -49,10 +49,10 @@ _STATE_VERSION = 1
 class LearnedSDConfig:
     """Arms, buckets, exploration and collapse detection of a :class:`LearnedSDPolicy`."""
 
-    arms: tuple[TreeShape, ...]
+    arms: List[Any] = field(default_factory=lambda: ["4_1_4", "6_2_12"])  # "4_2_8" strings parsed here, once
     # Doubling buckets: the right choice changes with the batch size, and within a
     # bucket spanning a factor 2 moving throughputs with one exponent is accurate.
-    bucket_edges: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128)
+    bucket_edges: List[int] = field(default_factory=lambda: [2, 4, 8, 16, 32, 64, 128])
     window: int = 16             # steps per (bucket, arm) the estimate is the median of
     min_pulls: int = 2           # pulls of every arm (plain too) per bucket before exploiting
     probe_shortest: int = 8      # bucket steps before a losing arm is first probed again
@@ -62,19 +62,11 @@ class LearnedSDConfig:
     reprobe_shortest: int = 16   # decode steps before a collapsed drafter is first probed
     reprobe_longest: int = 1024  # the longest a collapsed drafter goes unprobed (decode steps)
     max_sd_running: Optional[int] = None  # optional bound: never speculate above this many rows
-    enabled: bool = True
     record_trace: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "arms", tuple(self.arms))
+        object.__setattr__(self, "arms", parse_arms(self.arms, "LearnedSDConfig"))
         object.__setattr__(self, "bucket_edges", tuple(self.bucket_edges))
-        if not self.arms:
-            raise ValueError("LearnedSDConfig.arms must hold at least one TreeShape, got none")
-        for i, arm in enumerate(self.arms):
-            if not isinstance(arm, TreeShape):
-                raise ValueError(f"LearnedSDConfig.arms[{i}] must be a TreeShape, got {arm!r}")
-            if arm in self.arms[:i]:
-                raise ValueError(f"LearnedSDConfig.arms[{i}]={arm.name} is listed twice; arms must be unique")
         for i, edge in enumerate(self.bucket_edges):
             check_int(f"LearnedSDConfig.bucket_edges[{i}]", edge, 2)
             if i and edge <= self.bucket_edges[i - 1]:
@@ -89,9 +81,8 @@ class LearnedSDConfig:
         check_int("LearnedSDConfig.reprobe_longest", self.reprobe_longest, self.reprobe_shortest)
         if self.max_sd_running is not None:
             check_int("LearnedSDConfig.max_sd_running", self.max_sd_running, 1)
-        for name in ("enabled", "record_trace"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"LearnedSDConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.record_trace, bool):
+            raise ValueError(f"LearnedSDConfig.record_trace must be a bool, got {self.record_trace!r}")
 
 
 class LearnedSDPolicy(TracedPolicy):
@@ -122,7 +113,7 @@ class LearnedSDPolicy(TracedPolicy):
         check_running(num_running)
         self.guard.tick()
         bound = self.config.max_sd_running
-        if not self.config.enabled or (bound is not None and num_running > bound):
+        if bound is not None and num_running > bound:
             arm = 0
         elif self.guard.collapsed:
             arm = self._probe_arm if self.guard.probe_due() else 0

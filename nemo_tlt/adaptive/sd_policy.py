@@ -66,7 +66,6 @@ class SDPolicyConfig:
     plain threshold without hysteresis.
     """
 
-    enabled: bool = True
     threshold_on: int = 32
     threshold_off: int = 48
     record_trace: bool = False
@@ -83,9 +82,8 @@ class SDPolicyConfig:
     def __post_init__(self) -> None:
         if self.reward not in REWARDS:
             raise ValueError(f"SDPolicyConfig.reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
-        for name in ("enabled", "record_trace"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"SDPolicyConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.record_trace, bool):
+            raise ValueError(f"SDPolicyConfig.record_trace must be a bool, got {self.record_trace!r}")
         for name in ("threshold_on", "threshold_off"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -179,8 +177,8 @@ class AdaptiveSDPolicy(TracedPolicy):
             )
         if bandit is not None and fixed_shape is not None:
             raise ValueError("AdaptiveSDPolicy: give either bandit or fixed_shape, not both")
-        if config.enabled and bandit is None and fixed_shape is None:
-            raise ValueError("AdaptiveSDPolicy: SD is enabled but neither bandit nor fixed_shape was given")
+        if bandit is None and fixed_shape is None:
+            raise ValueError("AdaptiveSDPolicy: give a bandit or a fixed_shape (no policy at all means plain decoding)")
         if bandit is not None and not isinstance(bandit, BegMab):
             raise ValueError(f"AdaptiveSDPolicy.bandit must be a BegMab, got {type(bandit).__name__}")
         if fixed_shape is not None and not isinstance(fixed_shape, TreeShape):
@@ -201,21 +199,18 @@ class AdaptiveSDPolicy(TracedPolicy):
 
     def choose(self, num_running: int) -> TreeShape | None:
         check_running(num_running)
-        if not self.config.enabled:
-            shape = None
-        else:
-            if self._sd_on and num_running > self.config.threshold_off:
-                self._sd_on = False
-            elif not self._sd_on and num_running <= self.config.threshold_on:
-                self._sd_on = True
-            shape = self._shape_for(num_running) if self._sd_on else None
+        if self._sd_on and num_running > self.config.threshold_off:
+            self._sd_on = False
+        elif not self._sd_on and num_running <= self.config.threshold_on:
+            self._sd_on = True
+        shape = self._shape_for(num_running) if self._sd_on else None
         self._trace.record(num_running, shape)
         return shape
 
     def _shape_for(self, num_running: int) -> TreeShape:
         if self.bandit is not None:
             return self.bandit.select(num_running)
-        assert self.fixed_shape is not None  # guaranteed by __init__ when enabled
+        assert self.fixed_shape is not None  # guaranteed by __init__
         return self.fixed_shape
 
     def observe(

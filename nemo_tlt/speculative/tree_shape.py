@@ -10,6 +10,7 @@ accepted only at the config boundary, through :meth:`TreeShape.parse`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 
 @dataclass(frozen=True, order=True)
@@ -56,3 +57,31 @@ class TreeShape:
             return cls(*(int(p) for p in parts))
         except ValueError as err:
             raise ValueError(f"{field}: {text!r}: {err}") from None
+
+
+def parse_arms(arms: Sequence[TreeShape | str], owner: str) -> tuple[TreeShape, ...]:
+    """The arms of a shape-choosing policy as TreeShapes: strings in fastrl's form are
+    parsed (the config boundary), TreeShapes (or their {depth, topk, num_verify}
+    mappings) pass through; at least one, no duplicates.
+    Errors name ``<owner>.arms[i]``."""
+    if isinstance(arms, str) or not isinstance(arms, Sequence):
+        raise ValueError(f"{owner}.arms must be a list of 'depth_topk_numverify' tree shapes, got {arms!r}")
+    if not arms:
+        raise ValueError(f"{owner}.arms must list at least one 'depth_topk_numverify' tree shape, got none")
+    shapes: list[TreeShape] = []
+    for i, arm in enumerate(arms):
+        field = f"{owner}.arms[{i}]"
+        if isinstance(arm, TreeShape):
+            shape = arm
+        elif isinstance(arm, Mapping) and set(arm) == {"depth", "topk", "num_verify"}:
+            shape = TreeShape(**arm)  # the structured form a config tree round-trips through
+        elif isinstance(arm, int) and not isinstance(arm, bool):
+            # YAML 1.1 reads 4_2_8 as the integer 428; the shape is gone before we see it.
+            raise ValueError(f"{field}={arm!r}: YAML read an unquoted arm such as 4_2_8 as a number; "
+                             "quote each arm, e.g. arms: ['4_2_8', '6_2_12']")
+        else:
+            shape = TreeShape.parse(arm, field=field)
+        if shape in shapes:
+            raise ValueError(f"{field}={shape.name} duplicates arms[{shapes.index(shape)}]; arms must be unique")
+        shapes.append(shape)
+    return tuple(shapes)

@@ -290,24 +290,24 @@ def test_load_refuses_malformed_state():
 # ---- config validation ----
 
 
-def test_from_strings_builds_config():
-    config = BanditConfig.from_strings(ARM_STRINGS, [8, 32], epsilon=0.2, window=4)
+def test_string_arms_builds_config():
+    config = BanditConfig(ARM_STRINGS, [8, 32], epsilon=0.2, window=4)
     assert config.arms == ARMS
     assert config.bucket_edges == EDGES
     assert config.num_buckets == 3
 
 
 @pytest.mark.parametrize("bad", ["8_4", "a_b_c", "8_4_1000", "0_1_1", "", "8_4_32_1"])
-def test_from_strings_rejects_malformed_arm_naming_its_index(bad):
+def test_string_arms_rejects_malformed_arm_naming_its_index(bad):
     with pytest.raises(ValueError, match=r"BanditConfig\.arms\[1\]") as info:
-        BanditConfig.from_strings(["8_4_32", bad], [8])
+        BanditConfig(["8_4_32", bad], [8])
     if bad:
         assert repr(bad) in str(info.value)
 
 
-def test_from_strings_rejects_a_bare_string():
+def test_string_arms_rejects_a_bare_string():
     with pytest.raises(ValueError, match="BanditConfig.arms"):
-        BanditConfig.from_strings("8_4_32", [8])
+        BanditConfig("8_4_32", [8])
 
 
 @pytest.mark.parametrize(
@@ -324,7 +324,8 @@ def test_bad_bucket_edges_rejected(edges):
     [
         (dict(arms=()), "arms"),
         (dict(arms=(ARMS[0], ARMS[1], ARMS[0])), r"arms\[2\]"),
-        (dict(arms=("8_4_32",)), r"arms\[0\]"),
+        (dict(arms=("8_4",)), r"arms\[0\]"),
+        (dict(arms=(428,)), r"arms\[0\]=428: .*quote each arm"),
         (dict(epsilon=-0.1), "epsilon"),
         (dict(epsilon=1.5), "epsilon"),
         (dict(epsilon=float("nan")), "epsilon"),

@@ -136,11 +136,6 @@ def test_max_sd_running_bounds_speculation():
     assert any(s is not None for r, s in steps if r <= 16)
 
 
-def test_disabled_never_speculates():
-    p = policy(enabled=False)
-    assert all(Sim().step(p, r) is None for r in (1, 2, 64))
-
-
 def test_state_round_trip_through_json_gives_identical_future_choices():
     sim = Sim()
     a = policy()
@@ -184,15 +179,14 @@ def test_observe_refuses_an_unknown_shape_and_bad_outcomes():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"arms": ()}, "arms"),
-    ({"arms": (CHAIN, CHAIN)}, "twice"),
-    ({"arms": ("4_1_4",)}, r"arms\[0\]"),
+    ({"arms": (CHAIN, CHAIN)}, "duplicates"),
+    ({"arms": ("4_1",)}, r"arms\[0\]"),
     ({"bucket_edges": (4, 2)}, "increasing"),
     ({"bucket_edges": (1, 4)}, r"bucket_edges\[0\]"),
     ({"min_pulls": 20}, "min_pulls"),
     ({"probe_longest": 4}, "probe_longest"),
     ({"collapse_accept": 0.5}, "collapse_accept"),
     ({"max_sd_running": 0}, "max_sd_running"),
-    ({"enabled": 1}, "enabled"),
 ])
 def test_config_validation_names_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -239,18 +233,22 @@ def test_a_losing_arm_is_probed_ever_more_rarely():
     assert gaps == sorted(gaps) and gaps[-1] == 64 and len(probes) <= 8
 
 
-def test_rollout_block_builds_the_learned_config_and_validates_its_fields():
+def test_rollout_block_builds_the_learned_policy_and_validates_its_fields():
+    import numpy as np
     from nemo_tlt.config import load_config
-    cfg = load_config(None, ["rollout.sd_policy=learned", "rollout.max_sd_running=12", "rollout.collapse_accept=1.5",
-                             "rollout.arms=['4_1_4','6_2_12']", "rollout.bucket_edges=[2,4,8]"]).rollout
-    learned = cfg.learned_config()
-    assert learned.arms == (CHAIN, TREE) and learned.bucket_edges == (2, 4, 8)
-    assert (learned.max_sd_running, learned.collapse_accept, learned.enabled) == (12, 1.5, True)
+    cfg = load_config(None, ["rollout.sd_policy=learned", "rollout.learned.max_sd_running=12",
+                             "rollout.learned.collapse_accept=1.5", "rollout.learned.arms=['4_1_4','6_2_12']",
+                             "rollout.learned.bucket_edges=[2,4,8]"]).rollout
+    policy = cfg.build_policy(np.random.default_rng(0))
+    assert isinstance(policy, LearnedSDPolicy) and policy.config is cfg.learned
+    assert cfg.learned.arms == (CHAIN, TREE) and cfg.learned.bucket_edges == (2, 4, 8)
+    assert (cfg.learned.max_sd_running, cfg.learned.collapse_accept) == (12, 1.5)
     assert load_config(None, []).rollout.sd_policy == "threshold"
+    assert load_config(None, ["rollout.sd_enabled=false"]).rollout.build_policy(np.random.default_rng(0)) is None
     for bad, match in ((["rollout.sd_policy=always"], "rollout.sd_policy"),
-                       (["rollout.max_sd_running=0"], "rollout.max_sd_running"),
-                       (["rollout.collapse_accept=0.9"], "rollout.collapse_accept"),
-                       (["rollout.bucket_edges=[4,2]"], "rollout.bucket_edges")):
+                       (["rollout.learned.max_sd_running=0"], "rollout.learned.max_sd_running"),
+                       (["rollout.learned.collapse_accept=0.9"], "rollout.learned.collapse_accept"),
+                       (["rollout.learned.bucket_edges=[4,2]"], "rollout.learned.bucket_edges")):
         with pytest.raises(ValueError, match=match):
             load_config(None, bad)
 
