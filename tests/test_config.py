@@ -7,23 +7,24 @@ from pathlib import Path
 import pytest
 
 from nemo_tlt.config import TLTConfig, load_config
-from nemo_tlt.rl.loop import RunSpec, prepare_run_dir
+from nemo_tlt.rl.run import RunSpec, prepare_run_dir
 from nemo_tlt.rl.train_cli import main, parse_argv
 from nemo_tlt.speculative.tree_shape import TreeShape
 
-DEMO = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
+DEMO = Path(__file__).resolve().parents[1] / "conf" / "demo.yaml"
 
 
 def test_demo_yaml_loads_and_overrides_win():
-    cfg = load_config(DEMO, ["grpo.group_size=8", "rollout.arms=['4_2_8']", "run_dir=/x/y"])
+    cfg = load_config(DEMO, ["grpo.group_size=8", "rollout.learned.arms=['4_2_8']", "run_dir=/x/y"])
     assert isinstance(cfg, TLTConfig)
     assert cfg.grpo.group_size == 8 and cfg.run_dir == "/x/y"
-    assert cfg.rollout.shapes == (TreeShape(4, 2, 8),)
+    assert cfg.rollout.learned.arms == (TreeShape(4, 2, 8),)  # parsed once, at the boundary
     assert cfg.workers.num_workers == 2 and cfg.grpo.acceptance == "coupled"
 
 
 def test_resolved_yaml_round_trips(tmp_path):
-    cfg = load_config(DEMO, ["steps=3", "drafter.max_steps_per_idle=5"])
+    cfg = load_config(DEMO, ["steps=3", "drafter.trainer.max_steps_per_round=5",
+                             "rollout.bandit.arms=['8_4_32','2_1_2']", "policy.optim.betas=[0.8,0.9]"])
     saved = tmp_path / "config.yaml"
     saved.write_text(cfg.to_yaml())
     assert load_config(saved) == cfg
@@ -40,8 +41,10 @@ def test_baseline_turns_off_sd_and_drafter_training_only():
     ("grpo.bogus=1", "grpo.bogus"),
     ("nonsense=3", "nonsense"),
     ("steps=abc", "steps"),
-    ("grpo.lr=fast", "grpo.lr"),
-    ("grpo.separate_logprob_pass=maybe", "grpo.separate_logprob_pass"),
+    ("policy.optim.lr=fast", "policy.optim.lr"),
+    ("policy.separate_logprob_pass=maybe", "policy.separate_logprob_pass"),
+    ("grpo.lr=1e-5", "grpo.lr"),  # moved to policy.optim.lr: the old key is refused, not ignored
+    ("rollout.learned.bogus=1", "rollout.learned.bogus"),
 ])
 def test_unknown_keys_and_wrong_types_name_the_key(override, key):
     with pytest.raises(ValueError, match=f"'{key}'"):
@@ -58,24 +61,32 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("grpo.group_size=-4", r"grpo\.group_size must be >= 1"),
     ("grpo.group_size=0", r"grpo\.group_size must be >= 1"),
-    ("rollout.threshold_on=0", r"rollout\.threshold_on must be >= 1"),
-    ("rollout.threshold_on=-3", r"rollout\.threshold_on"),
-    ("rollout.threshold_off=4", r"rollout\.threshold_off=4 must be >= rollout\.threshold_on=\d+"),
+    ("rollout.threshold.threshold_on=0", r"rollout\.threshold\.threshold_on must be an int >= 1"),
+    ("rollout.threshold.threshold_off=4", r"rollout\.threshold\.threshold_off=4 must be >= threshold_on=8"),
+    ("rollout.threshold.reward=tokens", r"rollout\.threshold\.reward must be one of scaled, per_row, throughput"),
+    ("rollout.sd_policy=oracle", r"rollout\.sd_policy must be one of threshold, learned"),
     ("grpo.acceptance=nucleus", r"grpo\.acceptance must be one of \['greedy', 'rejection', 'coupled'\]"),
-    ("grpo.clip_eps=1.5", r"grpo\.clip_eps"),
+    ("policy.clip_eps=1.5", r"policy\.clip_eps"),
+    ("policy.optim.lr=0", r"policy\.optim\.lr must be > 0"),
+    ("policy.tensor_parallel=2", r"policy\.tensor_parallel"),
     ("grpo.temperature=0", r"grpo\.temperature"),
-    ("rollout.arms=['8_4']", r"rollout\.arms\[0\]: malformed tree shape"),
-    ("rollout.arms=[4_2_8]", r"quote each arm"),
-    ("rollout.epsilon=2", r"rollout\.epsilon"),
-    ("rollout.min_pulls=40", r"rollout\.min_pulls=40 must be <= rollout\.window=16"),
-    ("rollout.reward=tokens", r"rollout\.reward must be one of scaled, per_row, throughput"),
+    ("rollout.bandit.arms=['8_4']", r"rollout\.bandit\.arms\[0\]: malformed tree shape"),
+    ("rollout.learned.arms=[4_2_8]", r"rollout\.learned\.arms\[0\]=428: .*quote each arm"),
+    ("rollout.learned.arms=['4_2_8','4_2_8']", r"rollout\.learned\.arms\[1\]=4_2_8 duplicates arms\[0\]"),
+    ("rollout.bandit.epsilon=2", r"rollout\.bandit\.epsilon"),
+    ("rollout.learned.min_pulls=40", r"rollout\.learned\.min_pulls must be in \[1, 16\]"),
+    ("rollout.learned.collapse_accept=0.5", r"rollout\.learned\.collapse_accept must be >= 1"),
     ("drafter.min_idle_workers=3", r"drafter\.min_idle_workers=3 exceeds workers\.num_workers=2"),
+    ("drafter.harvest_from=disk", r"drafter\.harvest_from must be one of rollout, policy"),
+    ("drafter.trainer.lr=0", r"drafter\.trainer\.lr must be > 0"),
     ("workers.num_workers=0", r"workers\.num_workers"),
     ("workers.start_method=thread", r"workers\.start_method"),
-    ("task.name=chess", r"task\.name"),
+    ("task.reward=nowhere", r"task\.reward must be an import path"),
+    ("task.source=csv", r"task\.source must be 'jsonl' or an import path"),
+    ("task.tokenizer=bpe", r"task\.tokenizer must be 'hf' or an import path"),
     ("checkpoint.keep_last=0", r"checkpoint\.keep_last"),
     ("drafter.nice=25", r"drafter\.nice must be in \[0, 19\]"),
-    ("model.target_dir=/somewhere", r"model\.target_dir and model\.drafter_dir"),
+    ("model.target_dir=/somewhere", r"model\.target_dir and drafter_dir must be given together"),
 ])
 def test_bad_values_are_refused_with_the_key(override, message):
     with pytest.raises(ValueError, match=message):

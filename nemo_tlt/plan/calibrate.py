@@ -110,17 +110,21 @@ class StepRecord:
 
 
 def read_layout(run_dir: Path) -> RunLayout:
-    from omegaconf import OmegaConf
+    from nemo_tlt.config import load_config
 
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: expected the resolved config of a `nemo-tlt train` run")
-    cfg = OmegaConf.load(path)
-    workers, prompts, group = int(cfg.workers.num_workers), int(cfg.grpo.prompts_per_step), int(cfg.grpo.group_size)
-    # whole prompt groups per worker, p % workers == rank (as nemo_tlt.rl.loop.shard_prompts)
+    cfg = load_config(path)
+    workers, prompts, group = cfg.workers.num_workers, cfg.grpo.prompts_per_step, cfg.grpo.group_size
+    # whole prompt groups per worker, p % workers == rank (as nemo_tlt.rl.run.shard_prompts)
     rows = tuple(len(range(r, prompts, workers)) * group for r in range(workers))
-    shapes = [TreeShape.parse(str(a), "rollout.arms") for a in cfg.rollout.arms]
-    return RunLayout(rows, int(cfg.rollout.threshold_on), max(shapes, key=lambda s: s.depth))
+    sd = cfg.rollout
+    if sd.sd_policy == "learned":  # it may speculate at any batch size up to its optional bound
+        shapes, threshold = sd.learned.arms, sd.learned.max_sd_running or max(rows)
+    else:
+        shapes, threshold = sd.bandit.arms, sd.threshold.threshold_on
+    return RunLayout(rows, threshold, max(shapes, key=lambda s: s.depth))
 
 
 def worker_lengths(rows: tuple[int, ...], longest: int, plain_steps: int, tokens: int) -> tuple[tuple[int, ...], ...]:

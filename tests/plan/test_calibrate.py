@@ -26,8 +26,9 @@ grpo:
   prompts_per_step: 4
   group_size: 4
 rollout:
-  threshold_on: 16
-  arms: ['4_1_4', '6_2_12']
+  sd_policy: threshold
+  threshold: {threshold_on: 16, threshold_off: 16}
+  bandit: {arms: ['4_1_4', '6_2_12']}
 """
 
 

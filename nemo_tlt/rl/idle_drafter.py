@@ -1,0 +1,93 @@
+"""One rank's drafter side of TLT: the drafter, its harvest buffer and its idle-time trainer.
+
+Contract
+--------
+* The drafter reads the target's embedding, final norm and LM head through a
+  :class:`~nemo_tlt.drafter.target_view.TargetView` that follows every weight sync
+  (``view.update`` on the canonical stream), never through the rollout engine.
+* ``harvest(step, sequences)`` stores (tokens, hidden states) pairs (hidden row t
+  predicts token t+1: ``[len(tokens) - 1, H]``), from whichever forward produced them.
+* ``idle_time(step, coord)`` is called when this rank's rollout share is done: the
+  idle-time protocol (train until the last rank finishes, then meet and average the
+  drafter, weighted by samples trained) runs on a thread of lowered OS priority
+  (``drafter.nice``) so a busy worker's tail rollout never waits for an idle
+  worker's training where they share CPU cores. It is a collective over all ranks.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import torch
+
+from nemo_tlt.drafter.io import load_drafter
+from nemo_tlt.drafter.target_view import TargetView
+from nemo_tlt.rl.records import IdleResult
+from nemo_tlt.spot.config import IdleDrafterConfig
+from nemo_tlt.spot.coordinator import WorkerCoordinator
+from nemo_tlt.spot.harvest import HarvestBuffer, HarvestConfig
+from nemo_tlt.spot.losses import eagle_loss_fn
+from nemo_tlt.spot.trainer import SpotTrainer, train_while_idle
+
+log = logging.getLogger(__name__)
+
+
+class IdleDrafter:
+    def __init__(self, config: IdleDrafterConfig, drafter_dir: str, view: TargetView, rank: int, seed: int) -> None:
+        self.config, self.view = config, view
+        self.drafter = load_drafter(drafter_dir, view)
+        self.buffer = HarvestBuffer(HarvestConfig(view.config.hidden_size, max_bytes=config.harvest_max_mb << 20))
+        self.trainer = SpotTrainer(self.drafter, eagle_loss_fn(view), replace(config.trainer, seed=seed), rank=rank)
+        self._thread = ThreadPoolExecutor(1, "tlt-idle", initializer=_init_idle_thread,
+                                          initargs=(config.nice, torch.get_num_threads()))
+
+    @property
+    def min_length(self) -> int:
+        return self.buffer.config.min_length
+
+    def harvest(self, step: int, tokens: list[int], hidden: torch.Tensor) -> None:
+        if len(tokens) >= self.min_length:
+            self.buffer.add(torch.tensor(tokens), hidden, step)
+
+    def idle_time(self, step: int, coord: WorkerCoordinator) -> IdleResult:
+        report = self._thread.submit(train_while_idle, step, coord, self.trainer, self.buffer).result()
+        rnd = report.round
+        return IdleResult(idle_s=report.idle_seconds, train_s=report.training_seconds, drafter_samples=rnd.samples,
+                          drafter_steps=rnd.optimizer_steps,
+                          drafter_loss=rnd.mean_loss if rnd.micro_steps else None,
+                          stop_latency_s=report.stop_latency_s)
+
+    def restart_buffer(self, next_step: int) -> None:
+        """After a resume: an empty buffer whose first step is ``next_step``."""
+        self.buffer = HarvestBuffer(self.buffer.config, start_step=next_step)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+def _init_idle_thread(nice: int, num_threads: int) -> None:
+    """Make the calling thread yield the CPU to rollout and policy work (Linux: per
+    thread) and keep its math to the worker's thread budget: torch's intra-op thread
+    count is per thread, and a new thread would otherwise use every core, slowing the
+    busy workers it shares them with."""
+    torch.set_num_threads(num_threads)
+    if nice > 0 and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError as err:  # a sandbox may forbid it; training still works, just unprioritised
+            log.warning("drafter.nice=%d could not be applied: %s", nice, err)
+
+
+def idle_without_training(coord: WorkerCoordinator, step: int) -> IdleResult:
+    """The idle window of a rank that does not train the drafter: mark IDLE, meet."""
+    start = coord.timeline[-1].time
+    coord.mark_idle()
+    coord.meet(step)
+    d = coord.durations(start)
+    return IdleResult(idle_s=sum(v for k, v in d.items() if k.value != "busy"))
+
+
+

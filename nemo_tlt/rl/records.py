@@ -1,0 +1,111 @@
+"""Typed per-rank results of one RL step, and the step record rank 0 logs.
+
+``RankStep`` is what every rank sends rank 0 at the end of a step (one gather);
+``step_record`` folds the ranks' results into the JSON record of metrics.jsonl
+(the keys ``nemo_tlt.rl.report`` plots and compares). Pure functions, no I/O.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from nemo_tlt.rl.run import digest
+from nemo_tlt.rollout.protocol import GenerateOutput, Request
+
+UPDATE_SUMS = ("loss", "pg_loss", "kl", "clip_frac", "approx_kl")
+PHASES = ("rollout_s", "logprob_s", "update_s", "weight_sync_s")
+
+
+@dataclass
+class Rollout:
+    """One rank's rollout of one step."""
+
+    ids: list[int]             # sequence ids p * G + g
+    requests: list[Request]
+    out: GenerateOutput
+    segments: list[tuple[float, float, str]]  # (start, end, "plain" | tree) on the coordinator's clock
+    seconds: float
+
+
+@dataclass
+class IdleResult:
+    """One rank's idle window of one step."""
+
+    idle_s: float = 0.0
+    train_s: float = 0.0
+    drafter_samples: int = 0
+    drafter_steps: int = 0
+    drafter_loss: float | None = None
+    stop_latency_s: float | None = None  # preemption requested -> trainer stopped
+    drafter_sync_s: float = 0.0
+
+
+@dataclass
+class RankState:
+    """What a rank must get back to resume exactly (JSON-serialisable)."""
+
+    sd_policy: dict[str, Any] | None = None
+    generator: list[int] | None = None  # the drafter trainer's sampling generator
+
+
+@dataclass
+class RankStep:
+    rank: int
+    ids: list[int]                 # sequence ids of this rank's rollout (p * G + g)
+    tokens: list[list[int]]
+    rewards: list[float]
+    gen_s: float
+    sd_steps: int
+    plain_steps: int
+    accept_lengths: list[int]
+    segments: list[tuple[float, float, str]]  # (start, end, "plain" | tree) on the coordinator's clock
+    idle: IdleResult
+    update: dict[str, float]
+    state: RankState
+    weights: str                   # digest of this rank's synced policy + drafter weights
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], times: dict[str, float],
+                timeline: list[list], t_end: float) -> dict[str, Any]:
+    """The step's JSON record from every rank's result (``times``: phase seconds of rank 0,
+    ``timeline``: [rank, state, t] events on the run's clock)."""
+    rewards, tokens = [0.0] * num_seqs, [[] for _ in range(num_seqs)]
+    for r in ranks:
+        for i, rew, toks in zip(r.ids, r.rewards, r.tokens):
+            rewards[i], tokens[i] = rew, toks
+    lengths = [len(t) for t in tokens]
+    accept = [a for r in ranks for a in r.accept_lengths]
+    losses = [r.idle.drafter_loss for r in ranks if r.idle.drafter_loss is not None]
+    latencies = [r.idle.stop_latency_s for r in ranks if r.idle.stop_latency_s is not None]
+    other = times["step_s"] - sum(times[k] for k in PHASES)
+    return {
+        "step": step, "mode": mode,
+        "reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)),
+        "accuracy": float(np.mean([r == 1.0 for r in rewards])),
+        "resp_len_mean": float(np.mean(lengths)), "resp_len_median": float(np.median(lengths)),
+        "resp_len_max": int(max(lengths)), "tokens": int(sum(lengths)),
+        **times, "other_s": other,
+        "rollout_gen_s": [r.gen_s for r in ranks],
+        "drafter_train_s": float(sum(r.idle.train_s for r in ranks)),
+        "idle_s": float(sum(r.idle.idle_s for r in ranks)),
+        "drafter_sync_s": float(max(r.idle.drafter_sync_s for r in ranks)),
+        "drafter_samples": int(sum(r.idle.drafter_samples for r in ranks)),
+        "drafter_steps": int(sum(r.idle.drafter_steps for r in ranks)),
+        "drafter_loss": float(np.mean(losses)) if losses else None,
+        "preempt_latency_ms": 1000 * max(latencies) if latencies else None,
+        "sd_steps": int(sum(r.sd_steps for r in ranks)),
+        "plain_steps": int(sum(r.plain_steps for r in ranks)),
+        "mean_accept_len": float(np.mean(accept)) if accept else 0.0,
+        **{k: sum(r.update[k] for r in ranks) for k in UPDATE_SUMS},
+        "grad_norm": ranks[0].update["grad_norm"],
+        # data parallelism must keep every rank's policy and drafter bit-identical
+        "replicas_identical": all(r.weights == ranks[0].weights for r in ranks),
+        "rewards": rewards, "rollout_digest": digest(tokens),
+        "timeline": timeline,
+        # per rank, where its rollout decoded plainly or with which tree (run-length)
+        "decode_segments": [[r.rank, round(a, 4), round(b, 4), choice] for r in ranks for a, b, choice in r.segments],
+        "t_end": t_end,
+    }

@@ -1,0 +1,89 @@
+"""Checkpoint and resume of an RL run.
+
+Contract
+--------
+* ``RunState`` is everything a run needs to continue exactly: the synced policy's
+  canonical weights, the policy backend's optimizer state (one, or one per rank when
+  it is sharded over model-parallel ranks), the drafter and its trainer (TLT runs),
+  every rank's private state (SD policy, sampling generator), and the step records
+  logged so far.
+* Rank 0 writes (``save``: snapshot on the caller's thread, atomic write in the
+  background, the newest ``keep_last`` kept: nemo_tlt.spot.checkpoint); every rank
+  reads (``load_latest``). A crash mid-write leaves the previous checkpoint valid.
+* A checkpoint written by another number of workers is refused: its per-rank
+  states (and the prompts each rank owns) would not line up.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from nemo_tlt.rl.records import RankState
+from nemo_tlt.spot.checkpoint import CheckpointManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunState:
+    step: int
+    mode: str
+    world: int
+    policy_weights: Mapping[str, torch.Tensor]
+    policy_states: list[dict]
+    ranks: list[RankState]
+    records: list[dict[str, Any]]
+    drafter_weights: Mapping[str, torch.Tensor] | None = None
+    drafter_trainer: dict | None = None
+
+
+class RunCheckpointer:
+    """Writes (rank 0, ``writer=True``) and reads a run's checkpoints in ``directory``."""
+
+    def __init__(self, directory: str | Path, keep_last: int = 2, writer: bool = False) -> None:
+        self.directory = Path(directory)
+        self._manager = CheckpointManager(self.directory, keep_last=keep_last) if writer else None
+
+    def save(self, state: RunState) -> None:
+        if self._manager is None:
+            raise RuntimeError("RunCheckpointer.save: this rank is not the run's checkpoint writer")
+        tensors = {f"policy/{k}": v for k, v in state.policy_weights.items()}
+        extra: dict[str, Any] = {"policy": state.policy_states}
+        if state.drafter_weights is not None:
+            tensors.update({f"drafter/{k}": v for k, v in state.drafter_weights.items()})
+            extra["drafter_trainer"] = state.drafter_trainer
+        meta = {"step": state.step, "mode": state.mode, "world": state.world,
+                "ranks": [asdict(r) for r in state.ranks], "records": state.records}
+        self._manager.save_async(state.step, tensors, extra, json.loads(json.dumps(meta)))
+
+    def load_latest(self, world: int) -> RunState | None:
+        """The newest valid checkpoint, or None when there is none; refuses another world size."""
+        if self._manager is not None:
+            ck = self._manager.load() if self._manager.latest() is not None else None
+        else:
+            with CheckpointManager(self.directory) as reader:
+                ck = reader.load() if reader.latest() is not None else None
+        if ck is None:
+            return None
+        meta = ck.json_state
+        if meta["world"] != world:
+            raise ValueError(f"resume: {ck.path} was written by {meta['world']} workers; "
+                             f"workers.num_workers={world} cannot continue it exactly")
+
+        def part(prefix: str) -> dict[str, torch.Tensor]:
+            return {k[len(prefix):]: v for k, v in ck.tensors.items() if k.startswith(prefix)}
+
+        drafter = part("drafter/")
+        return RunState(step=ck.step, mode=meta["mode"], world=meta["world"], policy_weights=part("policy/"),
+                        policy_states=ck.extra_state["policy"], ranks=[RankState(**r) for r in meta["ranks"]],
+                        records=list(meta["records"]), drafter_weights=drafter or None,
+                        drafter_trainer=ck.extra_state.get("drafter_trainer"))
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.close()
