@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from nemo_tlt.adaptive.arm_table import ArmTable
 from nemo_tlt.adaptive.collapse import CollapseGuard
-from nemo_tlt.adaptive.sd_policy import ChoiceTrace, TracedPolicy, check_outcome, check_running
+from nemo_tlt.adaptive.sd_policy import check_outcome, check_running
 from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.speculative.tree_shape import TreeShape
 
@@ -94,7 +94,7 @@ class LearnedSDConfig:
                 raise ValueError(f"LearnedSDConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
 
-class LearnedSDPolicy(TracedPolicy):
+class LearnedSDPolicy:
     """Plain or which tree, per step, learned online from step costs (see the module docstring)."""
 
     def __init__(self, config: LearnedSDConfig) -> None:
@@ -111,7 +111,6 @@ class LearnedSDPolicy(TracedPolicy):
         # The drafter probe: the tree that verifies the fewest nodes is the cheapest to lose.
         self._probe_arm = 1 + min(range(len(config.arms)),
                                   key=lambda i: (config.arms[i].num_verify, config.arms[i].depth, i))
-        self._trace = ChoiceTrace(config.record_trace)
 
     @property
     def collapsed(self) -> bool:
@@ -130,9 +129,7 @@ class LearnedSDPolicy(TracedPolicy):
             arm = self._pending
         else:
             arm = self.table.choose(num_running)
-        shape = self._choices[arm]
-        self._trace.record(num_running, shape)
-        return shape
+        return self._choices[arm]
 
     def observe(self, num_running: int, shape: TreeShape | None, tokens_generated: int, elapsed_s: float) -> None:
         check_running(num_running)

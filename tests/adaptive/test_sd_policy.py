@@ -65,7 +65,6 @@ def test_threshold_boundaries_are_inclusive_on_exclusive_off():
 def test_disabled_policy_never_speculates():
     policy = AdaptiveSDPolicy(SDPolicyConfig(enabled=False))
     assert all(policy.choose(n) is None for n in (100, 8, 1))
-    assert policy.step_counts() == {"sd_steps": 0, "plain_steps": 3}
 
 
 @pytest.mark.parametrize("reward, scale", [("throughput", 1.0), ("per_row", 0.5)])
@@ -163,7 +162,6 @@ def test_fixed_policies():
         assert always.choose(n) == SHAPE
         assert never.choose(n) is None
     always.observe(3, SHAPE, 10, 0.1)
-    assert always.step_counts() == {"sd_steps": 3, "plain_steps": 0}
     with pytest.raises(ValueError, match="shape"):
         FixedSDPolicy("6_2_8")  # type: ignore[arg-type]
 
@@ -171,25 +169,6 @@ def test_fixed_policies():
 def test_policies_satisfy_protocol():
     assert isinstance(FixedSDPolicy(None), SpecPolicy)
     assert isinstance(AdaptiveSDPolicy(SDPolicyConfig(), fixed_shape=SHAPE), SpecPolicy)
-
-
-def test_trace_is_recorded_only_when_asked_and_drains():
-    traced_config = SDPolicyConfig(threshold_on=4, threshold_off=4, record_trace=True)
-    traced = AdaptiveSDPolicy(traced_config, fixed_shape=SHAPE)
-    for n in (8, 4, 2):
-        traced.choose(n)
-    assert traced.trace == ((8, None), (4, SHAPE.name), (2, SHAPE.name))
-    assert traced.drain_trace() == [(8, None), (4, SHAPE.name), (2, SHAPE.name)]
-    assert traced.trace == ()
-
-    untraced = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=4, threshold_off=4), fixed_shape=SHAPE)
-    untraced.choose(2)
-    assert untraced.trace == ()
-    assert untraced.step_counts() == {"sd_steps": 1, "plain_steps": 0}
-
-    fixed = FixedSDPolicy(SHAPE, record_trace=True)
-    fixed.choose(5)
-    assert fixed.drain_trace() == [(5, SHAPE.name)]
 
 
 @pytest.mark.parametrize(
