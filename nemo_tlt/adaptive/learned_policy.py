@@ -38,7 +38,7 @@ from typing import Any, List, Optional
 
 from nemo_tlt.adaptive.arm_table import ArmTable
 from nemo_tlt.adaptive.collapse import CollapseGuard
-from nemo_tlt.adaptive.sd_policy import ChoiceTrace, TracedPolicy, check_outcome, check_running
+from nemo_tlt.adaptive.sd_policy import check_outcome, check_running
 from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.speculative.tree_shape import TreeShape, parse_arms
 
@@ -62,7 +62,6 @@ class LearnedSDConfig:
     reprobe_shortest: int = 16   # decode steps before a collapsed drafter is first probed
     reprobe_longest: int = 1024  # the longest a collapsed drafter goes unprobed (decode steps)
     max_sd_running: Optional[int] = None  # optional bound: never speculate above this many rows
-    record_trace: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arms", parse_arms(self.arms, "LearnedSDConfig"))
@@ -81,11 +80,9 @@ class LearnedSDConfig:
         check_int("LearnedSDConfig.reprobe_longest", self.reprobe_longest, self.reprobe_shortest)
         if self.max_sd_running is not None:
             check_int("LearnedSDConfig.max_sd_running", self.max_sd_running, 1)
-        if not isinstance(self.record_trace, bool):
-            raise ValueError(f"LearnedSDConfig.record_trace must be a bool, got {self.record_trace!r}")
 
 
-class LearnedSDPolicy(TracedPolicy):
+class LearnedSDPolicy:
     """Plain or which tree, per step, learned online from step costs (see the module docstring)."""
 
     def __init__(self, config: LearnedSDConfig) -> None:
@@ -102,7 +99,6 @@ class LearnedSDPolicy(TracedPolicy):
         # The drafter probe: the tree that verifies the fewest nodes is the cheapest to lose.
         self._probe_arm = 1 + min(range(len(config.arms)),
                                   key=lambda i: (config.arms[i].num_verify, config.arms[i].depth, i))
-        self._trace = ChoiceTrace(config.record_trace)
 
     @property
     def collapsed(self) -> bool:
@@ -121,9 +117,7 @@ class LearnedSDPolicy(TracedPolicy):
             arm = self._pending
         else:
             arm = self.table.choose(num_running)
-        shape = self._choices[arm]
-        self._trace.record(num_running, shape)
-        return shape
+        return self._choices[arm]
 
     def observe(self, num_running: int, shape: TreeShape | None, tokens_generated: int, elapsed_s: float) -> None:
         check_running(num_running)

@@ -34,7 +34,6 @@ from nemo_tlt.adaptive.bandit import BegMab
 from nemo_tlt.adaptive.step_cost import StepCostFit
 from nemo_tlt.speculative.tree_shape import TreeShape
 
-TraceEntry = tuple[int, str | None]  # (num_running, shape name or None for plain)
 REWARDS = ("scaled", "per_row", "throughput")
 
 
@@ -68,7 +67,6 @@ class SDPolicyConfig:
 
     threshold_on: int = 32
     threshold_off: int = 48
-    record_trace: bool = False
     # The bandit's reward per step: "throughput" is TLT's tokens / second;
     # "per_row" divides it by the running batch size (accepted length per second);
     # "scaled" divides it by running**(1 - b), b the exponent of step time in batch
@@ -82,8 +80,6 @@ class SDPolicyConfig:
     def __post_init__(self) -> None:
         if self.reward not in REWARDS:
             raise ValueError(f"SDPolicyConfig.reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
-        if not isinstance(self.record_trace, bool):
-            raise ValueError(f"SDPolicyConfig.record_trace must be a bool, got {self.record_trace!r}")
         for name in ("threshold_on", "threshold_off"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -112,47 +108,9 @@ def check_outcome(tokens_generated: int, elapsed_s: float) -> None:
         raise ValueError(f"elapsed_s must be a finite number > 0, got {elapsed_s!r}")
 
 
-class ChoiceTrace:
-    """Optional per-step record of (num_running, shape name); kept only when asked."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self._entries: list[TraceEntry] = []
-        self.sd_steps = 0
-        self.plain_steps = 0
-
-    def record(self, num_running: int, shape: TreeShape | None) -> None:
-        if shape is None:
-            self.plain_steps += 1
-        else:
-            self.sd_steps += 1
-        if self.enabled:
-            self._entries.append((int(num_running), None if shape is None else shape.name))
-
-    def drain(self) -> list[TraceEntry]:
-        entries, self._entries = self._entries, []
-        return entries
-
-    @property
-    def entries(self) -> tuple[TraceEntry, ...]:
-        return tuple(self._entries)
-
-
-class TracedPolicy:
-    """The trace accessors both policies share; subclasses set ``self._trace``."""
-
-    _trace: ChoiceTrace
-
-    @property
-    def trace(self) -> tuple[TraceEntry, ...]:
-        return self._trace.entries
-
-    def drain_trace(self) -> list[TraceEntry]:
-        """Return and forget the recorded (num_running, shape name) steps."""
-        return self._trace.drain()
-
-    def step_counts(self) -> dict[str, int]:
-        return {"sd_steps": self._trace.sd_steps, "plain_steps": self._trace.plain_steps}
+class _RunningCountPolicy:
+    """The hooks both policies here share: they decide from the running count alone.
+    What each step ran is recorded by the engine (``GenerationStats.trace``)."""
 
     def drafter_updated(self) -> None:
         """The drafter's weights changed. These policies keep no estimate that depends
@@ -162,7 +120,7 @@ class TracedPolicy:
         """A new rollout starts. These policies decide from the running count alone."""
 
 
-class AdaptiveSDPolicy(TracedPolicy):
+class AdaptiveSDPolicy(_RunningCountPolicy):
     """SD for the long tail, with hysteresis; tree shape from a bandit or fixed."""
 
     def __init__(
@@ -187,7 +145,6 @@ class AdaptiveSDPolicy(TracedPolicy):
         self.bandit = bandit
         self.fixed_shape = fixed_shape
         self._sd_on = False
-        self._trace = ChoiceTrace(config.record_trace)
         self.step_cost = StepCostFit()
         if bandit is not None:  # the bandit ranks reward / running**exponent (see BegMab)
             bandit.set_size_exponent(self._exponent())
@@ -204,7 +161,6 @@ class AdaptiveSDPolicy(TracedPolicy):
         elif not self._sd_on and num_running <= self.config.threshold_on:
             self._sd_on = True
         shape = self._shape_for(num_running) if self._sd_on else None
-        self._trace.record(num_running, shape)
         return shape
 
     def _shape_for(self, num_running: int) -> TreeShape:
@@ -258,20 +214,16 @@ class AdaptiveSDPolicy(TracedPolicy):
         self._sd_on = state["sd_on"]
 
 
-class FixedSDPolicy(TracedPolicy):
+class FixedSDPolicy(_RunningCountPolicy):
     """Always SD with one tree shape, or (shape None) always plain decoding."""
 
-    def __init__(self, shape: TreeShape | None, record_trace: bool = False) -> None:
+    def __init__(self, shape: TreeShape | None) -> None:
         if shape is not None and not isinstance(shape, TreeShape):
             raise ValueError(f"FixedSDPolicy.shape must be a TreeShape or None, got {shape!r}")
-        if not isinstance(record_trace, bool):
-            raise ValueError(f"FixedSDPolicy.record_trace must be a bool, got {record_trace!r}")
         self.shape = shape
-        self._trace = ChoiceTrace(record_trace)
 
     def choose(self, num_running: int) -> TreeShape | None:
         check_running(num_running)
-        self._trace.record(num_running, self.shape)
         return self.shape
 
     def observe(

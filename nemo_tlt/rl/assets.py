@@ -159,8 +159,9 @@ def measure_acceptance(target, drafter, task: TaskConfig, shape: TreeShape, num_
     mean accepted length (tokens per verify step, the engine's definition) and the
     target forwards per generated token."""
     _, reqs = task_requests(task, num_prompts, seed)
-    engine = TorchRolloutEngine(target, drafter, policy=FixedSDPolicy(shape))
-    stats = engine.generate(reqs, SamplingParams(mode="greedy", max_new_tokens=max_new_tokens)).stats
+    engine = TorchRolloutEngine(target, drafter)
+    stats = engine.generate(reqs, SamplingParams(mode="greedy", max_new_tokens=max_new_tokens),
+                            policy=FixedSDPolicy(shape)).stats
     return {"mean_accept_len": float(stats.mean_accept_len),
             "target_fwd_per_token": stats.target_forwards / max(1, stats.tokens_generated)}
 

@@ -1,17 +1,26 @@
 """The `RolloutEngine` protocol and the values that cross it.
 
-The embedded torch engine (``torch_engine.py``) is the only implementation so far.
-The protocol is the surface a second backend (a TensorRT-LLM engine is planned)
-must offer: the same requests in, the same results and stats out.
+`RolloutEngine` is the whole surface an RL loop uses from a rollout engine: the
+served model's shape, policy-weight refit, drafter swap, and `generate`. The
+embedded torch engine (``torch_engine.py``) is the default and the oracle; every
+engine passes the same conformance suite (``tests/conformance``).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from nemo_tlt.adaptive.sd_policy import SpecPolicy
+from nemo_tlt.drafter.base import Drafter
+from nemo_tlt.model.config import LMConfig
 from nemo_tlt.speculative.sampling import SamplingParams
+
+# Canonical (HF Llama / Qwen2-named) policy weights: a whole mapping, or a stream of
+# (name, tensor) pairs consumed once (a Megatron gather streams layer by layer).
+PolicyWeights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -32,8 +41,10 @@ class RequestResult:
 
 @dataclass
 class StepTrace:
+    """What one decode step ran: the one per-step record (policies keep none)."""
+
     running: int
-    shape: str | None          # tree shape name, None for a plain step
+    shape: str | None          # tree shape name that ran, None for a plain step
     tokens: int                # tokens emitted in this step (all rows)
     mean_accept: float         # tokens per row in this step
     seconds: float
@@ -98,10 +109,56 @@ class GenerateOutput:
     stats: GenerationStats
 
 
+@runtime_checkable
 class RolloutEngine(Protocol):
-    def load_policy_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
+    """A rollout engine serving one target model, optionally with a drafter.
 
-    def load_drafter(self, drafter: Any) -> None: ...
+    Contracts every implementation keeps (checked by ``tests/conformance``):
 
-    def generate(self, requests: list[Request], sampling: SamplingParams,
-                 return_hidden: bool = False) -> GenerateOutput: ...
+    * Lossless: greedy output with any SD policy is token-identical to plain greedy;
+      ``coupled`` output is identical to plain ``coupled`` for the same seed and
+      ``Request.seq_id``, whatever the tree shapes and the batch composition;
+      ``rejection`` samples exactly the plain sampling distribution.
+    * Calls do not leak into each other: the output of `generate` depends only on its
+      arguments, the loaded policy weights and (for speed, never for tokens) the drafter.
+    * Errors are ``ValueError`` naming the field or tensor at fault, raised before any
+      state changes unless stated otherwise.
+    """
+
+    @property
+    def model_config(self) -> LMConfig:
+        """The served model's architecture (vocab_size, hidden_size, context, eos...)."""
+        ...
+
+    def load_policy_weights(self, weights: PolicyWeights) -> None:
+        """Replace the served model's weights with canonical (HF-named) full tensors.
+
+        ``weights`` is a mapping or an iterable of (name, tensor) pairs consumed once,
+        in any order. Strict: an unknown name, a name given twice or a wrong shape is a
+        ValueError naming the tensor as soon as it arrives; a name never given is a
+        ValueError naming it when the stream ends. After a failed load `generate`
+        refuses to run (ValueError) until a complete load succeeds: a half-loaded
+        model is never served.
+        """
+        ...
+
+    def load_drafter(self, drafter: Drafter | None) -> None:
+        """Install the drafter the next `generate` calls draft with; None removes it.
+        A drafter built for another target is refused with a ValueError."""
+        ...
+
+    def generate(self, requests: list[Request], sampling: SamplingParams, *,
+                 policy: SpecPolicy | None = None, return_hidden: bool = False) -> GenerateOutput:
+        """Decode every request to EOS (when ``sampling.stop_on_eos``; included as the last
+        token, stop_reason "eos") or ``sampling.max_new_tokens`` (stop_reason "length").
+
+        ``policy`` decides each decode step (``begin_rollout`` once, then ``choose`` /
+        ``observe`` per step); None decodes plainly. A policy that asks for a tree while
+        no drafter is loaded is a ValueError. Results come in request order; with
+        ``return_hidden`` each carries the target's final hidden states
+        [prompt_len + len(tokens) - 1, hidden_size] (the state at t predicts token t+1).
+        Bad input (no requests, an empty prompt, a token id outside the vocabulary, a
+        prompt plus max_new_tokens beyond the context, sampling that is not a valid
+        SamplingParams) is a ValueError naming the field, raised before any decoding.
+        """
+        ...

@@ -20,27 +20,29 @@ yet fed to the target) and features[b, :L].
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
+from nemo_tlt.adaptive.sd_policy import SpecPolicy
 from nemo_tlt.drafter.base import DraftContext, Drafter, DraftState
-from nemo_tlt.drafter.io import load_drafter
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.hf_io import load_hf_folder
 from nemo_tlt.model.kv_cache import KVCache, fill_holes_order, grow_slots, keep_rows
 from nemo_tlt.model.layers import padded_causal_mask
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout.prefill import prefill_chunks
-from nemo_tlt.rollout.protocol import (GenerateOutput, GenerationStats, Request, RequestResult, StepTrace)
+from nemo_tlt.rollout.protocol import (GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult,
+                                       StepTrace)
 from nemo_tlt.speculative.acceptance import accept_greedy, accept_rejection
 from nemo_tlt.speculative.sampling import (SamplingParams, coupled_draw, coupled_noise_table, draw,
                                            process_logits)
 from nemo_tlt.speculative.tree import block_tokens, tree_block_mask, tree_block_positions
 from nemo_tlt.speculative.tree_shape import TreeShape
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,9 +89,16 @@ class _Batch:
 
 
 class TorchRolloutEngine:
-    def __init__(self, target: DecoderLM, drafter: Drafter | None = None, policy=None,
-                 max_tree_nodes: int = 256, prefill_overhead_tokens: int = 64,
-                 initial_slots: int | None = 128) -> None:
+    """Implements `RolloutEngine` over a `DecoderLM` held in this process.
+
+    ``drafter`` is a shortcut for `load_drafter`. ``max_tree_nodes`` bounds the cache
+    slots reserved for a draft tree, ``prefill_overhead_tokens`` prices one more
+    prefill forward (see prefill_chunks) and ``initial_slots`` is how many cache slots
+    per row are allocated past the longest prompt at first (None: room for
+    max_new_tokens up front); none of them changes a token generated."""
+
+    def __init__(self, target: DecoderLM, drafter: Drafter | None = None, *, max_tree_nodes: int = 256,
+                 prefill_overhead_tokens: int = 64, initial_slots: int | None = 128) -> None:
         if max_tree_nodes < 1:
             raise ValueError(f"TorchRolloutEngine.max_tree_nodes must be >= 1, got {max_tree_nodes}")
         if prefill_overhead_tokens < 0:
@@ -99,19 +108,46 @@ class TorchRolloutEngine:
             raise ValueError(f"TorchRolloutEngine.initial_slots must be >= 1 or None, got {initial_slots}")
         self.target = target.eval()
         self.max_tree_nodes = max_tree_nodes
-        # Cache slots per row allocated past the longest prompt at first; the buffers
-        # double when a row needs more. None: room for max_new_tokens up front.
         self.initial_slots = initial_slots
-        # What one more prefill forward costs, in padded prompt tokens (see prefill_chunks).
         self.prefill_overhead_tokens = prefill_overhead_tokens
         self.drafter: Drafter | None = None
-        self.policy = policy
-        if drafter is not None:
-            self.load_drafter(drafter)
+        self._failed_load: str | None = None  # why the last weight load left the model half-written
+        self.load_drafter(drafter)
+
+    @classmethod
+    def from_hf_folder(cls, path: str | os.PathLike, drafter: Drafter | None = None,
+                       **kwargs: Any) -> "TorchRolloutEngine":
+        """An engine serving the HF-format model folder at `path` (see nemo_tlt.model.hf_io)."""
+        return cls(load_hf_folder(path), drafter, **kwargs)
 
     # ---- RolloutEngine protocol -------------------------------------------
-    def load_policy_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.target.load_state_dict(state_dict, strict=True)
+    @property
+    def model_config(self) -> LMConfig:
+        return self.target.config
+
+    @torch.no_grad()
+    def load_policy_weights(self, weights: PolicyWeights) -> None:
+        """See `RolloutEngine.load_policy_weights`. Tensors are copied into the model's
+        parameters as they arrive (cast to the model's dtype), so a stream is never held
+        whole; a stream that fails after a copy marks the model unservable instead."""
+        params = self.target.state_dict()  # canonical name -> tensor sharing the parameter's storage
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
+        seen: set[str] = set()
+        try:
+            for i, item in enumerate(pairs):
+                name, tensor = _weight_pair(i, item)
+                _check_weight(name, tensor, params, seen)
+                params[name].copy_(tensor)
+                seen.add(name)
+            missing = [name for name in params if name not in seen]
+            if missing:
+                raise ValueError(f"load_policy_weights: tensor {missing[0]!r} was not given ({len(missing)} of "
+                                 f"{len(params)} canonical tensors missing)")
+        except BaseException as err:  # re-raised: only the model's state is recorded
+            if seen:  # a tensor was written: the model is half-written (else it is as it was)
+                self._failed_load = f"{len(seen)} of {len(params)} tensors written before: {err}"
+            raise
+        self._failed_load = None
 
     def load_drafter(self, drafter: Drafter | None) -> None:
         """Install a drafter (None: plain decoding only). A drafter built for another
@@ -121,24 +157,10 @@ class TorchRolloutEngine:
             drafter.eval()
         self.drafter = drafter
 
-    def load_drafter_checkpoint(self, path: str | os.PathLike) -> bool:
-        """Load a saved drafter folder. One that does not fit the target (or cannot be
-        read) is refused with a logged error and the engine falls back to plain
-        decoding, which is still lossless: a bad drafter must not crash a run."""
-        try:
-            self.load_drafter(load_drafter(path, self.target))
-            return True
-        except (ValueError, FileNotFoundError, OSError) as err:
-            log.error("drafter checkpoint %s refused (%s); falling back to plain decoding", path, err)
-            self.drafter = None
-            return False
-
     @torch.no_grad()
-    def generate(self, requests: list[Request], sampling: SamplingParams, return_hidden: bool = False,
-                 policy=None) -> GenerateOutput:
-        """Decode `requests`; `policy` (a SpecPolicy: choose/observe) overrides the
-        engine's. Without a drafter every step is plain."""
-        policy = policy if policy is not None else self.policy
+    def generate(self, requests: list[Request], sampling: SamplingParams, *, policy: SpecPolicy | None = None,
+                 return_hidden: bool = False) -> GenerateOutput:
+        """See `RolloutEngine.generate`."""
         self._validate(requests, sampling)
         stats = GenerationStats()
         t_start = time.perf_counter()
@@ -151,7 +173,7 @@ class TorchRolloutEngine:
         self._retire(batch, sampling, results, return_hidden)
         while batch.rows.numel():
             running = batch.rows.numel()
-            shape = policy.choose(running) if policy is not None and self.drafter is not None else None
+            shape = self._choose(policy, running)
             longest = int(batch.lengths.max())
             if shape is not None and not self._tree_fits(longest, batch, shape):
                 shape = None  # a tree would run past the context or the cache: finish plainly
@@ -173,21 +195,34 @@ class TorchRolloutEngine:
         stats.time_other_s = stats.wall_s - stats.time_draft_s - stats.time_verify_s - stats.time_plain_s
         return GenerateOutput([r for r in results if r is not None], stats)
 
+    def _choose(self, policy: SpecPolicy | None, running: int) -> TreeShape | None:
+        shape = policy.choose(running) if policy is not None else None
+        if shape is not None and self.drafter is None:
+            raise ValueError(f"generate: the policy chose tree shape {shape.name} but no drafter is loaded "
+                             "(load_drafter(...) first, or pass policy=None for plain decoding)")
+        return shape
+
     # ---- validation ---------------------------------------------------------
     def _validate(self, requests: list[Request], sampling: SamplingParams) -> None:
-        if not requests:
-            raise ValueError("generate: requests is empty")
+        if self._failed_load is not None:
+            raise ValueError(f"generate: the last load_policy_weights failed midway ({self._failed_load}); "
+                             "the model is half-written: load complete weights first")
+        _check_sampling(sampling)
+        if not isinstance(requests, list) or not requests:
+            raise ValueError("generate: requests is empty or not a list; give at least one Request")
         ctx = self.target.config.max_position_embeddings
         vocab = self.target.config.vocab_size
         for i, req in enumerate(requests):
+            if not isinstance(req, Request):
+                raise ValueError(f"requests[{i}] must be a Request, got {type(req).__name__}")
             if len(req.prompt) == 0:
                 raise ValueError(f"requests[{i}].prompt is empty; a prompt needs at least one token")
             if len(req.prompt) + sampling.max_new_tokens > ctx:
                 raise ValueError(
-                    f"requests[{i}].prompt has {len(req.prompt)} tokens; with max_new_tokens="
+                    f"requests[{i}].prompt has {len(req.prompt)} tokens; with sampling.max_new_tokens="
                     f"{sampling.max_new_tokens} it exceeds the context of {ctx} (max_position_embeddings)")
             if min(req.prompt) < 0 or max(req.prompt) >= vocab:
-                raise ValueError(f"requests[{i}].prompt has token ids outside [0, {vocab})")
+                raise ValueError(f"requests[{i}].prompt has token ids outside [0, {vocab}) (vocab_size)")
 
     @staticmethod
     def _tree_slots(shape: TreeShape) -> int:
@@ -324,3 +359,40 @@ class TorchRolloutEngine:
             results[int(batch.rows[b])] = RequestResult(batch.tokens[b, P: P + G].tolist(),
                                                         "eos" if bool(hit_eos[b]) else "length", hidden)
         batch.select(fill_holes_order(~done))
+
+
+def _check_sampling(sampling: SamplingParams) -> None:
+    """SamplingParams validates its values at construction; its integer fields are
+    checked for type here, and it is validated again, so a value set after
+    construction (object.__setattr__ on the frozen dataclass) is refused too."""
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"generate: sampling must be a SamplingParams, got {type(sampling).__name__}")
+    for name in ("max_new_tokens", "top_k", "seed"):
+        value = getattr(sampling, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"SamplingParams.{name} must be an int, got {value!r}")
+    if not isinstance(sampling.stop_on_eos, bool):
+        raise ValueError(f"SamplingParams.stop_on_eos must be a bool, got {sampling.stop_on_eos!r}")
+    replace(sampling)  # runs SamplingParams.__post_init__ again
+
+
+def _weight_pair(i: int, item: Any) -> tuple[str, torch.Tensor]:
+    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+        raise ValueError(f"load_policy_weights: item {i} of the stream must be a (name, tensor) pair, "
+                         f"got {type(item).__name__}")
+    if not isinstance(item[1], torch.Tensor):
+        raise ValueError(f"load_policy_weights: tensor {item[0]!r} must be a torch.Tensor, "
+                         f"got {type(item[1]).__name__}")
+    return item
+
+
+def _check_weight(name: str, tensor: torch.Tensor, params: Mapping[str, torch.Tensor], seen: set[str]) -> None:
+    if name not in params:
+        hint = " (the model ties lm_head to model.embed_tokens)" if name == "lm_head.weight" else ""
+        raise ValueError(f"load_policy_weights: unknown tensor {name!r}: not a canonical name of this "
+                         f"model{hint}")
+    if name in seen:
+        raise ValueError(f"load_policy_weights: tensor {name!r} was given twice")
+    if tuple(tensor.shape) != tuple(params[name].shape):
+        raise ValueError(f"load_policy_weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                         f"the model expects {tuple(params[name].shape)}")

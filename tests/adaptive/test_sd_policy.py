@@ -157,7 +157,6 @@ def test_fixed_policies():
         assert always.choose(n) == SHAPE
         assert never.choose(n) is None
     always.observe(3, SHAPE, 10, 0.1)
-    assert always.step_counts() == {"sd_steps": 3, "plain_steps": 0}
     with pytest.raises(ValueError, match="shape"):
         FixedSDPolicy("6_2_8")  # type: ignore[arg-type]
 
@@ -167,32 +166,12 @@ def test_policies_satisfy_protocol():
     assert isinstance(AdaptiveSDPolicy(SDPolicyConfig(), fixed_shape=SHAPE), SpecPolicy)
 
 
-def test_trace_is_recorded_only_when_asked_and_drains():
-    traced_config = SDPolicyConfig(threshold_on=4, threshold_off=4, record_trace=True)
-    traced = AdaptiveSDPolicy(traced_config, fixed_shape=SHAPE)
-    for n in (8, 4, 2):
-        traced.choose(n)
-    assert traced.trace == ((8, None), (4, SHAPE.name), (2, SHAPE.name))
-    assert traced.drain_trace() == [(8, None), (4, SHAPE.name), (2, SHAPE.name)]
-    assert traced.trace == ()
-
-    untraced = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=4, threshold_off=4), fixed_shape=SHAPE)
-    untraced.choose(2)
-    assert untraced.trace == ()
-    assert untraced.step_counts() == {"sd_steps": 1, "plain_steps": 0}
-
-    fixed = FixedSDPolicy(SHAPE, record_trace=True)
-    fixed.choose(5)
-    assert fixed.drain_trace() == [(5, SHAPE.name)]
-
-
 @pytest.mark.parametrize(
     "kwargs, match",
     [
         (dict(threshold_on=0), "threshold_on"),
         (dict(threshold_on=32, threshold_off=16), "threshold_off"),
         (dict(threshold_off=2.5), "threshold_off"),
-        (dict(record_trace="yes"), "record_trace"),
         (dict(reward="tokens"), "reward"),
     ],
 )

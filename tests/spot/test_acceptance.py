@@ -45,8 +45,8 @@ def _harvest(target: DecoderLM, seed: int) -> HarvestBuffer:
 
 def _mean_accept(target: DecoderLM, drafter: EagleDrafter) -> float:
     sp = SamplingParams(mode="greedy", max_new_tokens=24, seed=0, stop_on_eos=False)
-    engine = TorchRolloutEngine(target, drafter, FixedSDPolicy(TreeShape(3, 2, 6)))
-    return engine.generate(_requests(8, 99), sp).stats.mean_accept_len
+    engine = TorchRolloutEngine(target, drafter)
+    return engine.generate(_requests(8, 99), sp, policy=FixedSDPolicy(TreeShape(3, 2, 6))).stats.mean_accept_len
 
 
 def _idle_coordinator() -> WorkerCoordinator:

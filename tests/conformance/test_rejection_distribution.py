@@ -3,8 +3,8 @@
 A tiny-vocabulary target's joint distribution of the first three sampled tokens
 is computed exactly by enumeration; 12k SD rollouts are compared with it by a
 chi-square goodness-of-fit test, with a good (oracle) and a bad (adversarial)
-drafter. A deliberately broken acceptance rule (no residual update after a
-rejection) must be detected, which shows the test has teeth.
+drafter. A deliberately broken acceptance rule in the torch engine (no residual
+update after a rejection) must be detected, which shows the test has teeth.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from scipy.stats import chisquare
 
 import nemo_tlt.rollout.torch_engine as engine_mod
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
-from nemo_tlt.rollout.protocol import Request
+from nemo_tlt.model.hf_io import save_hf_folder
+from nemo_tlt.rollout.protocol import Request, RolloutEngine
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.acceptance import accept_rejection
 from nemo_tlt.speculative.sampling import SamplingParams, process_logits
@@ -40,10 +41,11 @@ def exact_joint(target) -> dict[tuple[int, ...], float]:
     return {s: float(p) for s, p in zip(seqs, picked)}
 
 
-def chi2_pvalue(target, drafter, shape) -> float:
+def chi2_pvalue(engine: RolloutEngine, target, drafter, shape) -> float:
     joint = exact_joint(target)
-    engine = TorchRolloutEngine(target, drafter, FixedSDPolicy(shape) if drafter else None, max_tree_nodes=16)
-    out = engine.generate([Request(PROMPT, seq_id=i) for i in range(N)], SAMPLING)
+    engine.load_drafter(drafter)
+    out = engine.generate([Request(PROMPT, seq_id=i) for i in range(N)], SAMPLING,
+                          policy=FixedSDPolicy(shape) if drafter else None)
     counts: dict[tuple[int, ...], int] = {}
     for r in out.results:
         counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
@@ -70,17 +72,25 @@ def small_target():
                        num_heads=2, num_kv_heads=1, bos_token_id=0, eos_token_id=1, pad_token_id=0)
 
 
-def test_plain_sampling_matches_exact(small_target):
-    assert chi2_pvalue(small_target, None, None) > 1e-3
+@pytest.fixture(scope="module")
+def small_dir(small_target, tmp_path_factory):
+    return save_hf_folder(small_target, tmp_path_factory.mktemp("rejection") / "target")
+
+
+def test_plain_sampling_matches_exact(make_engine, small_dir, small_target):
+    assert chi2_pvalue(make_engine(small_dir), small_target, None, None) > 1e-3
 
 
 @pytest.mark.parametrize("adversarial", [False, True], ids=["good_drafter", "bad_drafter"])
-def test_rejection_sd_matches_exact(small_target, adversarial):
-    assert chi2_pvalue(small_target, OracleDrafter(adversarial), TreeShape(2, 2, 4)) > 1e-3
+def test_rejection_sd_matches_exact(make_engine, small_dir, small_target, adversarial):
+    shape = TreeShape(2, 2, 4)
+    assert chi2_pvalue(make_engine(small_dir), small_target, OracleDrafter(adversarial), shape) > 1e-3
 
 
 @pytest.mark.parametrize("adversarial", [False, True], ids=["good_drafter", "bad_drafter"])
-def test_broken_rule_is_detected(small_target, monkeypatch, adversarial):
+def test_broken_rule_is_detected(small_dir, small_target, monkeypatch, adversarial):
+    """The test's power, shown on the torch engine (whose acceptance rule can be broken)."""
     broken = functools.partial(accept_rejection, residual_update=lambda r, tok: r)
     monkeypatch.setattr(engine_mod, "accept_rejection", broken)
-    assert chi2_pvalue(small_target, OracleDrafter(adversarial), TreeShape(2, 2, 4)) < 1e-6
+    engine = TorchRolloutEngine.from_hf_folder(small_dir)
+    assert chi2_pvalue(engine, small_target, OracleDrafter(adversarial), TreeShape(2, 2, 4)) < 1e-6

@@ -1,0 +1,75 @@
+"""Stop conditions and hidden states: EOS ends a row (kept as its last token),
+max_new_tokens ends the rest; returned hidden states are the target's own."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
+from nemo_tlt.speculative.sampling import SamplingParams
+from nemo_tlt.speculative.tree_shape import TreeShape
+from suite_helpers import make_drafter, requests, tokens
+
+POLICIES = [None, FixedSDPolicy(TreeShape(3, 2, 5)), FixedSDPolicy(TreeShape(4, 1, 4))]
+POLICY_IDS = ["plain", "tree_3_2_5", "chain_4"]
+
+
+@pytest.fixture(scope="module")
+def engine(make_engine, model_dir):
+    engine = make_engine(model_dir)
+    engine.load_drafter(make_drafter("oracle", engine.model_config))
+    return engine
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+def test_eos_and_length_stop_rows_of_one_batch(engine, policy):
+    eos = engine.model_config.eos_token_id
+    reqs = requests([3, 5, 2, 4] * 4, seed=2)
+    sp = SamplingParams(mode="coupled", temperature=1.5, max_new_tokens=30, seed=3)
+    out = engine.generate(reqs, sp, policy=policy)
+    assert len(out.results) == len(reqs)
+    for res in out.results:
+        if res.stop_reason == "eos":
+            assert res.tokens[-1] == eos and eos not in res.tokens[:-1] and len(res.tokens) <= 30
+        else:
+            assert res.stop_reason == "length" and len(res.tokens) == 30 and eos not in res.tokens
+    eos_lengths = {len(r.tokens) for r in out.results if r.stop_reason == "eos"}
+    assert len(eos_lengths) >= 2 and any(r.stop_reason == "length" for r in out.results), eos_lengths
+    # each row is the one the request gives alone: rows of other lengths do not disturb it
+    for i in (0, 5, 10):
+        assert tokens(engine.generate([reqs[i]], sp, policy=policy)) == [out.results[i].tokens]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+def test_without_stop_on_eos_every_row_runs_to_max_new_tokens(engine, policy):
+    reqs = requests([3, 5, 2, 4] * 4, seed=2)
+    sp = SamplingParams(mode="coupled", temperature=1.5, max_new_tokens=30, seed=3, stop_on_eos=False)
+    out = engine.generate(reqs, sp, policy=policy)
+    assert all(r.stop_reason == "length" and len(r.tokens) == 30 for r in out.results)
+    assert any(engine.model_config.eos_token_id in r.tokens for r in out.results), "EOS should be sampled"
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled"])
+@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+def test_hidden_states_are_the_targets_own(engine, reference, mode, policy):
+    reqs = requests([4, 1, 7, 3], seed=6)
+    sp = SamplingParams(mode=mode, temperature=1.2, max_new_tokens=20, seed=5)
+    out = engine.generate(reqs, sp, policy=policy, return_hidden=True)
+    if policy is not None:
+        assert out.stats.sd_steps > 0
+    for r, res in zip(reqs, out.results):
+        seq = torch.tensor([list(r.prompt) + res.tokens])
+        with torch.no_grad():
+            expected = reference.hidden(seq)[0, :-1]
+        assert res.hidden_states.shape == (len(r.prompt) + len(res.tokens) - 1, engine.model_config.hidden_size)
+        torch.testing.assert_close(res.hidden_states, expected, atol=1e-4, rtol=1e-4)
+    assert all(r.hidden_states is None for r in engine.generate(reqs, sp, policy=policy).results)
+
+
+def test_plain_greedy_is_the_targets_argmax(engine, reference):
+    reqs = requests([4, 1, 7], seed=0)
+    out = engine.generate(reqs, SamplingParams(max_new_tokens=12, stop_on_eos=False))
+    for r, res in zip(reqs, out.results):
+        with torch.no_grad():
+            logits = reference(torch.tensor([list(r.prompt) + res.tokens]))[0]
+        assert logits[len(r.prompt) - 1: -1].argmax(-1).tolist() == res.tokens
