@@ -65,7 +65,7 @@ class RLWorker:
         check_vocab(self.task.tokenizer, model_config.vocab_size, spec.target_dir)
         self.policy = build_policy_backend(cfg.policy, canonical, model_config,
                                            temperature=cfg.grpo.temperature, seed=cfg.seed)
-        self.engine = TorchRolloutEngine(load_hf_folder(spec.target_dir))
+        self.engine = TorchRolloutEngine.from_hf_folder(spec.target_dir)
         self.sd_policy = self.drafter = None
         if spec.tlt:
             self.sd_policy = cfg.rollout.build_policy(np.random.default_rng([cfg.seed, comm.rank, 0xB4]))
