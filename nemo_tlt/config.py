@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from nemo_tlt.adaptive.learned_policy import LearnedSDConfig
 from nemo_tlt.adaptive.sd_policy import REWARDS
 from nemo_tlt.checks import check_float, check_int
-from nemo_tlt.rl.tasks import TASK_NAMES, TaskConfig
+from nemo_tlt.demo.tasks import TASK_NAMES, TaskConfig
 from nemo_tlt.speculative.sampling import MODES
 from nemo_tlt.speculative.tree_shape import TreeShape
 

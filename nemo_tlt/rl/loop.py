@@ -52,9 +52,9 @@ from nemo_tlt.rl.decode_segments import decode_segments
 from nemo_tlt.rl.grpo import group_advantages
 from nemo_tlt.rl.policy import PolicyConfig, PolicyTrainer
 from nemo_tlt.rl.report import MetricsWriter
-from nemo_tlt.rl.rewards import reward
-from nemo_tlt.rl.tasks import Problem, make_problems
-from nemo_tlt.rl.tokenizer import CharTokenizer
+from nemo_tlt.demo.rewards import reward
+from nemo_tlt.demo.tasks import Problem, make_problems
+from nemo_tlt.demo.tokenizer import CharTokenizer
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams

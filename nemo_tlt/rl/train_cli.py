@@ -4,7 +4,7 @@
   the ``key=value`` overrides; an unknown key or a wrong type is refused naming the
   key. The resolved config is printed and saved as ``<run_dir>/config.yaml``.
 * Without ``model.target_dir`` the demo assets are used: the SFT warm start and the
-  EAGLE drafter shipped with the package (``nemo_tlt.rl.assets.prepare_assets``;
+  EAGLE drafter shipped with the package (``nemo_tlt.demo.assets.prepare_assets``;
   trained once and cached where the configuration differs from the shipped one).
 * A single run writes ``<run_dir>/<mode>/`` (metrics.jsonl, tb/, checkpoints/,
   summary.json), with mode ``tlt`` or ``baseline`` (SD and idle-time drafter
@@ -110,7 +110,7 @@ def resolve_models(config: TLTConfig) -> tuple[str, str]:
     """(target_dir, drafter_dir): the configured folders, or the cached demo assets."""
     if config.model.target_dir is not None:
         return config.model.target_dir, config.model.drafter_dir
-    from nemo_tlt.rl.assets import AssetConfig, prepare_assets  # shipped, or trained once and cached
+    from nemo_tlt.demo.assets import AssetConfig, prepare_assets  # shipped, or trained once and cached
 
     assets_config = AssetConfig()
     if config.task.to_task_config() != assets_config.task:

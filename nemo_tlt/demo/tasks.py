@@ -21,7 +21,7 @@ Tasks (prompt -> solution; the answer follows the single '#'):
   each insertion: ``"sort:3,1,2="`` -> ``"3;1,3;1,2,3#1,2,3"``.
 
 Every generator takes a ``numpy.random.Generator``; nothing reads the global RNG.
-Every character used is in :data:`nemo_tlt.rl.tokenizer.ALPHABET`.
+Every character used is in :data:`nemo_tlt.demo.tokenizer.ALPHABET`.
 """
 from __future__ import annotations
 

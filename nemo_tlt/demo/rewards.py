@@ -12,14 +12,14 @@ defaults to 0.0, which makes the reward strictly binary; a small positive value
 (e.g. 0.1) rewards a model for learning to terminate its trace properly.
 
 The response is the generated text after the prompt, as decoded by
-:class:`nemo_tlt.rl.tokenizer.CharTokenizer` (EOS renders as nothing). Trailing
+:class:`nemo_tlt.demo.tokenizer.CharTokenizer` (EOS renders as nothing). Trailing
 whitespace is ignored; nothing else is forgiven.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from nemo_tlt.rl.tasks import Problem
+from nemo_tlt.demo.tasks import Problem
 
 _ANSWER_CHARS = frozenset("0123456789,")
 
