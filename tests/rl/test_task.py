@@ -200,6 +200,13 @@ def test_task_config_is_an_omegaconf_structured_config(tmp_path):
     assert type(cfg.options) is dict and cfg.reward_options == {"bonus": 0.1}
 
 
+def test_task_config_keeps_its_own_copy_of_the_options():
+    options, reward_options = {"path": "a.jsonl"}, {"bonus": 0.1}
+    cfg = TaskConfig(source="jsonl", options=options, reward_options=reward_options)
+    options["path"], reward_options["bonus"] = "b.jsonl", 0.2
+    assert cfg.options == {"path": "a.jsonl"} and cfg.reward_options == {"bonus": 0.1}
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"source": "no_colon"}, "task.source must be 'jsonl' or an import path"),
     ({"source": "jsonl"}, "task.options.path is required"),
@@ -265,6 +272,17 @@ def test_reward_must_return_a_finite_number(tmp_path):
 
 def test_check_vocab_names_both_sizes(tmp_path):
     tok = build_task(TaskConfig(), str(tmp_path)).tokenizer
-    check_vocab(tok, tok.vocab_size + 7, "m")
-    with pytest.raises(ValueError, match=rf"vocab_size {tok.vocab_size} exceeds the model's vocab_size 10 \(m\)"):
-        check_vocab(tok, 10, "m")
+    check_vocab(tok, tok.vocab_size, "m")
+    check_vocab(tok, tok.vocab_size + 7, "m")  # a padded embedding is fine
+    v = tok.vocab_size
+    with pytest.raises(ValueError, match=rf"vocab_size {v} exceeds the model's vocab_size {v - 1} \(m\)"):
+        check_vocab(tok, v - 1, "m")
+
+
+def test_the_task_interfaces_do_not_import_the_demo():
+    import subprocess
+
+    code = ("import sys, nemo_tlt.rl.task; "
+            "sys.exit(sorted(m for m in sys.modules if m.startswith('nemo_tlt.demo')) or 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
