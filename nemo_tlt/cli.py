@@ -20,7 +20,7 @@ _COMMANDS = {
     ("bench", "reshard"): "nemo_tlt.bench.reshard",
     ("convert",): "nemo_tlt.weights.convert_cli",
     ("train",): "nemo_tlt.rl.train_cli",
-    ("prepare",): "nemo_tlt.bench.prepare",
+    ("prepare",): "nemo_tlt.demo.prepare",
     ("plan",): "nemo_tlt.plan.cli",
 }
 

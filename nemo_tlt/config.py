@@ -21,58 +21,80 @@ Contract
 from __future__ import annotations
 
 import dataclasses
-import re
 import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_tlt.adaptive.config import SpecDecodingConfig
 from nemo_tlt.checks import check_float, check_int
+from nemo_tlt.imports import check_import_path, is_import_path
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.speculative.sampling import MODES
 from nemo_tlt.speculative.tree_shape import TreeShape
 from nemo_tlt.spot.config import IdleDrafterConfig
 
 START_METHODS = ("spawn", "fork", "forkserver")
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+TASK_JSONL, TASK_HF = "jsonl", "hf"  # the built-in task source and tokenizer (nemo_tlt.rl.task)
+TASK_JSONL_OPTIONS = ("path", "prompt_key", "answer_key")
 
 
-def _check_import_path(key: str, value: str, *keywords: str) -> None:
-    if value in keywords:
-        return
-    if not isinstance(value, str) or not _IMPORT_PATH.match(value):
-        allowed = " or ".join(repr(k) for k in keywords)
-        raise ValueError(f"{key} must be {allowed + ' or ' if allowed else ''}an import path "
-                         f"'package.module:name', got {value!r}")
+def _check_options(key: str, value: Any) -> None:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"{key} must be a mapping of keyword names to values, got {value!r}")
+
+
+def _check_jsonl_options(options: Mapping[str, Any]) -> None:
+    unknown = sorted(set(options) - set(TASK_JSONL_OPTIONS))
+    if unknown:
+        raise ValueError(f"task.options has keys {unknown} that task.source='jsonl' does not take; "
+                         f"known: {list(TASK_JSONL_OPTIONS)}")
+    if "path" not in options:
+        raise ValueError("task.options.path is required with task.source='jsonl' (the TASK_JSONL file of prompts)")
+    for key in TASK_JSONL_OPTIONS:
+        if key in options and (not isinstance(options[key], str) or not options[key]):
+            raise ValueError(f"task.options.{key} must be a non-empty string, got {options[key]!r}")
 
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Where the prompts, the tokenizer and the reward come from (see nemo_tlt.rl.task).
-    The defaults are the demo's: its synthetic arithmetic task, the one its warm start
-    was trained on."""
+    """Where prompts, tokenizer and reward come from (usable as an OmegaConf structured config).
 
-    # "jsonl" (built-in JsonlTaskSource; options: path, prompt_key, answer_key) or an
-    # import path of a factory called as factory(**options) -> TaskSource
+    ``source``: ``"jsonl"`` or the import path of a factory, ``factory(**options)
+    -> TaskSource``. ``options``: its keyword arguments (for ``jsonl``: path,
+    prompt_key, answer_key); empty means the factory's own defaults (for the demo,
+    the task its shipped models were trained on). ``reward``: import path of a
+    RewardFn, called with ``reward_options`` as keywords. ``tokenizer``: ``"hf"``
+    (the tokenizer saved in ``model.target_dir``) or the import path of a
+    zero-argument factory.
+    """
+
     source: str = "nemo_tlt.demo.tasks:ArithTaskSource"
-    options: Dict[str, Any] = field(default_factory=lambda: {"name": "arith", "tail_exponent": 1.3,
-                                                             "max_solution_chars": 400})
-    reward: str = "nemo_tlt.demo.rewards:arith_reward"  # reward(prompt, response, **reward_options) -> float
+    options: Dict[str, Any] = field(default_factory=dict)
+    reward: str = "nemo_tlt.demo.rewards:arith_reward"
     reward_options: Dict[str, Any] = field(default_factory=dict)
-    # "hf": the HF tokenizer saved in model.target_dir; else an import path of a
-    # zero-argument factory
     tokenizer: str = "nemo_tlt.demo.tokenizer:CharTokenizer"
 
     def __post_init__(self) -> None:
-        _check_import_path("TaskConfig.source", self.source, "jsonl")
-        _check_import_path("TaskConfig.reward", self.reward)
-        _check_import_path("TaskConfig.tokenizer", self.tokenizer, "hf")
-        if self.source == "jsonl" and "path" not in self.options:
-            raise ValueError("TaskConfig.options must give 'path' (the JSONL file of prompts) for source 'jsonl'")
+        if self.source != TASK_JSONL:
+            if not is_import_path(self.source):
+                raise ValueError(f"task.source must be 'jsonl' or an import path 'package.module:factory', "
+                                 f"got {self.source!r}")
+        _check_options("task.options", self.options)
+        _check_options("task.reward_options", self.reward_options)
+        if self.source == TASK_JSONL:
+            _check_jsonl_options(self.options)
+        check_import_path(self.reward, "task.reward")
+        if self.tokenizer != TASK_HF:
+            if not is_import_path(self.tokenizer):
+                raise ValueError(f"task.tokenizer must be 'hf' or an import path 'package.module:factory', "
+                                 f"got {self.tokenizer!r}")
+        # Plain dicts of our own: OmegaConf hands over its containers, callers their dicts.
+        object.__setattr__(self, "options", dict(self.options))
+        object.__setattr__(self, "reward_options", dict(self.reward_options))
 
 
 @dataclass(frozen=True)

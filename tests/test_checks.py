@@ -7,7 +7,7 @@ from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.drafter.train import DrafterTrainConfig
 from nemo_tlt.rl.policy import PolicyConfig
 from nemo_tlt.rl.megatron_policy import MegatronPolicyConfig
-from nemo_tlt.rl.sft import SFTConfig
+from nemo_tlt.demo.sft import SFTConfig
 from nemo_tlt.spot.harvest import HarvestConfig
 from nemo_tlt.spot.trainer import SpotTrainerConfig
 from nemo_tlt.weights.layout import ParallelLayout

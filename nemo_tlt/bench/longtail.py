@@ -29,7 +29,7 @@ from nemo_tlt.adaptive.bandit import BanditConfig, BegMab
 from nemo_tlt.adaptive.learned_policy import LearnedSDConfig, LearnedSDPolicy
 from nemo_tlt.adaptive.sd_policy import REWARDS, AdaptiveSDPolicy, FixedSDPolicy, SDPolicyConfig
 from nemo_tlt.drafter.eagle import EagleDrafter
-from nemo_tlt.rl.assets import AssetConfig, default_cache_dir, load_assets, prepare_assets, task_requests
+from nemo_tlt.demo.assets import AssetConfig, default_cache_dir, load_assets, prepare_assets, task_requests
 from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.bench.common import format_table, machine_info
 from nemo_tlt.bench.headroom import bucket_seconds, per_bucket_oracle

@@ -41,7 +41,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
-from nemo_tlt.rl.assets import AssetConfig, default_cache_dir, load_assets, prepare_assets, task_requests
+from nemo_tlt.demo.assets import AssetConfig, default_cache_dir, load_assets, prepare_assets, task_requests
 from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.bench.common import format_table, machine_info
 from nemo_tlt.rollout.protocol import Request

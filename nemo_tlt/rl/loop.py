@@ -191,19 +191,22 @@ class RLWorker:
             own = range(start, start + len(batch))
             batch = [seq for r in group for seq in shares[r][0]]
             rewards = [x for r in group for x in shares[r][1]]
-        on_hidden = None
-        if self.harvest_from == "policy":  # drafter data from the policy's own forward
-            self.drafter.buffer.advance_step(step)
-
-            def on_hidden(index: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-                if index in own:
-                    self.drafter.harvest(step, tokens.tolist(), hidden[:-1])
+        on_hidden = self._harvest_sink(step, own) if self.harvest_from == "policy" else None
         t0 = time.perf_counter()
         logp_old, logp_ref = self.policy.logprobs(batch, self.cfg.policy.separate_logprob_pass)
         t_logprob, t0 = time.perf_counter() - t0, time.perf_counter()
         advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), self.cfg.grpo.group_size)
         update = self.policy.update(batch, advantages, logp_old, logp_ref, global_tokens, on_hidden=on_hidden)
         return update, t_logprob, time.perf_counter() - t0
+
+    def _harvest_sink(self, step: int, own: range) -> Callable:
+        """Drafter data from the policy's own forward: this rank's sequences of the batch."""
+        self.drafter.buffer.advance_step(step)
+
+        def on_hidden(index: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+            if index in own:
+                self.drafter.harvest(step, tokens.tolist(), hidden[:-1])
+        return on_hidden
 
     def sync_weights(self, idle: IdleResult) -> str:
         """Policy weights to the engine and the drafter's view; new drafter weights to the

@@ -4,7 +4,7 @@
   the ``key=value`` overrides; an unknown key or a wrong type is refused naming the
   key. The resolved config is printed and saved as ``<run_dir>/config.yaml``.
 * Without ``model.target_dir`` the demo assets are used: the SFT warm start and the
-  EAGLE drafter shipped with the package (``nemo_tlt.rl.assets.prepare_assets``;
+  EAGLE drafter shipped with the package (``nemo_tlt.demo.assets.prepare_assets``;
   trained once and cached where the configuration differs from the shipped one).
 * A single run writes ``<run_dir>/<mode>/`` (metrics.jsonl, tb/, checkpoints/,
   summary.json), with mode ``tlt`` or ``baseline`` (SD and idle-time drafter
@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from nemo_tlt.atomic import write_json_atomic
-from nemo_tlt.config import TLTConfig, load_config
-from nemo_tlt.rl.loop import RunSpec, prepare_run_dir, run_rank
+from nemo_tlt.config import TaskConfig, TLTConfig, load_config
+from nemo_tlt.rl.loop import run_rank
+from nemo_tlt.rl.run import RunSpec, prepare_run_dir
 from nemo_tlt.rl.report import compare_pairs, format_pairs, run_block, write_plots
 from nemo_tlt.rl.workers import launch
 
@@ -110,10 +111,13 @@ def resolve_models(config: TLTConfig) -> tuple[str, str]:
     """(target_dir, drafter_dir): the configured folders, or the cached demo assets."""
     if config.model.target_dir is not None:
         return config.model.target_dir, config.model.drafter_dir
-    from nemo_tlt.rl.assets import AssetConfig, prepare_assets  # shipped, or trained once and cached
+    from nemo_tlt.demo.assets import AssetConfig, prepare_assets  # shipped, or trained once and cached
 
-    assets_config = AssetConfig()
-    if config.task.to_task_config() != assets_config.task:
+    from nemo_tlt.demo.tasks import ArithTaskSource
+
+    assets_config, demo = AssetConfig(), TaskConfig()
+    if (config.task.source != demo.source or config.task.tokenizer != demo.tokenizer
+            or ArithTaskSource(**config.task.options).config != assets_config.task):
         log.warning("task differs from the task the demo warm start was trained on (%s)", assets_config.task)
     assets = prepare_assets(assets_config, config.model.cache_dir, progress=config.progress)
     return str(assets.target_dir), str(assets.drafter_dir)

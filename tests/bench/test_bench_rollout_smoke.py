@@ -8,11 +8,11 @@ import torch
 
 import nemo_tlt.bench.longtail as longtail
 import nemo_tlt.bench.rollout as rollout
-from nemo_tlt.rl.assets import AssetConfig
+from nemo_tlt.demo.assets import AssetConfig
 from nemo_tlt.drafter.train import DrafterTrainConfig
 from nemo_tlt.model.config import LMConfig
-from nemo_tlt.rl.sft import SFTConfig
-from nemo_tlt.rl.tasks import TaskConfig
+from nemo_tlt.demo.sft import SFTConfig
+from nemo_tlt.demo.tasks import TaskConfig
 
 pytest.importorskip("transformers")
 

@@ -1,6 +1,6 @@
 """The demo's trained models shipped as package data, so a first run needs no training.
 
-Layout of ``nemo_tlt/rl/demo_assets/`` (written by ``nemo-tlt prepare --ship DIR``):
+Layout of ``nemo_tlt/demo/demo_assets/`` (written by ``nemo-tlt prepare --ship DIR``):
 
     manifest.json       format, per role {name, files: {file: {sha256, bytes}}},
                         the AssetConfig they were trained with, the drafter's

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from nemo_tlt.rl.rewards import batch_rewards, extract_answer, reward
-from nemo_tlt.rl.tasks import TASK_NAMES, Problem, TaskConfig, make_problems
+from nemo_tlt.demo.rewards import batch_rewards, extract_answer, reward
+from nemo_tlt.demo.tasks import TASK_NAMES, Problem, TaskConfig, make_problems
 
 P = Problem("arith", "3+5-2+7=", "3+5=8;8-2=6;6+7=13#13", "13", 3)
 

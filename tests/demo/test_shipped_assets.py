@@ -7,13 +7,13 @@ import shutil
 import pytest
 import torch
 
-from nemo_tlt.bench.prepare import PROBE
+from nemo_tlt.demo.prepare import PROBE
 from nemo_tlt.model.config import LMConfig
-from nemo_tlt.rl import assets as assets_mod
-from nemo_tlt.rl.assets import AssetConfig, Assets, drafter_name, load_assets, measure_acceptance, prepare_assets
-from nemo_tlt.rl.sft import SFTConfig, warm_start_name
-from nemo_tlt.rl.shipped_assets import SHIPPED_DIR, read_manifest, shipped_folder, write_shipped
-from nemo_tlt.rl.tasks import TaskConfig
+from nemo_tlt.demo import assets as assets_mod
+from nemo_tlt.demo.assets import AssetConfig, Assets, drafter_name, load_assets, measure_acceptance, prepare_assets
+from nemo_tlt.demo.sft import SFTConfig, warm_start_name
+from nemo_tlt.demo.shipped_assets import SHIPPED_DIR, read_manifest, shipped_folder, write_shipped
+from nemo_tlt.demo.tasks import TaskConfig
 from nemo_tlt.drafter.train import DrafterTrainConfig
 from nemo_tlt.speculative.tree_shape import TreeShape
 

@@ -1,10 +1,10 @@
 """The demo's models (main job and benchmarks), made here and cached: nothing is downloaded.
 
 `prepare_assets` returns, for each model, the copy shipped with the package when it
-was trained with exactly the requested configuration (``nemo_tlt.rl.shipped_assets``);
+was trained with exactly the requested configuration (``nemo_tlt.demo.shipped_assets``);
 otherwise it trains (once per configuration, then reuses from the cache):
 1. the *target*: a small Llama-family LM SFT-trained on the long-tailed synthetic
-   arithmetic task (nemo_tlt.rl.sft.cached_warm_start);
+   arithmetic task (nemo_tlt.demo.sft.cached_warm_start);
 2. an EAGLE *drafter* trained on the target's own generations (hidden states
    returned by the rollout engine: no extra target forward);
 3. a one-layer *assistant* LM for HF assisted generation, SFT-trained on the same task.
@@ -30,10 +30,10 @@ from nemo_tlt.drafter.io import load_drafter, save_drafter
 from nemo_tlt.drafter.train import DrafterTrainConfig, train_drafter
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import load_hf_folder
-from nemo_tlt.rl.sft import SFTConfig, cached_warm_start, warm_start_name
-from nemo_tlt.rl.shipped_assets import shipped_folder
-from nemo_tlt.rl.tasks import Problem, TaskConfig, make_problems
-from nemo_tlt.rl.tokenizer import CharTokenizer
+from nemo_tlt.demo.sft import SFTConfig, cached_warm_start, warm_start_name
+from nemo_tlt.demo.shipped_assets import shipped_folder
+from nemo_tlt.demo.tasks import Problem, TaskConfig, make_problems
+from nemo_tlt.demo.tokenizer import CharTokenizer
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams

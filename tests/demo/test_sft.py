@@ -9,13 +9,13 @@ import torch.nn.functional as F
 
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.lm import DecoderLM
-from nemo_tlt.rl import sft as sft_module
-from nemo_tlt.rl.sft import (
+from nemo_tlt.demo import sft as sft_module
+from nemo_tlt.demo.sft import (
     SFTConfig, accumulate_batch_grad, cached_warm_start, collate, encode_example, length_buckets, lr_at,
     sft_loss, train_sft,
 )
-from nemo_tlt.rl.tasks import Problem, TaskConfig, make_problems
-from nemo_tlt.rl.tokenizer import BOS_ID, EOS_ID, PAD_ID, CharTokenizer
+from nemo_tlt.demo.tasks import Problem, TaskConfig, make_problems
+from nemo_tlt.demo.tokenizer import BOS_ID, EOS_ID, PAD_ID, CharTokenizer
 
 TINY = LMConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                 num_kv_heads=2, max_position_embeddings=512)

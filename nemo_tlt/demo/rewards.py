@@ -12,14 +12,18 @@ defaults to 0.0, which makes the reward strictly binary; a small positive value
 (e.g. 0.1) rewards a model for learning to terminate its trace properly.
 
 The response is the generated text after the prompt, as decoded by
-:class:`nemo_tlt.rl.tokenizer.CharTokenizer` (EOS renders as nothing). Trailing
+:class:`nemo_tlt.demo.tokenizer.CharTokenizer` (EOS renders as nothing). Trailing
 whitespace is ignored; nothing else is forgiven.
+
+:func:`arith_reward` is the same reward behind the framework's ``RewardFn``
+interface (``task.reward`` in the config), scoring against ``Prompt.answer``.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from nemo_tlt.rl.tasks import Problem
+from nemo_tlt.demo.tasks import Problem
+from nemo_tlt.rl.task import Prompt
 
 _ANSWER_CHARS = frozenset("0123456789,")
 
@@ -35,14 +39,25 @@ def extract_answer(response_text: str) -> str | None:
     return answer
 
 
-def reward(problem: Problem, response_text: str, format_bonus: float = 0.0) -> float:
-    """Outcome reward of one response; see the module docstring for the formula."""
+def _score(expected: str, response_text: str, format_bonus: float, who: str) -> float:
     if not 0.0 <= format_bonus < 1.0:
-        raise ValueError(f"reward: format_bonus must be in [0, 1), got {format_bonus!r}")
+        raise ValueError(f"{who}: format_bonus must be in [0, 1), got {format_bonus!r}")
     answer = extract_answer(response_text)
     if answer is None:
         return 0.0
-    return 1.0 if answer == problem.answer else float(format_bonus)
+    return 1.0 if answer == expected else float(format_bonus)
+
+
+def reward(problem: Problem, response_text: str, format_bonus: float = 0.0) -> float:
+    """Outcome reward of one response; see the module docstring for the formula."""
+    return _score(problem.answer, response_text, format_bonus, "reward")
+
+
+def arith_reward(prompt: Prompt, response: str, format_bonus: float = 0.0) -> float:
+    """:func:`reward` against ``prompt.answer`` (a RewardFn: ``task.reward_options`` give format_bonus)."""
+    if prompt.answer is None:
+        raise ValueError(f"arith_reward: the prompt {prompt.text[:40]!r} has no answer to check against")
+    return _score(prompt.answer, response, format_bonus, "task.reward_options")
 
 
 def batch_rewards(

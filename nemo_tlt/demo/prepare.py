@@ -4,7 +4,7 @@
     nemo-tlt prepare --rebuild             # train all three into the cache, ignoring the shipped ones
     nemo-tlt prepare --rebuild --ship DIR  # ... and write them as package data (manifest + checksums)
 
-The package data lives in ``nemo_tlt/rl/demo_assets``; ``--ship`` there replaces it.
+The package data lives in ``nemo_tlt/demo/demo_assets``; ``--ship`` there replaces it.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dataclasses import asdict
 
 import torch
 
-from nemo_tlt.rl.assets import AssetConfig, default_cache_dir, load_assets, measure_acceptance, prepare_assets
-from nemo_tlt.rl.shipped_assets import write_shipped
+from nemo_tlt.demo.assets import AssetConfig, default_cache_dir, load_assets, measure_acceptance, prepare_assets
+from nemo_tlt.demo.shipped_assets import write_shipped
 from nemo_tlt.speculative.tree_shape import TreeShape
 
 # The acceptance probe recorded in the manifest and re-run by the tests: greedy SD

@@ -22,7 +22,7 @@ BOS_ID = 1
 EOS_ID = 2
 NUM_SPECIAL = 3
 
-# Everything the tasks in nemo_tlt.rl.tasks print, plus room for simple prompts.
+# Everything the tasks in nemo_tlt.demo.tasks print, plus room for simple prompts.
 ALPHABET = "0123456789+-*=;:#,|<>()[]. \nabcdefghijklmnopqrstuvwxyz"
 
 

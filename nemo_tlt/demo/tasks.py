@@ -21,7 +21,10 @@ Tasks (prompt -> solution; the answer follows the single '#'):
   each insertion: ``"sort:3,1,2="`` -> ``"3;1,3;1,2,3#1,2,3"``.
 
 Every generator takes a ``numpy.random.Generator``; nothing reads the global RNG.
-Every character used is in :data:`nemo_tlt.rl.tokenizer.ALPHABET`.
+Every character used is in :data:`nemo_tlt.demo.tokenizer.ALPHABET`.
+
+:class:`ArithTaskSource` serves these problems to the RL loop through the
+framework's ``TaskSource`` interface (``task.source`` in the config).
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import numpy as np
+
+from nemo_tlt.checks import check_float, check_int
+from nemo_tlt.rl.task import Prompt
 
 TASK_NAMES = ("arith", "count", "sort")
 _COUNT_LETTERS = "abcde"
@@ -233,3 +239,44 @@ def make_problems(config: TaskConfig, n: int, rng: np.random.Generator) -> list[
 def sft_text(problem: Problem) -> str:
     """The reference text a warm-start model is trained on: prompt then solution."""
     return problem.prompt + problem.solution
+
+
+# ---- the framework's TaskSource over these problems --------------------------
+
+# The task the demo's shipped models were trained on (AssetConfig.task): an RL run
+# with no task.options draws its prompts from it.
+DEMO_TASK_OPTIONS: dict[str, Any] = {
+    "name": "arith", "min_steps": 1, "max_steps": 0, "tail_exponent": 1.3, "max_solution_chars": 400,
+    "max_value": 99,
+}
+
+
+class ArithTaskSource:
+    """``TaskSource`` over the synthetic tasks; ``options`` are :class:`TaskConfig`'s
+    fields (defaults :data:`DEMO_TASK_OPTIONS`), errors naming ``task.options.<field>``.
+
+    The prompts of a step are exactly ``make_problems(self.config, n, rng)``, as
+    ``Prompt(problem.prompt, problem.answer, meta={task, solution, num_steps})``.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        unknown = sorted(set(options) - set(DEMO_TASK_OPTIONS))
+        if unknown:
+            raise ValueError(f"task.options has keys {unknown} that ArithTaskSource does not take; "
+                             f"known: {list(DEMO_TASK_OPTIONS)}")
+        merged = {**DEMO_TASK_OPTIONS, **options}
+        if merged["name"] not in TASK_NAMES:
+            raise ValueError(f"task.options.name must be one of {list(TASK_NAMES)}, got {merged['name']!r}")
+        for key in ("min_steps", "max_steps", "max_solution_chars", "max_value"):
+            check_int(f"task.options.{key}", merged[key])
+        check_float("task.options.tail_exponent", merged["tail_exponent"])
+        try:
+            self.config = TaskConfig(**merged)
+        except ValueError as err:
+            # TaskConfig names its own fields; users wrote them under task.options.
+            raise ValueError(str(err).replace("TaskConfig.", "task.options.")) from None
+
+    def prompts(self, step: int, n: int, rng: np.random.Generator) -> list[Prompt]:
+        del step  # the loop seeds rng from (seed, step); the draw depends on rng alone
+        return [Prompt(p.prompt, str(p.answer), {"task": p.task, "solution": p.solution, "num_steps": p.num_steps})
+                for p in make_problems(self.config, n, rng)]

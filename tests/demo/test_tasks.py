@@ -4,7 +4,7 @@ import re
 import numpy as np
 import pytest
 
-from nemo_tlt.rl.tasks import (
+from nemo_tlt.demo.tasks import (
     TASK_NAMES, Problem, TaskConfig, make_problem, make_problems, sft_text, step_distribution,
     worst_case_prompt_chars, worst_case_solution_chars,
 )

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from nemo_tlt.rl.tasks import TASK_NAMES, TaskConfig, make_problems, sft_text
-from nemo_tlt.rl.tokenizer import ALPHABET, BOS_ID, EOS_ID, PAD_ID, CharTokenizer
+from nemo_tlt.demo.tasks import TASK_NAMES, TaskConfig, make_problems, sft_text
+from nemo_tlt.demo.tokenizer import ALPHABET, BOS_ID, EOS_ID, PAD_ID, CharTokenizer
 
 
 def test_special_ids_and_small_vocab():

@@ -41,8 +41,8 @@ from nemo_tlt.model.config import LMConfig
 from nemo_tlt.optim import warmup_cosine_lr
 from nemo_tlt.model.hf_io import save_hf_folder
 from nemo_tlt.model.lm import DecoderLM
-from nemo_tlt.rl.tasks import Problem, TaskConfig, make_problems
-from nemo_tlt.rl.tokenizer import CharTokenizer
+from nemo_tlt.demo.tasks import Problem, TaskConfig, make_problems
+from nemo_tlt.demo.tokenizer import CharTokenizer
 
 Example = Union[Problem, tuple[str, str], tuple[Sequence[int], Sequence[int]]]
 _CACHE_FORMAT = 1  # bump when the meaning of a cached folder changes
