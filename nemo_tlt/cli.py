@@ -19,7 +19,7 @@ _COMMANDS = {
     ("bench", "drafter"): "nemo_tlt.bench.drafter",
     ("bench", "reshard"): "nemo_tlt.bench.reshard",
     ("convert",): "nemo_tlt.weights.convert_cli",
-    ("train",): "nemo_tlt.rl.train_cli",
+    ("train",): "nemo_tlt.train",
     ("prepare",): "nemo_tlt.demo.prepare",
     ("plan",): "nemo_tlt.plan.cli",
 }

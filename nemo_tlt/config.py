@@ -256,7 +256,7 @@ def _build(schema: type, values: dict[str, Any], prefix: str) -> Any:
         if not prefix:
             raise
         message = str(err).replace(f"{schema.__name__}.", prefix)
-        if message == str(err):
+        if message == str(err) and not message.startswith(prefix):  # names no key: say which block
             message = f"{prefix.rstrip('.')}: {message}"
         raise ValueError(message) from None
 

@@ -8,7 +8,7 @@ import pytest
 
 from nemo_tlt.config import TLTConfig, load_config
 from nemo_tlt.rl.run import RunSpec, prepare_run_dir
-from nemo_tlt.rl.train_cli import main, parse_argv
+from nemo_tlt.train import main, parse_argv
 from nemo_tlt.speculative.tree_shape import TreeShape
 
 DEMO = Path(__file__).resolve().parents[1] / "conf" / "demo.yaml"

@@ -19,6 +19,8 @@ from typing import Literal
 
 import torch
 
+from nemo_tlt.checks import check_float, check_int
+
 Mode = Literal["greedy", "rejection", "coupled"]
 MODES: tuple[str, ...] = ("greedy", "rejection", "coupled")
 
@@ -36,16 +38,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"SamplingParams.mode must be one of {MODES}, got {self.mode!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"SamplingParams.temperature must be > 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")
+        check_float("SamplingParams.temperature", self.temperature, 0, lo_open=True)
+        check_int("SamplingParams.top_k", self.top_k, 0)
+        check_float("SamplingParams.top_p", self.top_p, 0, 1, lo_open=True)
+        check_int("SamplingParams.max_new_tokens", self.max_new_tokens, 1)
+        check_int("SamplingParams.seed", self.seed, 0, 2**63 - 1)
+        if not isinstance(self.stop_on_eos, bool):
+            raise ValueError(f"SamplingParams.stop_on_eos must be a bool, got {self.stop_on_eos!r}")
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

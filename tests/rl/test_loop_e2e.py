@@ -20,7 +20,7 @@ from nemo_tlt.rl.policy import micro_batches
 from nemo_tlt.demo.sft import SFTConfig, cached_warm_start
 from nemo_tlt.demo.tasks import TaskConfig
 from nemo_tlt.demo.tokenizer import CharTokenizer
-from nemo_tlt.rl.train_cli import main
+from nemo_tlt.train import main
 from nemo_tlt.spot.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.timeout(240)

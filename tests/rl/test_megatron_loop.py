@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from nemo_tlt.config import load_config
-from nemo_tlt.rl.train_cli import main
+from nemo_tlt.train import main
 from nemo_tlt.spot.checkpoint import CheckpointManager
 
 from .test_loop_e2e import tiny_assets, tiny_overrides

@@ -13,7 +13,7 @@ from nemo_tlt.drafter.io import save_drafter
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import save_hf_folder
 from nemo_tlt.model.lm import DecoderLM
-from nemo_tlt.rl.train_cli import main
+from nemo_tlt.train import main
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -45,3 +45,16 @@ def test_rejection_draw_reproducible_with_generator():
 def test_bad_sampling_params(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_new_tokens=2.5), "max_new_tokens must be an int"),
+    (dict(top_k=1.0), "top_k must be an int"),
+    (dict(seed=True), "seed must be an int"),
+    (dict(stop_on_eos=1), "stop_on_eos must be a bool"),
+    (dict(temperature=0), "temperature must be > 0"),
+    (dict(top_p=0.0), "top_p must be > 0"),
+])
+def test_sampling_params_refuse_wrong_types_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**kwargs)

@@ -11,9 +11,9 @@ import pytest
 
 from nemo_tlt.config import load_config
 from nemo_tlt.rl import train_cli
-from nemo_tlt.rl.train_cli import TrainArgs, build_plan, main, pair_orders, parse_argv
+from nemo_tlt.train import TrainArgs, build_plan, main, pair_orders, parse_argv
 
-DEMO = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
+DEMO = Path(__file__).resolve().parents[1] / "conf" / "demo.yaml"
 
 
 def test_pairs_flag_parsing():

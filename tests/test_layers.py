@@ -1,0 +1,53 @@
+"""The layer table of DESIGN.md holds: a package imports only packages below it (or its
+own layer), and the framework never imports the demo (only entry points may)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "nemo_tlt"
+# bottom to top; utilities at the bottom; entry points (cli, bench, plan) on top
+LAYERS = [
+    {"checks", "atomic", "imports", "optim"},
+    {"model"}, {"speculative"}, {"drafter"}, {"adaptive"}, {"rollout"}, {"dist"}, {"spot"}, {"weights"},
+    {"megatron"}, {"policy"}, {"config"}, {"rl"}, {"demo"}, {"integrations"},
+    {"cli", "train", "bench", "plan"},
+]
+LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _unit(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else module
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m.startswith("nemo_tlt.")}
+
+
+def _files():
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        unit = rel.parts[0].removesuffix(".py")
+        if unit in ("__init__", "__main__"):
+            continue
+        yield path, unit
+
+
+def test_every_package_has_a_layer():
+    assert {unit for _, unit in _files()} <= set(LEVEL), sorted({u for _, u in _files()} - set(LEVEL))
+
+
+def test_imports_only_point_down():
+    upward = []
+    for path, unit in _files():
+        for module in _imports(path):
+            target = _unit(module)
+            if target in LEVEL and LEVEL[target] > LEVEL[unit]:
+                upward.append(f"{path.relative_to(ROOT.parent)} ({unit}) imports {module} ({target})")
+    assert not upward, "\n".join(upward)
