@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from nemo_tlt.adaptive.bandit import BanditConfig, BegMab
 from nemo_tlt.adaptive.learned_policy import LearnedSDPolicy
@@ -48,9 +47,9 @@ from nemo_tlt.adaptive.sd_policy import AdaptiveSDPolicy, SDPolicyConfig
 from nemo_tlt.config import TLTConfig
 from nemo_tlt.drafter.io import load_drafter
 from nemo_tlt.model.hf_io import load_hf_folder
+from nemo_tlt.policy import PolicyConfig, PolicyOptimConfig, build_policy_backend
 from nemo_tlt.rl.decode_segments import decode_segments
 from nemo_tlt.rl.grpo import group_advantages
-from nemo_tlt.rl.policy import PolicyConfig, PolicyTrainer
 from nemo_tlt.rl.report import MetricsWriter
 from nemo_tlt.rl.rewards import reward
 from nemo_tlt.rl.tasks import Problem, make_problems
@@ -65,7 +64,7 @@ from nemo_tlt.spot.losses import eagle_loss_fn
 from nemo_tlt.spot.trainer import SpotTrainer, SpotTrainerConfig, train_while_idle
 
 if TYPE_CHECKING:
-    from nemo_tlt.rl.workers import Comm, StopFlag
+    from nemo_tlt.dist import Comm, StopFlag
 
 log = logging.getLogger(__name__)
 MODES = ("tlt", "baseline")
@@ -141,23 +140,14 @@ class RLWorker:
             raise ValueError(f"model.target_dir={spec.target_dir}: vocab_size {policy_model.config.vocab_size} "
                              f"does not match the task tokenizer's {self.tok.vocab_size}")
         policy_config = PolicyConfig(
-            lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay, grad_clip=cfg.grpo.grad_clip,
-            clip_eps=cfg.grpo.clip_eps, kl_coef=cfg.grpo.kl_coef, temperature=cfg.grpo.temperature,
-            micro_batch=cfg.grpo.micro_batch)
-        if cfg.policy.backend == "megatron":
-            from nemo_tlt.rl.megatron_policy import MegatronPolicyConfig, MegatronPolicyTrainer
-            self.policy = MegatronPolicyTrainer(policy_model.state_dict(), policy_model.config, policy_config,
-                                                MegatronPolicyConfig(cfg.policy.tensor_parallel,
-                                                                     cfg.policy.pipeline_parallel, seed=cfg.seed))
-            self.reduce_grads = self.policy.allreduce_data_parallel_grads
-            self.mp_ranks = None
-            if cfg.policy.tensor_parallel * cfg.policy.pipeline_parallel > 1:
-                from megatron.core import parallel_state
-                self.mp_ranks = dist.get_process_group_ranks(parallel_state.get_model_parallel_group())
-        else:
-            self.mp_ranks = None
-            self.policy = PolicyTrainer(policy_model, policy_config)
-            self.reduce_grads = comm.allreduce_grads
+            backend=cfg.policy.backend, tensor_parallel=cfg.policy.tensor_parallel,
+            pipeline_parallel=cfg.policy.pipeline_parallel, micro_batch=cfg.grpo.micro_batch,
+            separate_logprob_pass=cfg.grpo.separate_logprob_pass, clip_eps=cfg.grpo.clip_eps,
+            kl_coef=cfg.grpo.kl_coef,
+            optim=PolicyOptimConfig(lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay, grad_clip=cfg.grpo.grad_clip))
+        self.policy = build_policy_backend(policy_config, policy_model.state_dict(), policy_model.config,
+                                           temperature=cfg.grpo.temperature, seed=cfg.seed)
+        self.mp_ranks = list(self.policy.train_ranks) if self.policy.sharded_state else None
         self.engine = TorchRolloutEngine(load_hf_folder(spec.target_dir))
         self.sd_policy = self.trainer = self.buffer = self.idle_thread = None
         if spec.tlt:
@@ -261,7 +251,7 @@ class RLWorker:
         # every response token of the step, counted once (each rank counts its own rollout)
         global_tokens = int(comm.sum_(torch.tensor([float(local_tokens)])).item())
         adv = group_advantages(torch.tensor(train_rewards, dtype=torch.float32), G)
-        upd = self.policy.update(train_batch, adv, logp_old, logp_ref, global_tokens, self.reduce_grads)
+        upd = self.policy.update(train_batch, adv, logp_old, logp_ref, global_tokens)
         t_update = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.engine.load_policy_weights(self._policy_weights())
@@ -377,9 +367,7 @@ class RLWorker:
 
     def _policy_weights(self) -> dict[str, torch.Tensor]:
         """The policy's canonical weights on this rank (a collective for megatron)."""
-        if self.cfg.policy.backend == "megatron":
-            return self.policy.rollout_state_dict(1)
-        return self.policy.model.state_dict()
+        return dict(self.policy.canonical_weights())
 
     def _weights_digest(self) -> str:
         # The engine holds the policy's weights since the last weight sync.
@@ -424,10 +412,7 @@ class RLWorker:
             raise ValueError(f"resume: {ck.path} was written by {ck.json_state['world']} workers; "
                              f"workers.num_workers={self.comm.world} cannot continue it exactly")
         policy_sd = {k[len("policy/"):]: v for k, v in ck.tensors.items() if k.startswith("policy/")}
-        if self.cfg.policy.backend == "megatron":
-            self.policy.load_canonical(policy_sd)
-        else:
-            self.policy.model.load_state_dict(policy_sd, strict=True)
+        self.policy.load_canonical(policy_sd)
         states = ck.extra_state["policy"]
         self.policy.load_state_dict(states[self.comm.rank] if len(states) > 1 else states[0])
         self.engine.load_policy_weights(policy_sd)
