@@ -14,13 +14,11 @@ patches, for its lifetime only:
 
 The shims refuse to run where CUDA is available: on a GPU they would silently
 move training to the CPU, which is never what anyone wants. CPU work on a GPU
-host runs in processes that cannot see the GPU: ``gloo_launch.run_gloo`` starts
-its children with ``CUDA_VISIBLE_DEVICES=""`` (what ``nemo-tlt convert`` and
+host runs in processes that cannot see the GPU: ``nemo_tlt.dist.launch_local``
+starts its children with ``CUDA_VISIBLE_DEVICES=""`` (what ``nemo-tlt convert`` and
 ``nemo-tlt bench reshard`` use).
 
-Also here: ``seed_model_parallel`` (megatron's RNG tracker seeded without cuda),
-``causal_attention_mask`` (the explicit mask megatron needs on CPU) and
-``init_model_parallel`` (gloo process groups for a given TP/PP).
+Imports only torch: nothing of nemo_tlt, nothing of megatron.
 """
 from __future__ import annotations
 
@@ -66,7 +64,7 @@ class CpuShims:
             raise RuntimeError(
                 "megatron_patches.cpu_shims must not be applied where CUDA is available: they would silently "
                 "move megatron-core off the GPU. To run on the CPU on this host, hide the GPU from the process "
-                "before it starts (CUDA_VISIBLE_DEVICES= ..., or megatron_patches.gloo_launch.run_gloo, whose "
+                "before it starts (CUDA_VISIBLE_DEVICES= ..., or nemo_tlt.dist.launch_local, whose "
                 "children start that way); to use the GPU, run megatron-core without the shims (NCCL, torchrun)"
             )
         self._saved: dict[str, Any] = {
@@ -100,35 +98,3 @@ def cpu_shims() -> Iterator[CpuShims]:
         yield shims
     finally:
         shims.remove()
-
-
-def init_model_parallel(tp: int, pp: int, *, seed: int = 1234) -> None:
-    """Initialise megatron's parallel state on an already-initialised gloo world.
-
-    ``torch.distributed.init_process_group("gloo", ...)`` must have been called by
-    the launcher; world size must equal ``tp * pp`` times a data-parallel size.
-    """
-    from megatron.core import parallel_state
-
-    if tp < 1 or pp < 1:
-        raise ValueError(f"init_model_parallel: tp and pp must be >= 1, got tp={tp}, pp={pp}")
-    world = torch.distributed.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"init_model_parallel: world size {world} is not divisible by tp*pp={tp * pp}")
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, order="tp-cp-ep-dp-pp"
-    )
-    seed_model_parallel(seed)
-
-
-def seed_model_parallel(seed: int) -> None:
-    """Seed megatron's RNG tracker on CPU (the inference tracker needs no cuda RNG)."""
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
-
-
-def causal_attention_mask(seq_len: int, batch: int = 1) -> torch.Tensor:
-    """Megatron's mask convention: ``True`` means *masked out*; shape ``[b, 1, s, s]``."""
-    mask = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(diagonal=1)
-    return mask.view(1, 1, seq_len, seq_len).expand(batch, 1, seq_len, seq_len)

@@ -5,8 +5,7 @@ import pytest
 
 from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.drafter.train import DrafterTrainConfig
-from nemo_tlt.rl.policy import PolicyConfig
-from nemo_tlt.rl.megatron_policy import MegatronPolicyConfig
+from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.demo.sft import SFTConfig
 from nemo_tlt.spot.harvest import HarvestConfig
 from nemo_tlt.spot.trainer import SpotTrainerConfig
@@ -42,14 +41,14 @@ def test_bounds_that_hold_pass():
     (lambda: DrafterTrainConfig(feature_noise=-0.1), r"DrafterTrainConfig\.feature_noise must be >= 0"),
     (lambda: SFTConfig(adam_beta2=1.0), r"SFTConfig\.adam_beta2 must be < 1"),
     (lambda: SFTConfig(warmup_steps=400, steps=300), r"SFTConfig\.warmup_steps must be in \[0, 300\]"),
-    (lambda: PolicyConfig(clip_eps=1.0), r"PolicyConfig\.clip_eps must be < 1"),
-    (lambda: PolicyConfig(micro_batch=0), r"PolicyConfig\.micro_batch must be >= 1"),
+    (lambda: PolicyConfig(clip_eps=1.0), r"policy\.clip_eps must be < 1"),
+    (lambda: PolicyConfig(micro_batch=0), r"policy\.micro_batch must be >= 1"),
     (lambda: SpotTrainerConfig(batch_size=True), r"SpotTrainerConfig\.batch_size must be an int"),
     (lambda: SpotTrainerConfig(beta2=1.0), r"SpotTrainerConfig\.beta2 must be < 1"),
     (lambda: HarvestConfig(hidden_size=8, recency_decay=0.0), r"HarvestConfig\.recency_decay must be > 0"),
     (lambda: HarvestConfig(hidden_size=8, min_length=1), r"HarvestConfig\.min_length must be >= 2"),
     (lambda: ParallelLayout(tp=0), r"ParallelLayout\.tp must be >= 1"),
-    (lambda: MegatronPolicyConfig(pipeline_parallel="2"), r"MegatronPolicyConfig\.pipeline_parallel must be an int"),
+    (lambda: PolicyConfig(backend="megatron", pipeline_parallel="2"), r"policy\.pipeline_parallel must be an int"),
 ])
 def test_configs_name_the_field(make, match):
     with pytest.raises(ValueError, match=match):

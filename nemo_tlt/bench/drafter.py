@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.bench.common import format_table, machine_info
+from nemo_tlt.dist import RankContext, free_port, launch_local
 from nemo_tlt.drafter.data import DrafterSample, pad_eagle_batch
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.drafter.packing import pack_eagle_batch
@@ -53,7 +54,7 @@ from nemo_tlt.drafter.train import drafter_loss
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.spot.checkpoint import CheckpointManager
-from nemo_tlt.spot.coordinator import WorkerCoordinator, free_port
+from nemo_tlt.spot.coordinator import WorkerCoordinator
 from nemo_tlt.spot.harvest import HarvestBuffer, HarvestConfig, HarvestSample
 from nemo_tlt.spot.trainer import SpotTrainer, SpotTrainerConfig, train_while_idle
 
@@ -305,20 +306,8 @@ def rollout_durations(cfg: BenchConfig) -> list[list[float]]:
     return out
 
 
-def _idle_worker(rank: int, port: int, cfg: BenchConfig, durations: list[list[float]], results) -> None:
-    try:
-        results.put({"rank": rank, "reports": _idle_worker_body(rank, port, cfg, durations)})
-    except BaseException as err:  # tell the parent instead of leaving it waiting, then fail
-        results.put({"rank": rank, "error": repr(err)})
-        raise
-
-
-def _idle_worker_body(rank: int, port: int, cfg: BenchConfig, durations: list[list[float]]) -> list[dict]:
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=120)
-    store = dist.TCPStore("127.0.0.1", port, cfg.workers + 1, False, timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=cfg.workers,
-                            timeout=timeout)
+def _idle_worker(ctx: RankContext, cfg: BenchConfig, durations: list[list[float]]) -> list[dict]:
+    rank, store = ctx.rank, ctx.store
     target = build_target(cfg)
     coord = WorkerCoordinator(store, rank, cfg.workers, prefix="bench/idle", timeout_s=120)
     trainer = SpotTrainer(build_drafter(target, cfg.seed), packed_loss_fn(target, cfg.token_budget),
@@ -348,7 +337,6 @@ def _idle_worker_body(rank: int, port: int, cfg: BenchConfig, durations: list[li
                         "optimizer_steps": report.round.optimizer_steps,
                         "stop_latency_ms": None if report.stop_latency_s is None else report.stop_latency_s * 1e3})
     dist.barrier()
-    dist.destroy_process_group()
     return reports
 
 
@@ -357,30 +345,11 @@ def bench_idle(cfg: BenchConfig) -> dict[str, Any]:
     # Building the first optimizer imports parts of torch lazily (seconds): pay it once
     # here so the forked workers inherit it instead of each paying it.
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
-    port = free_port()
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_idle_worker, args=(r, port, cfg, durations, results), daemon=True)
-             for r in range(cfg.workers)]
-    for p in procs:
-        p.start()
-    master = dist.TCPStore("127.0.0.1", port, cfg.workers + 1, True, datetime.timedelta(seconds=120),
-                           wait_for_workers=False)
-    try:
-        by_rank = {}
-        for _ in procs:
-            item = results.get(timeout=300)
-            if "error" in item:
-                raise RuntimeError(f"bench idle: worker {item['rank']} failed: {item['error']}")
-            by_rank[item["rank"]] = item["reports"]
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        del master
-    reports = [r | {"rank": rank} for rank in sorted(by_rank) for r in by_rank[rank]]
+    # fork: the workers inherit the warmed-up torch instead of each importing it again.
+    start = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    per_rank = launch_local(_idle_worker, cfg.workers, cfg, durations, timeout_s=300.0, collective_timeout_s=120.0,
+                            threads=1, hide_cuda=False, start_method=start)
+    reports = [r | {"rank": rank} for rank, mine in enumerate(per_rank) for r in mine]
     idle = sum(r["idle_s"] for r in reports)
     training = sum(r["training_s"] for r in reports)
     nonbusy = idle + training

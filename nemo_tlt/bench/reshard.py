@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from nemo_tlt.dist import RankContext, launch_local
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.weights.layout import ParallelLayout
 
@@ -57,9 +58,10 @@ def _timed(fn, *args) -> tuple[dict | None, float]:
     return out, time.perf_counter() - start
 
 
-def _worker(rank: int, world: int, cfg: LMConfig, layout: ParallelLayout, rollout_tps: list[int]) -> dict:
-    from megatron_patches.cpu_shims import cpu_shims, init_model_parallel
-    from nemo_tlt.weights.megatron_live import rank_coords
+def _worker(ctx: RankContext, cfg: LMConfig, layout: ParallelLayout, rollout_tps: list[int]) -> dict:
+    from megatron_patches.cpu_shims import cpu_shims
+    from nemo_tlt.megatron.parallel import init_model_parallel
+    from nemo_tlt.megatron.live import rank_coords
     from nemo_tlt.weights.reshard import ByteMeter, ReshardPlan, gather_reshard, megatron_shard_shapes, stream_reshard
 
     with cpu_shims():
@@ -116,8 +118,7 @@ def _summarise(cfg: LMConfig, per_rank: list[dict], rollout_tps: list[int]) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_patches import require_megatron_core
-    from megatron_patches.gloo_launch import run_gloo
+    from nemo_tlt.megatron import require_megatron_core
 
     args = _parser().parse_args(argv)
     try:
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LMConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
                    num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads)
     layout = ParallelLayout(tp=2, pp=2)
-    per_rank = run_gloo(_worker, 4, cfg, layout, rollout_tps, timeout_s=args.timeout_s)
+    per_rank = launch_local(_worker, 4, cfg, layout, rollout_tps, timeout_s=args.timeout_s)
     summary = _summarise(cfg, per_rank, rollout_tps)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=2)

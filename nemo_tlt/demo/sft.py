@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.model.config import LMConfig
-from nemo_tlt.optim import warmup_cosine_lr
+from nemo_tlt.optim import OptimConfig, build_optimizer
 from nemo_tlt.model.hf_io import save_hf_folder
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.demo.tasks import Problem, TaskConfig, make_problems
@@ -79,8 +79,14 @@ class SFTConfig:
 def lr_at(step: int, config: SFTConfig) -> float:
     """Learning rate for 0-based ``step``: linear warmup to ``lr``, then cosine to
     ``min_lr_ratio * lr`` at the last step."""
-    return warmup_cosine_lr(step, config.lr, config.warmup_steps, config.steps - config.warmup_steps - 1,
-                            config.min_lr_ratio)
+    return optim_config(config).lr_at(step)
+
+
+def optim_config(config: SFTConfig) -> OptimConfig:
+    """The shared AdamW + schedule form of ``config`` (the decay ends at the last step)."""
+    return OptimConfig(lr=config.lr, weight_decay=config.weight_decay, betas=[config.adam_beta1, config.adam_beta2],
+                       grad_clip=config.grad_clip, warmup_steps=config.warmup_steps,
+                       decay_steps=max(0, config.steps - config.warmup_steps - 1), min_lr_ratio=config.min_lr_ratio)
 
 
 def encode_example(example: Example, tokenizer: CharTokenizer) -> tuple[list[int], list[int]]:
@@ -158,13 +164,13 @@ def accumulate_batch_grad(model: nn.Module, batch: Sequence[tuple[list[int], lis
     return loss, int(total)
 
 
-def _optimizer(model: nn.Module, config: SFTConfig) -> torch.optim.AdamW:
+def _optimizer(model: nn.Module, config: SFTConfig):
     # Decay matrices only: decaying norm gains and biases just fights the init.
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2))
+    return build_optimizer(groups, optim_config(config))
 
 
 def train_sft(
@@ -190,7 +196,7 @@ def train_sft(
             raise ValueError(f"train_sft: example {index} has {len(ids)} tokens, above SFTConfig.seq_len="
                              f"{config.seq_len}")
     generator = torch.Generator().manual_seed(config.seed)
-    optimizer = _optimizer(model, config)
+    optimizer, schedule = _optimizer(model, config)
     was_training = model.training
     model.train()
     losses: list[float] = []
@@ -198,9 +204,7 @@ def train_sft(
     tokens, start = 0, time.perf_counter()
     bar = tqdm(range(config.steps), desc="sft", disable=not progress, leave=False)
     for step in bar:
-        lr = lr_at(step, config)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = schedule.apply(step)
         picks = torch.randint(len(encoded), (config.batch_size,), generator=generator).tolist()
         optimizer.zero_grad(set_to_none=True)
         loss, batch_tokens = accumulate_batch_grad(model, [encoded[i] for i in picks], tokenizer.pad_id,

@@ -18,7 +18,7 @@ from nemo_tlt.drafter.eagle import EagleDrafter
 from nemo_tlt.drafter.loss import eagle_loss, medusa_loss
 from nemo_tlt.drafter.medusa import MedusaDrafter
 from nemo_tlt.model.lm import DecoderLM
-from nemo_tlt.optim import warmup_cosine_lr
+from nemo_tlt.optim import OptimConfig, build_optimizer
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,15 @@ def drafter_loss(drafter: nn.Module, target: DecoderLM, batch: EagleBatch, reg_w
     raise ValueError(f"drafter_loss: unsupported drafter type {type(drafter).__name__}")
 
 
+def optim_config(config: DrafterTrainConfig) -> OptimConfig:
+    """AdamW (torch's default betas) with linear warmup then cosine decay to 10% of the peak."""
+    return OptimConfig(lr=config.lr, weight_decay=config.weight_decay, betas=[0.9, 0.999],
+                       grad_clip=config.grad_clip, warmup_steps=config.warmup_steps,
+                       decay_steps=max(0, config.steps - config.warmup_steps), min_lr_ratio=0.1)
+
+
 def lr_at(step: int, config: DrafterTrainConfig) -> float:
-    """Linear warmup then cosine decay to 10% of the peak."""
-    return warmup_cosine_lr(step, config.lr, config.warmup_steps, config.steps - config.warmup_steps, 0.1)
+    return optim_config(config).lr_at(step)
 
 
 def train_drafter(drafter: nn.Module, target: DecoderLM, samples: list[DrafterSample],
@@ -75,13 +81,12 @@ def train_drafter(drafter: nn.Module, target: DecoderLM, samples: list[DrafterSa
     drafter.train()
     gen = torch.Generator().manual_seed(config.seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    opt, schedule = build_optimizer(params, optim_config(config))
     history = []
     bar = tqdm(range(config.steps), desc=f"train {getattr(drafter, 'kind', 'drafter')} drafter",
                disable=not progress, leave=False)
     for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, config)
+        schedule.apply(step)
         idx = torch.randint(len(samples), (config.batch_size,), generator=gen).tolist()
         batch = pad_eagle_batch([samples[i] for i in idx])
         loss, stats = drafter_loss(drafter, target, batch, config.reg_weight, config.ce_weight,

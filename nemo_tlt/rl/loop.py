@@ -48,7 +48,7 @@ from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.spot.coordinator import WorkerCoordinator
 
 if TYPE_CHECKING:
-    from nemo_tlt.dist.comm import Comm, StopFlag
+    from nemo_tlt.dist import Comm, StopFlag
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ ranks. A rank that did not train contributes weight 0 and receives the average, 
 all replicas start the next rollout with the same drafter. When no rank trained
 (total weight 0) nothing changes.
 
-Everything travels in one flat float32 buffer through one ``all_reduce(SUM)`` (plus a
+Everything travels in one flat float32 buffer through one ``allreduce_flat`` (plus a
 one-element ``MAX`` for the step count): the sum's bits are the same on every rank,
 and each rank divides by the same total, so the results are bit-identical across
 ranks. Parameters of other dtypes (bf16) are averaged in float32 and cast back.
@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from nemo_tlt.dist import allreduce_flat
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -59,8 +61,7 @@ def average_replicas(
     pieces = [p.detach().float().reshape(-1) * weight for p in params]
     pieces += [m.float().reshape(-1) * weight for m in moments]
     pieces.append(torch.tensor([weight, float(weight > 0)], dtype=torch.float32))
-    flat = torch.cat(pieces)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat = allreduce_flat(pieces, group)
     total, contributors = float(flat[-2]), int(round(float(flat[-1])))
     step = _max_step(optimizer, params, group)
     if total > 0:

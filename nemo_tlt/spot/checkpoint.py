@@ -13,10 +13,11 @@ Contract
   ``state.json`` (JSON-able state: bandit, step counters ...; must survive a JSON
   round trip exactly), and ``manifest.json`` written last, listing every file
   with its size and SHA-256 and every tensor with its shape and dtype.
-* Atomicity: files are written into ``.tmp-step-00000042``, fsynced, and the folder is
-  renamed to ``step-00000042`` (``os.rename`` is atomic within one file system), then
-  the parent folder is fsynced. A writer killed at any moment leaves at most a
-  ``.tmp-*`` folder, which readers ignore; the previous checkpoint stays loadable.
+* Atomicity (``nemo_tlt.atomic.atomic_output_dir``): files are written into a hidden
+  ``.step-00000042.partial-*`` folder, fsynced, and the folder is renamed to
+  ``step-00000042`` (``os.rename`` is atomic within one file system), then the parent
+  folder is fsynced. A writer killed at any moment leaves at most a hidden partial
+  folder, which readers ignore; the previous checkpoint stays loadable.
 * Keeps the newest ``keep_last`` valid checkpoints; older ones and stale temp folders
   of earlier steps are deleted after each successful write.
 * ``latest()`` / ``load(step=None)`` consider only folders whose manifest is present
@@ -45,7 +46,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from nemo_tlt.atomic import file_record, sha256_file
+from nemo_tlt.atomic import atomic_output_dir, file_record, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ EXTRA_FILE = "extra_state.pt"
 JSON_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_TMP_DIR = re.compile(r"^\.tmp-step-(\d+)$")
+# A killed writer's leftovers: atomic_output_dir's partial folders (and the older ``.tmp-step-N``).
+_TMP_DIR = re.compile(r"^\.(?:tmp-step-(\d+)|step-(\d+)\.partial-.+)$")
 
 
 @dataclass(frozen=True)
@@ -236,36 +238,18 @@ class CheckpointManager:
 
     def _write(self, snap: _Snapshot) -> Path:
         final = self.directory / _step_name(snap.step)
-        tmp = self.directory / f".tmp-{_step_name(snap.step)}"
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a writer killed mid-way
-        tmp.mkdir()
-        save_file(snap.tensors, str(tmp / WEIGHTS_FILE), metadata={"step": str(snap.step)})
-        torch.save(snap.extra_state, tmp / EXTRA_FILE)
-        (tmp / JSON_FILE).write_text(snap.json_text)
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "step": snap.step,
-            "created_unix": time.time(),
-            "files": {name: file_record(tmp / name) for name in (WEIGHTS_FILE, EXTRA_FILE, JSON_FILE)},
-            "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype)} for n, t in snap.tensors.items()},
-        }
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        if self.fsync:
-            for name in (WEIGHTS_FILE, EXTRA_FILE, JSON_FILE, MANIFEST_FILE):
-                _fsync_path(tmp / name)
-            _fsync_path(tmp)
-        if final.exists():
-            # Re-saving a step: move the old one aside first (rename onto a non-empty
-            # folder fails); readers never look at dot-folders.
-            trash = self.directory / f".old-{_step_name(snap.step)}-{os.getpid()}"
-            os.rename(final, trash)
-            os.rename(tmp, final)
-            shutil.rmtree(trash)
-        else:
-            os.rename(tmp, final)
-        if self.fsync:
-            _fsync_path(self.directory)
+        with atomic_output_dir(final, overwrite=True, fsync=self.fsync) as tmp:
+            save_file(snap.tensors, str(tmp / WEIGHTS_FILE), metadata={"step": str(snap.step)})
+            torch.save(snap.extra_state, tmp / EXTRA_FILE)
+            (tmp / JSON_FILE).write_text(snap.json_text)
+            manifest = {
+                "format_version": FORMAT_VERSION,
+                "step": snap.step,
+                "created_unix": time.time(),
+                "files": {name: file_record(tmp / name) for name in (WEIGHTS_FILE, EXTRA_FILE, JSON_FILE)},
+                "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype)} for n, t in snap.tensors.items()},
+            }
+            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         self._prune(snap.step)
         return final
 
@@ -275,7 +259,7 @@ class CheckpointManager:
             shutil.rmtree(self.directory / _step_name(step))
         for entry in self.directory.iterdir():
             match = _TMP_DIR.match(entry.name)
-            if match and int(match.group(1)) < written_step and entry.is_dir():
+            if match and int(match.group(1) or match.group(2)) < written_step and entry.is_dir():
                 shutil.rmtree(entry)  # a killed writer's leftovers; this manager is the only writer
 
     def _step_dirs(self) -> list[tuple[int, Path]]:
@@ -361,11 +345,3 @@ def _deep_host_copy(obj: Any) -> Any:
     if type(obj) in (list, tuple):
         return type(obj)(_deep_host_copy(v) for v in obj)
     return copy.deepcopy(obj)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import enum
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -50,13 +49,6 @@ from datetime import timedelta
 from typing import Callable
 
 import torch.distributed as dist
-
-
-def free_port() -> int:
-    """A free TCP port on localhost for a TCPStore rendezvous (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class WorkerState(enum.Enum):

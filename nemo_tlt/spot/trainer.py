@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nemo_tlt.checks import check_float, check_int
-from nemo_tlt.optim import warmup_cosine_lr
+from nemo_tlt.optim import OptimConfig, build_optimizer
 from nemo_tlt.spot.averaging import AverageStats, average_replicas
 from nemo_tlt.spot.coordinator import WorkerCoordinator, WorkerState, idle_utilization
 from nemo_tlt.spot.harvest import HarvestBuffer, HarvestSample
@@ -65,8 +65,9 @@ class SpotTrainerConfig:
 
     def __post_init__(self) -> None:
         check_float("SpotTrainerConfig.lr", self.lr, 0, lo_open=True)
-        for name in ("weight_decay", "grad_clip", "warmup_steps"):
+        for name in ("weight_decay", "grad_clip"):
             check_float(f"SpotTrainerConfig.{name}", getattr(self, name), 0)
+        check_int("SpotTrainerConfig.warmup_steps", self.warmup_steps, 0)
         for name in ("beta1", "beta2"):
             check_float(f"SpotTrainerConfig.{name}", getattr(self, name), 0, 1, hi_open=True)
         check_float("SpotTrainerConfig.min_lr_ratio", self.min_lr_ratio, 0, 1)
@@ -78,10 +79,17 @@ class SpotTrainerConfig:
             )
 
 
+    def optim_config(self) -> OptimConfig:
+        """AdamW + schedule of this trainer in the shared form (``nemo_tlt.optim``)."""
+        return OptimConfig(lr=self.lr, weight_decay=self.weight_decay, betas=[self.beta1, self.beta2],
+                           grad_clip=self.grad_clip, warmup_steps=self.warmup_steps,
+                           decay_steps=max(0, self.total_steps - self.warmup_steps),
+                           min_lr_ratio=self.min_lr_ratio)
+
+
 def lr_schedule(step: int, config: SpotTrainerConfig) -> float:
     """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
-    return warmup_cosine_lr(step, config.lr, config.warmup_steps, config.total_steps - config.warmup_steps,
-                            config.min_lr_ratio)
+    return config.optim_config().lr_at(step)
 
 
 @dataclass
@@ -113,9 +121,7 @@ class SpotTrainer:
         if not params:
             raise ValueError("SpotTrainer: the model has no trainable parameters")
         self.params = params
-        self.optimizer = torch.optim.AdamW(
-            params, lr=config.lr, betas=(config.beta1, config.beta2), weight_decay=config.weight_decay
-        )
+        self.optimizer, self.schedule = build_optimizer(params, config.optim_config())
         self.generator = torch.Generator().manual_seed(config.seed * 100_003 + rank)
         self.step = 0  # optimizer steps over the whole run (drives the schedule)
         self.samples_since_sync = 0
@@ -151,8 +157,7 @@ class SpotTrainer:
             (loss / cfg.grad_accum).backward()
             samples += len(batch)
             tokens += sum(s.length for s in batch)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_schedule(self.step, cfg)
+        self.schedule.apply(self.step)
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
         self.optimizer.step()

@@ -4,7 +4,7 @@ Contract: ``main(argv) -> int`` (also ``tools/convert_checkpoint.py``). Supporte
 
 * ``--from hf --to torch_dist --tp T --pp P``: a gloo world of T*P CPU processes
   builds the GPTModel shards and megatron's ``dist_checkpointing`` writes them;
-  the processes are started with the GPU hidden (``run_gloo``), so this works
+  the processes are started with the GPU hidden (``nemo_tlt.dist.launch_local``), so this works
   on GPU hosts as on CPU-only ones;
 * ``--from torch_dist --to hf``: loaded by megatron at TP=PP=1 (megatron reshards
   on load), written as ``config.json`` + ``model.safetensors``; checkpoints from
@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.atomic import atomic_output_dir
+from nemo_tlt.dist import RankContext, launch_local
 from nemo_tlt.weights.layout import ParallelLayout
 from nemo_tlt.weights.megatron_layout import check_megatron_biases, check_tp
 
@@ -97,10 +98,11 @@ def write_hf(canonical: dict, cfg: LMConfig, folder: Path) -> None:
     save_file({k: v.contiguous() for k, v in canonical.items()}, str(folder / "model.safetensors"))
 
 
-def _save_worker(rank: int, world: int, hf_dir: str, dtype: torch.dtype | None, layout: ParallelLayout,
+def _save_worker(ctx: RankContext, hf_dir: str, dtype: torch.dtype | None, layout: ParallelLayout,
                  out: str) -> None:
-    from megatron_patches.cpu_shims import cpu_shims, init_model_parallel
-    from nemo_tlt.weights.torch_dist import save_torch_dist
+    from megatron_patches.cpu_shims import cpu_shims
+    from nemo_tlt.megatron.parallel import init_model_parallel
+    from nemo_tlt.megatron.torch_dist import save_torch_dist
 
     # Each rank reads the HF folder itself: shipping the weights through the spawn pipe
     # would pickle the whole model once per rank.
@@ -110,10 +112,11 @@ def _save_worker(rank: int, world: int, hf_dir: str, dtype: torch.dtype | None, 
         save_torch_dist(canonical, cfg, layout, out)
 
 
-def _load_worker(rank: int, world: int, ckpt: str, cfg: LMConfig | None, dtype: torch.dtype | None,
+def _load_worker(ctx: RankContext, ckpt: str, cfg: LMConfig | None, dtype: torch.dtype | None,
                  out: str) -> None:
-    from megatron_patches.cpu_shims import cpu_shims, init_model_parallel
-    from nemo_tlt.weights.torch_dist import load_torch_dist
+    from megatron_patches.cpu_shims import cpu_shims
+    from nemo_tlt.megatron.parallel import init_model_parallel
+    from nemo_tlt.megatron.torch_dist import load_torch_dist
 
     with cpu_shims():
         init_model_parallel(1, 1)
@@ -136,7 +139,7 @@ def convert(args: argparse.Namespace) -> None:
     if (args.src, args.dst) not in _ROUTES:
         raise ValueError(f"conversion {args.src} -> {args.dst} is not supported; supported: {sorted(_ROUTES)}")
     if "torch_dist" in (args.src, args.dst):
-        from megatron_patches import require_megatron_core
+        from nemo_tlt.megatron import require_megatron_core
 
         require_megatron_core(f"nemo-tlt convert --from {args.src} --to {args.dst}")
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -147,7 +150,7 @@ def convert(args: argparse.Namespace) -> None:
         if args.dst == "torch_dist":
             layout = ParallelLayout(tp=args.tp, pp=args.pp, num_layers_in_first_stage=args.first_stage_layers,
                                     num_layers_in_last_stage=args.last_stage_layers)
-            from megatron_patches.gpt_builder import check_megatron_model
+            from nemo_tlt.megatron.gpt_builder import check_megatron_model
 
             check_megatron_model(cfg)
             check_tp(cfg, layout.tp)
@@ -158,9 +161,8 @@ def convert(args: argparse.Namespace) -> None:
             check_rollout_tp(cfg, args.tp)
     elif not os.path.isdir(args.input):
         raise FileNotFoundError(f"{args.input}: not a directory")
-    # torch_dist work runs on CPU processes joined by gloo, whatever the machine: run_gloo
+    # torch_dist work runs on CPU processes joined by gloo, whatever the machine: launch_local
     # hides any GPU from them, so megatron's CPU shims run there on GPU hosts too.
-    from megatron_patches.gloo_launch import run_gloo
 
     with atomic_output_dir(args.output, overwrite=args.overwrite) as tmp:
         if args.dst == "trtllm":
@@ -168,7 +170,7 @@ def convert(args: argparse.Namespace) -> None:
 
             write_trtllm_files(*canonical_to_trtllm(canonical, cfg, args.tp), tmp)
         elif args.dst == "torch_dist":
-            run_gloo(_save_worker, layout.tp * layout.pp, args.input, dtype, layout, str(tmp),
+            launch_local(_save_worker, layout.tp * layout.pp, args.input, dtype, layout, str(tmp),
                      timeout_s=args.timeout_s)
         elif args.src == "legacy":
             from nemo_tlt.weights.legacy import legacy_to_canonical
@@ -180,10 +182,10 @@ def convert(args: argparse.Namespace) -> None:
         else:
             hf_cfg = _hf_config(args.hf_config) if args.hf_config else None
             if hf_cfg is not None:
-                from megatron_patches.gpt_builder import check_megatron_model
+                from nemo_tlt.megatron.gpt_builder import check_megatron_model
 
                 check_megatron_model(hf_cfg)
-            run_gloo(_load_worker, 1, args.input, hf_cfg, dtype, str(tmp), timeout_s=args.timeout_s)
+            launch_local(_load_worker, 1, args.input, hf_cfg, dtype, str(tmp), timeout_s=args.timeout_s)
         steps.update()
     steps.update()
     steps.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_patches.cpu_shims import apply_cpu_shims, causal_attention_mask, cpu_shims
+from megatron_patches.cpu_shims import apply_cpu_shims, cpu_shims
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
                                    reason="applies the shims in this process, which can see a GPU: they refuse there")
@@ -40,9 +40,3 @@ def test_refused_where_cuda_is_available(monkeypatch):
     with pytest.raises(RuntimeError, match="must not be applied where CUDA is available(.|\n)*"
                                            "CUDA_VISIBLE_DEVICES=(.|\n)*without the shims"):
         apply_cpu_shims()
-
-
-def test_causal_mask_masks_the_future():
-    mask = causal_attention_mask(3, batch=2)
-    assert mask.shape == (2, 1, 3, 3)
-    assert mask[0, 0].tolist() == [[False, True, True], [False, False, True], [False, False, False]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from nemo_tlt.dist import RankContext
 
 
 @dataclass
@@ -24,12 +25,13 @@ class CountingMeter:
         self.current -= sum(t.numel() * t.element_size() for t in tensors)
 
 
-def stream_cases(rank: int, world: int, cases: list) -> list[tuple[int, int]]:
+def stream_cases(ctx: RankContext, cases: list) -> list[tuple[int, int]]:
     """For each (cfg, layout, rollout_tp, receivers): this rank's (meter peak, meter total)."""
     import torch.distributed as dist
 
-    from megatron_patches.cpu_shims import cpu_shims, init_model_parallel
-    from nemo_tlt.weights.megatron_live import rank_coords
+    from megatron_patches.cpu_shims import cpu_shims
+    from nemo_tlt.megatron.parallel import init_model_parallel
+    from nemo_tlt.megatron.live import rank_coords
     from nemo_tlt.weights.reshard import ReshardPlan, megatron_shard_shapes, stream_reshard
 
     out = []

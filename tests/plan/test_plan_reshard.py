@@ -27,10 +27,10 @@ CASES = [
 
 def test_meta_plan_matches_real_stream_reshard_bytes():
     pytest.importorskip("megatron.core")
-    from megatron_patches.gloo_launch import run_gloo
+    from nemo_tlt.dist import launch_local
     from reshard_workers import stream_cases
 
-    per_rank = run_gloo(stream_cases, WORLD, CASES, timeout_s=240)
+    per_rank = launch_local(stream_cases, WORLD, CASES, timeout_s=240)
     for i, (cfg, layout, rtp, receivers) in enumerate(CASES):
         dp = WORLD // (layout.tp * layout.pp)
         plan = plan_stream_reshard(cfg, layout, dp, rtp, receivers, dtype_bytes=4)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.drafter.io import save_drafter
 from nemo_tlt.model.config import LMConfig
-from nemo_tlt.rl.policy import micro_batches
+from nemo_tlt.policy.batching import micro_batches
 from nemo_tlt.demo.sft import SFTConfig, cached_warm_start
 from nemo_tlt.demo.tasks import TaskConfig
 from nemo_tlt.demo.tokenizer import CharTokenizer

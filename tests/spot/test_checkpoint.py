@@ -76,7 +76,8 @@ def test_snapshot_is_isolated_from_later_updates(tmp_path):
 
 
 def test_keep_last_k_and_stale_temp_cleanup(tmp_path):
-    (tmp_path / ".tmp-step-00000000").mkdir()  # a killed writer's leftover
+    (tmp_path / ".tmp-step-00000000").mkdir()  # a killed writer's leftover (older naming)
+    (tmp_path / ".step-00000001.partial-k1ll3d").mkdir()  # ... and atomic_output_dir's
     with CheckpointManager(tmp_path, keep_last=2, fsync=False) as mgr:
         for step in range(5):
             mgr.save_async(step, {"w": torch.full((2,), float(step))}, json_state={"step": step})
@@ -210,7 +211,7 @@ def test_kill_minus_9_during_write_leaves_previous_checkpoint_loadable(tmp_path)
         if proc.is_alive():
             proc.kill()
     assert proc.exitcode == -signal.SIGKILL
-    tmp = ckpt_dir / ".tmp-step-00000002"
+    [tmp] = ckpt_dir.glob(".step-00000002.partial-*")  # the dead writer's hidden partial folder
     assert (tmp / "weights.safetensors").exists() and not (ckpt_dir / "step-00000002").exists()
     with CheckpointManager(ckpt_dir) as mgr:
         assert mgr.latest() == 1

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nemo_tlt.dist import free_port
 from nemo_tlt.spot.coordinator import (
     TimelineEvent,
     WorkerCoordinator,
     WorkerState,
-    free_port,
     idle_utilization,
     state_durations,
 )

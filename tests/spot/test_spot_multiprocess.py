@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nemo_tlt.spot.coordinator import WorkerCoordinator, free_port
+from nemo_tlt.dist import free_port
+from nemo_tlt.spot.coordinator import WorkerCoordinator
 from nemo_tlt.spot.trainer import SpotTrainer, SpotTrainerConfig, train_while_idle
 
 from ._toys import regression_loss, toy_buffer, toy_model

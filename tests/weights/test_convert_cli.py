@@ -47,16 +47,16 @@ def test_hf_torch_dist_hf_round_trip_is_bit_exact_bf16(tmp_path):
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
 
 
-def _on_gpu_host(worker: str, seen: str, rank: int, world: int, *args) -> None:
+def _on_gpu_host(worker: str, seen: str, ctx, *args) -> None:
     """Run convert_cli's ``worker`` in a gloo child as it runs on a GPU host: there torch sees
     the GPU unless CUDA_VISIBLE_DEVICES is empty, and the CPU shims refuse to run where it does.
     Records the CUDA_VISIBLE_DEVICES this child started with in ``seen``."""
     from nemo_tlt.weights import convert_cli
 
-    with open(f"{seen}.{rank}", "w") as f:
+    with open(f"{seen}.{ctx.rank}", "w") as f:
         json.dump(os.environ.get("CUDA_VISIBLE_DEVICES"), f)
     torch.cuda.is_available = lambda: os.environ.get("CUDA_VISIBLE_DEVICES") != ""
-    getattr(convert_cli, worker)(rank, world, *args)
+    getattr(convert_cli, worker)(ctx, *args)
 
 
 @pytest.mark.timeout(240)

@@ -1,7 +1,7 @@
 """Pure Megatron <-> canonical adapters: hand-checked layouts, round trips over TP/PP, clear errors.
 
 The real-megatron checks (these layouts against a live GPTModel) are in
-tests/megatron_patches/test_megatron_e2e.py.
+tests/megatron/test_megatron_e2e.py.
 """
 from __future__ import annotations
 

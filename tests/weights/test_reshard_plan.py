@@ -1,7 +1,7 @@
 """Reshard bookkeeping that needs no process group: shard shapes, the byte meter, plan validation.
 
 The distributed streaming / gather reshard itself is tested bit-exact on real
-megatron-core shards in tests/megatron_patches/test_megatron_e2e.py.
+megatron-core shards in tests/megatron/test_megatron_e2e.py.
 """
 from __future__ import annotations
 

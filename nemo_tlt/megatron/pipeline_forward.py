@@ -6,13 +6,13 @@ pipeline schedule with ``forward_only=True`` (one micro-batch per sequence
 batch), and returns on the last pipeline stage the full-vocabulary logits
 ``[B, T, padded_vocab]`` (vocab-parallel shards gathered over TP), ``None``
 on the other stages. This is the shape of the policy's log-prob forward pass, so
-hooks from ``megatron_patches.hidden_capture`` fire inside it.
+hooks from ``megatron_patches.hidden_capture`` fire inside it. ``causal_attention_mask``
+is the explicit mask megatron's local attention needs (its default one is allocated on cuda).
 """
 from __future__ import annotations
 
 import torch
 
-from megatron_patches.cpu_shims import causal_attention_mask
 
 
 def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -49,3 +49,9 @@ def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor | None:
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return outputs[0]
+
+
+def causal_attention_mask(seq_len: int, batch: int = 1) -> torch.Tensor:
+    """Megatron's mask convention: ``True`` means *masked out*; shape ``[b, 1, s, s]``."""
+    mask = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(diagonal=1)
+    return mask.view(1, 1, seq_len, seq_len).expand(batch, 1, seq_len, seq_len)

@@ -1,4 +1,4 @@
-"""Worker functions run inside gloo processes by the megatron tests (spawned by run_gloo).
+"""Worker functions run inside gloo processes by the megatron tests (spawned by nemo_tlt.dist.launch_local).
 
 Process start-up (importing megatron-core) dominates the cost of these tests on a
 small CPU machine, so one spawned world runs every case in sequence and returns
@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.weights.layout import ParallelLayout
+from nemo_tlt.dist import RankContext
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,11 @@ def _to_rank0(value, world: int):
 def run_case(case: Case, tokens: torch.Tensor, world: int) -> dict | None:
     """Megatron logits, captured hidden states, gathered canonical weights and reshard results."""
     from megatron.core import parallel_state
-    from megatron_patches.cpu_shims import init_model_parallel
-    from megatron_patches.gpt_builder import build_gpt_model
+    from nemo_tlt.megatron.parallel import init_model_parallel
+    from nemo_tlt.megatron.gpt_builder import build_gpt_model
     from megatron_patches.hidden_capture import HiddenCapture
-    from megatron_patches.pipeline_forward import forward_logits
-    from nemo_tlt.weights.megatron_live import gather_canonical, local_shard, rank_coords
+    from nemo_tlt.megatron.pipeline_forward import forward_logits
+    from nemo_tlt.megatron.live import gather_canonical, local_shard, rank_coords
     from nemo_tlt.weights.reshard import ReshardPlan, gather_reshard, groups_created, stream_reshard
 
     if case.tokens is not None:
@@ -88,7 +89,8 @@ def run_case(case: Case, tokens: torch.Tensor, world: int) -> dict | None:
             "canonical": canonical, "reshard": reshard, "shards": dict(shards)}
 
 
-def session(rank: int, world: int, cases: list[Case], tokens: torch.Tensor) -> dict | None:
+def session(ctx: RankContext, cases: list[Case], tokens: torch.Tensor) -> dict | None:
+    rank, world = ctx.rank, ctx.world
     from megatron_patches.cpu_shims import cpu_shims
 
     results = {}
@@ -101,8 +103,8 @@ def session(rank: int, world: int, cases: list[Case], tokens: torch.Tensor) -> d
 def torch_dist_roundtrip(canonical: dict, cfg: LMConfig, save_layout: ParallelLayout, ckpt_dir: str) -> dict | None:
     """canonical -> torch_dist written at ``save_layout`` -> loaded back at TP=PP=1 on every rank."""
     from megatron.core import parallel_state
-    from megatron_patches.cpu_shims import init_model_parallel
-    from nemo_tlt.weights.torch_dist import load_torch_dist, save_torch_dist
+    from nemo_tlt.megatron.parallel import init_model_parallel
+    from nemo_tlt.megatron.torch_dist import load_torch_dist, save_torch_dist
 
     init_model_parallel(save_layout.tp, save_layout.pp)
     save_torch_dist(canonical, cfg, save_layout, ckpt_dir)

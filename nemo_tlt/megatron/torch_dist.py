@@ -31,7 +31,7 @@ _MODEL_KEY = "model"
 
 
 def _build(cfg: LMConfig, layout: ParallelLayout, dtype: torch.dtype, padded_vocab: int | None = None):
-    from megatron_patches.gpt_builder import build_gpt_model
+    from nemo_tlt.megatron.gpt_builder import build_gpt_model
 
     return build_gpt_model(cfg, layout, dtype=dtype, padded_vocab_size=padded_vocab)
 
@@ -39,7 +39,7 @@ def _build(cfg: LMConfig, layout: ParallelLayout, dtype: torch.dtype, padded_voc
 def save_torch_dist(canonical: Mapping[str, torch.Tensor], cfg: LMConfig, layout: ParallelLayout,
                     out_dir: str | os.PathLike) -> None:
     from megatron.core import dist_checkpointing
-    from nemo_tlt.weights.megatron_live import load_shard, rank_coords
+    from nemo_tlt.megatron.live import load_shard, rank_coords
 
     # The model is built in the weights' dtype (fp32 / bf16) so saving never casts.
     model = _build(cfg, layout, next(iter(canonical.values())).dtype)
@@ -74,7 +74,7 @@ def _embedding_meta(ckpt_dir: str | os.PathLike) -> tuple[int, torch.dtype]:
 def load_torch_dist(ckpt_dir: str | os.PathLike, layout: ParallelLayout,
                     cfg: LMConfig | None = None) -> tuple[LMConfig, StateDict | None]:
     from megatron.core import dist_checkpointing
-    from nemo_tlt.weights.megatron_live import gather_canonical, load_shard
+    from nemo_tlt.megatron.live import gather_canonical, load_shard
 
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"{ckpt_dir}: not a directory")

@@ -1,14 +1,17 @@
-"""MegatronPolicyTrainer (real megatron-core, gloo, CPU) against the plain-PyTorch PolicyTrainer.
+"""MegatronPolicy (real megatron-core, gloo, CPU) against the plain-PyTorch TorchPolicy.
 
 Two spawned worlds: one process at TP=1, and two processes running TP=2, PP=2
 (Qwen2-style, tied embeddings) and DP=2 (the batch split over replicas) in turn.
-Every case starts from the same canonical weights as a ``PolicyTrainer`` reference
+Every case starts from the same canonical weights as a ``TorchPolicy`` reference
 on the whole batch, and must reproduce its log-probs, update stats (DP: the global
-grad norm, and loss shares that sum to its loss) and updated weights.
+grad norm, and loss shares that sum to its loss), updated weights and captured hidden
+states; the TP=2 case's batch is a rollout of the torch engine, whose harvested hidden
+states the megatron backend's must equal (drafter data "for free" is the same data).
 """
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,20 +20,29 @@ import torch
 pytest.importorskip("megatron.core")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from megatron_policy_workers import PolicyCase, session  # noqa: E402
+from megatron_backend_workers import PolicyCase, session  # noqa: E402
 
-from megatron_patches.gloo_launch import run_gloo  # noqa: E402
+from nemo_tlt.dist import launch_local  # noqa: E402
 from nemo_tlt.model.config import LMConfig  # noqa: E402
 from nemo_tlt.model.lm import DecoderLM  # noqa: E402
-from nemo_tlt.rl.megatron_policy import MegatronPolicyConfig, MegatronPolicyTrainer  # noqa: E402
-from nemo_tlt.rl.policy import PolicyConfig, PolicyTrainer  # noqa: E402
+from nemo_tlt.policy import PolicyConfig, PolicyOptimConfig  # noqa: E402
+from nemo_tlt.policy.megatron_backend import MegatronPolicy, check_policy_model  # noqa: E402
+from nemo_tlt.policy.torch_backend import TorchPolicy, build_decoder  # noqa: E402
+from nemo_tlt.rollout.protocol import Request  # noqa: E402
+from nemo_tlt.rollout.torch_engine import TorchRolloutEngine  # noqa: E402
+from nemo_tlt.speculative.sampling import SamplingParams  # noqa: E402
 
 VOCAB = 100  # not a multiple of 128 * tp: padded vocab rows must be masked out of the softmax
 LLAMA = LMConfig(family="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
                  num_heads=4, num_kv_heads=2)
 QWEN_TIED = LMConfig(family="qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, tie_word_embeddings=True, rope_theta=1_000_000.0)
-POLICY = PolicyConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.5, kl_coef=0.05, micro_batch=2)
+OPTIM = PolicyOptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.5)
+
+
+def _policy(tp: int = 1, pp: int = 1) -> PolicyConfig:
+    return PolicyConfig(backend="megatron", tensor_parallel=tp, pipeline_parallel=pp, kl_coef=0.05, micro_batch=2,
+                        optim=OPTIM)
 
 
 def _weights(cfg: LMConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -56,32 +68,51 @@ def _batch(seed: int, n: int = 5) -> tuple[list, torch.Tensor]:
     return batch, torch.randn(n, generator=g)
 
 
-def _case(name: str, cfg: LMConfig, parallel: MegatronPolicyConfig, seed: int, shards=()) -> PolicyCase:
+def _rollout(cfg: LMConfig, weights: dict, seed: int, n: int = 5) -> tuple[list, torch.Tensor, list]:
+    """A batch the torch rollout engine generated (sampled, so lengths differ), with the
+    hidden states it harvests: ``[prompt_len + len(tokens) - 1, H]`` per sequence."""
+    batch, adv = _batch(seed, n)
+    engine = TorchRolloutEngine(build_decoder(weights, cfg).eval())
+    out = engine.generate([Request(p, seq_id=i) for i, (p, _) in enumerate(batch)],
+                          SamplingParams("coupled", max_new_tokens=6, seed=seed, stop_on_eos=False),
+                          return_hidden=True)
+    return [(p, r.tokens) for (p, _), r in zip(batch, out.results)], adv, [r.hidden_states for r in out.results]
+
+
+def _case(name: str, cfg: LMConfig, policy: PolicyConfig, seed: int, shards=(), rollout: bool = False) -> PolicyCase:
+    weights = _weights(cfg, seed)
     batch, adv = _batch(seed)
-    return PolicyCase(name, cfg, _weights(cfg, seed), parallel, POLICY, batch, adv, shards)
+    engine_hidden = None
+    if rollout:
+        batch, adv, engine_hidden = _rollout(cfg, weights, seed)
+    return PolicyCase(name, cfg, weights, policy, batch, adv, shards, engine_hidden)
 
 
-CASES_1 = [_case("tp1", LLAMA, MegatronPolicyConfig(), 0)]
+CASES_1 = [_case("tp1", LLAMA, _policy(), 0)]
 CASES_2 = [
-    _case("tp2", LLAMA, MegatronPolicyConfig(tensor_parallel=2), 1),
-    _case("pp2_qwen_tied", QWEN_TIED, MegatronPolicyConfig(pipeline_parallel=2), 2),
-    _case("dp2", LLAMA, MegatronPolicyConfig(), 3, shards=((0, 2, 4), (1, 3))),
+    _case("tp2", LLAMA, _policy(tp=2), 1, rollout=True),
+    _case("pp2_qwen_tied", QWEN_TIED, _policy(pp=2), 2),
+    _case("dp2", LLAMA, _policy(), 3, shards=((0, 2, 4), (1, 3))),
 ]
 CASES = CASES_1 + CASES_2
 
 
 @pytest.fixture(scope="module")
 def results():
-    out = run_gloo(session, 1, CASES_1, timeout_s=120)[0]
-    out.update(run_gloo(session, 2, CASES_2, timeout_s=150)[0])
+    out = launch_local(session, 1, CASES_1, timeout_s=120)[0]
+    out.update(launch_local(session, 2, CASES_2, timeout_s=150)[0])
     return out
 
 
+def _torch_policy(case: PolicyCase) -> TorchPolicy:
+    config = replace(case.policy, backend="torch", tensor_parallel=1, pipeline_parallel=1)
+    return TorchPolicy(build_decoder(case.canonical, case.cfg), config, temperature=1.0)
+
+
 def _reference(case: PolicyCase) -> dict:
-    """PolicyTrainer on the whole batch: log-probs, stats, updated weights and (clipped) grads."""
-    model = DecoderLM(case.cfg)
-    model.load_state_dict(case.canonical)
-    trainer = PolicyTrainer(model, case.policy)
+    """TorchPolicy on the whole batch: log-probs, stats, updated weights and (clipped) grads."""
+    trainer = _torch_policy(case)
+    model = trainer.model
     old, ref = trainer.logprobs(case.batch)
     tokens = sum(len(r) for _, r in case.batch)
     stats = trainer.update(case.batch, case.advantages, old, ref, tokens)
@@ -123,12 +154,12 @@ def test_logprobs_and_update_match_policy_trainer(results, case):
         mine = res["ranks"][0]["stats"]
         for key in ("loss", "pg_loss", "kl", "approx_kl", "grad_norm"):
             assert mine[key] == pytest.approx(stats[key], rel=1e-4, abs=1e-6), key
-    assert stats["grad_norm"] > POLICY.grad_clip  # clipping was active, so the norm had to be global
+    assert stats["grad_norm"] > OPTIM.grad_clip  # clipping was active, so the norm had to be global
     canonical = res["canonical"]
     assert sorted(canonical) == sorted(updated)
     moved = max(float((updated[k] - case.canonical[k]).abs().max()) for k in updated)
     assert moved > 50 * 1e-5  # the step is large against the tolerance below: a wrong update shows
-    assert_same_step(canonical, updated, want["grads"], case.policy.lr)
+    assert_same_step(canonical, updated, want["grads"], case.policy.optim.lr)
     for rank in res["ranks"]:  # streamed to rollout TP=1 on every rank: the same weights
         assert sorted(rank["rollout"]) == sorted(canonical)
         for name, value in rank["rollout"].items():
@@ -155,10 +186,9 @@ def test_data_parallel_grad_norm_and_loss_shares_match_the_full_batch(results):
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_on_policy_second_step_matches_policy_trainer(results, case):
     """A second step with logp_old=None (old log-probs from the loss forward itself)
-    matches PolicyTrainer doing the same."""
-    model = DecoderLM(case.cfg)
-    model.load_state_dict(case.canonical)
-    trainer = PolicyTrainer(model, case.policy)
+    matches TorchPolicy doing the same."""
+    trainer = _torch_policy(case)
+    model = trainer.model
     old, ref = trainer.logprobs(case.batch)
     tokens = sum(len(r) for _, r in case.batch)
     trainer.update(case.batch, case.advantages, old, ref, tokens)
@@ -168,7 +198,7 @@ def test_on_policy_second_step_matches_policy_trainer(results, case):
     want = {k: v.detach().clone() for k, v in model.state_dict().items()}
     # two AdamW steps: the second divides by sqrt(v) of two rounded gradients, so a
     # summation-order difference (DP) grows a little more than after one step
-    assert_same_step(results[case.name]["canonical_on_policy"], want, grads, case.policy.lr, tol=5e-5)
+    assert_same_step(results[case.name]["canonical_on_policy"], want, grads, case.policy.optim.lr, tol=5e-5)
     moved = max(float((want[k] - case.canonical[k]).abs().max()) for k in want)
     assert moved > 20 * 5e-5
 
@@ -188,21 +218,44 @@ def test_updated_canonical_weights_load_into_decoder_lm(results, case):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_hidden_capture_during_logprobs(results, case):
-    initial = DecoderLM(case.cfg)
-    initial.load_state_dict(case.canonical)
-    seen = set()
+def test_hidden_capture_during_logprobs_equals_the_torch_backend_on_every_rank(results, case):
+    """Every rank (every stage: broadcast from the last one under PP) gets every sequence of
+    its batch, equal to what the torch backend captures from the same batch and weights."""
+    torch_hidden = {}
+    _torch_policy(case).logprobs(case.batch, on_hidden=lambda i, t, h: torch_hidden.__setitem__(i, (t, h)))
     for rank in results[case.name]["ranks"]:
-        last_stage = rank["coords"][0] == case.parallel.pipeline_parallel - 1
-        assert bool(rank["hidden"]) == last_stage  # only the last pipeline stage holds the final norm
+        assert sorted(rank["hidden"]) == sorted(rank["ids"]), rank["coords"]
         for i, (tokens, hidden) in rank["hidden"].items():
             prompt, response = case.batch[i]
-            assert tokens.tolist() == prompt + response
-            with torch.no_grad():
-                want = initial.eval().hidden(tokens[None])[0]
-            torch.testing.assert_close(hidden, want, rtol=0, atol=2e-5)
-            seen.add(i)
-    assert seen == set(range(len(case.batch)))
+            assert tokens.tolist() == prompt + response == torch_hidden[i][0].tolist()
+            assert hidden.dtype == torch.float32 and hidden.shape == (len(tokens), case.cfg.hidden_size)
+            torch.testing.assert_close(hidden, torch_hidden[i][1], rtol=0, atol=2e-5)
+
+
+@pytest.mark.timeout(300)
+def test_megatron_drafter_data_equals_the_torch_engines_harvest(results):
+    """The acceptance test of drafter data "for free": on a rollout of the torch engine, the
+    megatron backend (TP=2) hands on_hidden the same features the engine harvested with
+    return_hidden=True. The engine's rows are [prompt_len + len(tokens) - 1, H] (feature at
+    t predicts t + 1; the last token is never fed); the policy's cover every token."""
+    case = next(c for c in CASES if c.name == "tp2")
+    assert case.engine_hidden is not None
+    for rank in results[case.name]["ranks"]:
+        assert sorted(rank["hidden"]) == list(range(len(case.batch)))
+        for i, (tokens, hidden) in rank["hidden"].items():
+            engine = case.engine_hidden[i]
+            assert engine.shape == (len(tokens) - 1, case.cfg.hidden_size)
+            torch.testing.assert_close(hidden[:-1], engine.float(), rtol=0, atol=5e-5)
+
+
+@pytest.mark.timeout(300)
+def test_model_parallel_ranks_train_together(results):
+    for case in CASES:
+        for rank in results[case.name]["ranks"]:
+            sharded = case.policy.model_parallel > 1
+            assert rank["sharded_state"] == sharded, case.name
+            assert rank["train_ranks"] == ((0, 1) if sharded else (rank["train_ranks"][0],)), case.name
+            assert "step" in rank["opt_state_keys"] and "optimizer" in rank["opt_state_keys"]
 
 
 @pytest.mark.timeout(300)
@@ -217,13 +270,11 @@ def test_replicated_norms_stay_identical_across_tp(results):
 
 def test_bad_parallel_sizes_fail_before_any_collective():
     cfg = LLAMA
-    with pytest.raises(ValueError, match=r"tensor_parallel=3.*num_heads=4"):
-        MegatronPolicyTrainer({}, cfg, POLICY, MegatronPolicyConfig(tensor_parallel=3))
-    with pytest.raises(ValueError, match=r"tensor_parallel=4.*num_kv_heads"):
-        MegatronPolicyConfig(tensor_parallel=4).check_model(cfg)
-    with pytest.raises(ValueError, match=r"pipeline_parallel=3 exceeds num_layers=2"):
-        MegatronPolicyConfig(pipeline_parallel=3).check_model(cfg)
-    with pytest.raises(ValueError, match=r"MegatronPolicyConfig.tensor_parallel"):
-        MegatronPolicyConfig(tensor_parallel=0)
-    with pytest.raises(ValueError, match=r"MegatronPolicyConfig.dtype"):
-        MegatronPolicyConfig(dtype="float16")
+    with pytest.raises(ValueError, match=r"policy\.tensor_parallel=3.*num_heads=4"):
+        MegatronPolicy({}, cfg, _policy(tp=3), temperature=1.0, seed=0)
+    with pytest.raises(ValueError, match=r"policy\.tensor_parallel=4.*num_kv_heads"):
+        check_policy_model(_policy(tp=4), cfg)
+    with pytest.raises(ValueError, match=r"policy\.pipeline_parallel=3 exceeds num_layers=2"):
+        check_policy_model(_policy(pp=3), cfg)
+    with pytest.raises(RuntimeError, match=r"initialised torch.distributed world"):
+        MegatronPolicy({}, cfg, _policy(), temperature=1.0, seed=0)

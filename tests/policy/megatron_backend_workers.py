@@ -1,8 +1,8 @@
-"""Worker functions for tests/rl/test_megatron_policy.py, run inside gloo processes (run_gloo).
+"""Worker functions for tests/policy/test_megatron_backend.py, run inside gloo processes (launch_local).
 
 Importing megatron-core dominates these tests on a small CPU machine, so one spawned
 world runs several cases in sequence; each returns small picklable results to rank 0
-and the test process does the asserting against ``PolicyTrainer``.
+and the test process does the asserting against the torch backend.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from nemo_tlt.model.config import LMConfig
-from nemo_tlt.rl.megatron_policy import MegatronPolicyConfig, MegatronPolicyTrainer
-from nemo_tlt.rl.policy import PolicyConfig
+from nemo_tlt.dist import RankContext
+from nemo_tlt.policy import PolicyConfig, build_policy_backend
 
 
 @dataclass(frozen=True)
@@ -21,12 +21,12 @@ class PolicyCase:
     name: str
     cfg: LMConfig
     canonical: dict
-    parallel: MegatronPolicyConfig
     policy: PolicyConfig
     batch: list            # [(prompt, response)] of the whole step
     advantages: torch.Tensor
     # data-parallel split: rank r of the DP group takes batch[i] for i in shards[r]; () = whole batch
     shards: tuple[tuple[int, ...], ...] = field(default=())
+    engine_hidden: list | None = None  # the torch rollout engine's harvested hidden states of `batch`
 
 
 def _gather(value, world: int):
@@ -38,25 +38,24 @@ def _gather(value, world: int):
 def run_case(case: PolicyCase, world: int) -> dict | None:
     from megatron.core import parallel_state
 
-    trainer = MegatronPolicyTrainer(case.canonical, case.cfg, case.policy, case.parallel)
+    trainer = build_policy_backend(case.policy, case.canonical, case.cfg, temperature=1.0, seed=1234)
     dp_rank = parallel_state.get_data_parallel_rank()
     mine = case.shards[dp_rank] if case.shards else tuple(range(len(case.batch)))
     batch = [case.batch[i] for i in mine]
     hidden: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     old, ref = trainer.logprobs(batch, on_hidden=lambda i, tok, h: hidden.__setitem__(mine[i], (tok, h)))
     global_tokens = sum(len(r) for _, r in case.batch)
-    stats = trainer.update(batch, case.advantages[list(mine)], old, ref, global_tokens,
-                           trainer.allreduce_data_parallel_grads)
+    stats = trainer.update(batch, case.advantages[list(mine)], old, ref, global_tokens)
     canonical = trainer.canonical_state_dict()
-    rollout = trainer.rollout_state_dict(rollout_tp=1)
+    rollout = dict(trainer.canonical_weights())
     # a second step with the old log-probs taken from the loss forward itself (logp_old=None)
-    trainer.update(batch, case.advantages[list(mine)], None, ref, global_tokens,
-                   trainer.allreduce_data_parallel_grads)
+    trainer.update(batch, case.advantages[list(mine)], None, ref, global_tokens)
     canonical_on_policy = trainer.canonical_state_dict()
     local = {"coords": trainer.coords, "dp": dp_rank, "ids": mine, "old": old, "ref": ref, "stats": stats,
              "hidden": hidden, "rollout": rollout,
              "norms": {k: v.clone() for k, v in trainer.model.state_dict().items() if "layernorm.weight" in k},
-             "opt_state_keys": sorted(trainer.state_dict())}
+             "opt_state_keys": sorted(trainer.state_dict()),
+             "train_ranks": trainer.train_ranks, "sharded_state": trainer.sharded_state}
     everyone = _gather(local, world)
     parallel_state.destroy_model_parallel()
     if dist.get_rank() != 0:
@@ -64,6 +63,6 @@ def run_case(case: PolicyCase, world: int) -> dict | None:
     return {"canonical": canonical, "canonical_on_policy": canonical_on_policy, "ranks": everyone}
 
 
-def session(rank: int, world: int, cases: list[PolicyCase]) -> dict | None:
-    results = {case.name: run_case(case, world) for case in cases}
-    return results if rank == 0 else None
+def session(ctx: RankContext, cases: list[PolicyCase]) -> dict | None:
+    results = {case.name: run_case(case, ctx.world) for case in cases}
+    return results if ctx.rank == 0 else None

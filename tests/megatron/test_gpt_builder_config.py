@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_patches.gpt_builder import transformer_config  # noqa: E402
+from nemo_tlt.megatron.gpt_builder import transformer_config  # noqa: E402
 from nemo_tlt.model.config import LMConfig, RopeScaling  # noqa: E402
 from nemo_tlt.model.rope import rope_inv_freq  # noqa: E402
 from nemo_tlt.weights.layout import ParallelLayout  # noqa: E402
@@ -19,7 +19,7 @@ from nemo_tlt.weights.layout import ParallelLayout  # noqa: E402
 @pytest.mark.parametrize("scaling", [None, RopeScaling(), RopeScaling(factor=32.0)], ids=["plain", "llama3", "x32"])
 def test_megatron_rotary_frequencies_equal_the_reference(scaling):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron_patches.gpt_builder import rope_kwargs
+    from nemo_tlt.megatron.gpt_builder import rope_kwargs
 
     cfg = LMConfig(num_heads=2, num_kv_heads=2, head_dim=64, hidden_size=32, rope_theta=500_000.0,
                    rope_scaling=scaling)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from mcore_workers import Case, session  # noqa: E402
 
-from megatron_patches.gloo_launch import run_gloo  # noqa: E402
+from nemo_tlt.dist import launch_local  # noqa: E402
 from nemo_tlt.model.config import LMConfig, RopeScaling  # noqa: E402
 from nemo_tlt.model.lm import DecoderLM  # noqa: E402
 from nemo_tlt.weights.layout import ParallelLayout  # noqa: E402
@@ -51,7 +51,7 @@ def _tokens(case: Case) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def results():
-    return run_gloo(session, 4, CASES, TOKENS, timeout_s=400)[0]
+    return launch_local(session, 4, CASES, TOKENS, timeout_s=400)[0]
 
 
 def _decoder(case: Case, canonical: dict) -> DecoderLM:

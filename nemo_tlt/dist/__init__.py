@@ -1,0 +1,13 @@
+"""Process groups for nemo-tlt: one launcher, one flat all-reduce, the loop's typed collectives.
+
+launch      -- ``launch_local``: N local processes joined by gloo over a TCPStore rendezvous
+comm        -- ``Comm`` (typed collectives, trivial for one rank) and ``StopFlag`` (SIGINT/SIGTERM)
+allreduce   -- ``allreduce_flat``: many tensors reduced through one flat float32 buffer
+
+A bottom layer: imports only torch (never another nemo_tlt package).
+"""
+from nemo_tlt.dist.allreduce import allreduce_flat
+from nemo_tlt.dist.comm import Comm, StopFlag
+from nemo_tlt.dist.launch import RankContext, Rendezvous, free_port, launch_local
+
+__all__ = ["Comm", "RankContext", "Rendezvous", "StopFlag", "allreduce_flat", "free_port", "launch_local"]

@@ -1,0 +1,237 @@
+"""Start N local processes joined by a gloo process group; return what each returns.
+
+Contract
+--------
+``launch_local(fn, world_size, *args, ...)`` calls ``fn(ctx, *args)`` once per rank and
+returns the ranks' return values in rank order (picklable values; tensors arrive intact).
+``ctx`` is a ``RankContext``: ``rank``, ``world``, ``local_rank``, ``store`` (the
+rendezvous ``TCPStore``, a key-value channel every rank shares) and ``stop`` (a
+``StopFlag``).
+
+* Rendezvous: the launcher hosts the ``TCPStore`` itself (the OS picks a free port, so
+  no port is raced); each rank connects to it and joins a gloo process group over it
+  (``join``), with ``collective_timeout_s`` as the store's and the group's timeout.
+* ``hide_cuda=True``: the children start with ``CUDA_VISIBLE_DEVICES=""`` (set from exec
+  on, so before they import torch): CPU processes on a GPU host, where megatron's CPU
+  shims may run. The launcher's environment is restored at once.
+* ``threads``: torch intra-op threads of every rank.
+* A failing rank is never silent: its traceback reaches the launcher, which stops the
+  other ranks and raises ``RuntimeError("rank R failed: ...")``; a rank that dies
+  without a word raises naming the rank and exit code. ``timeout_s`` bounds the whole
+  run (``TimeoutError`` naming the ranks that did not finish; None: no bound).
+  Nothing is left running either way.
+* ``forward_signals=True``: SIGINT / SIGTERM sent to the launcher set a shared event
+  every rank's ``ctx.stop`` reads (installed as the ranks' signal handler too), so the
+  ranks stop at a boundary of their choosing instead of dying mid-step.
+* ``in_process=True`` with ``world_size == 1``: ``fn`` runs in the calling process with
+  a ``HashStore`` and no process group (the caller's torch thread count is restored).
+
+A cluster launch (SLURM: rank / world / local rank from its variables, the store at the
+first host of the node list, hosted by rank 0) is one more producer of a ``Rendezvous``
+handed to ``run_rank``; the ranks' side is the same.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nemo_tlt.dist.comm import SIGNALS, StopFlag
+
+
+def free_port() -> int:
+    """A free TCP port on localhost (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where rank ``rank`` of ``world`` meets the others: the TCPStore at ``host:port``
+    (hosted by this rank when ``host_store``)."""
+
+    host: str
+    port: int
+    rank: int
+    world: int
+    local_rank: int
+    host_store: bool = False
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world: int
+    local_rank: int
+    store: Any  # torch.distributed.Store
+    stop: StopFlag
+
+
+def join(rdzv: Rendezvous, timeout_s: float) -> dist.Store:
+    """Connect to (or host) the rendezvous store and join the gloo process group over it."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(rdzv.host, rdzv.port, rdzv.world, rdzv.host_store, timeout, wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rdzv.rank, world_size=rdzv.world,
+                            timeout=timeout)
+    return store
+
+
+def run_rank(fn: Callable, rdzv: Rendezvous, args: tuple, *, timeout_s: float, threads: int,
+             stop_event: Any = None, install_signals: bool = False) -> Any:
+    """One rank's whole life: threads, rendezvous, ``fn(ctx, *args)``, leave the group."""
+    torch.set_num_threads(threads)
+    stop = StopFlag(stop_event)
+    if install_signals:
+        stop.install()
+    store = join(rdzv, timeout_s)
+    value = fn(RankContext(rdzv.rank, rdzv.world, rdzv.local_rank, store, stop), *args)
+    # Only after success: a failing rank reports first and leaves its peers blocked, not
+    # reset (a reset would make a peer's error race the real one to the launcher).
+    dist.destroy_process_group()
+    return value
+
+
+def _child(rdzv: Rendezvous, fn: Callable, args: tuple, results: Any, timeout_s: float, threads: int,
+           stop_event: Any, install_signals: bool) -> None:
+    try:
+        value = run_rank(fn, rdzv, args, timeout_s=timeout_s, threads=threads, stop_event=stop_event,
+                         install_signals=install_signals)
+        # Tensors sent through a multiprocessing queue travel as shared-memory file
+        # descriptors that die with this process; plain bytes survive it.
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        results.put((rdzv.rank, True, buf.getvalue()))
+    except BaseException:  # report every failure (incl. SystemExit) to the launcher, then exit non-zero
+        results.put((rdzv.rank, False, traceback.format_exc()))
+        raise
+
+
+def launch_local(fn: Callable, world_size: int, *args: Any, timeout_s: float | None = 300.0,
+                 collective_timeout_s: float = 300.0, threads: int = 1, hide_cuda: bool = True,
+                 start_method: str = "spawn", forward_signals: bool = False, in_process: bool = False
+                 ) -> list[Any]:
+    """Run ``fn(ctx, *args)`` on ``world_size`` local ranks; their return values in rank order."""
+    if world_size < 1:
+        raise ValueError(f"launch_local: world_size must be >= 1, got {world_size}")
+    if in_process and world_size == 1:
+        return [_run_in_process(fn, args, threads, forward_signals)]
+    ctx = mp.get_context(start_method)
+    results, stop_event = ctx.Queue(), ctx.Event()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, True, datetime.timedelta(seconds=collective_timeout_s),
+                          wait_for_workers=False)
+    procs = [ctx.Process(target=_child, name=f"tlt-rank-{r}",
+                         args=(Rendezvous("127.0.0.1", store.port, r, world_size, r), fn, args, results,
+                               collective_timeout_s, threads, stop_event, forward_signals))
+             for r in range(world_size)]
+    forwarded = _forward_signals(stop_event) if forward_signals else {}
+    ok = False
+    try:
+        with _spawn_environment(hide_cuda):
+            for p in procs:
+                p.start()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        values = _collect(procs, results, world_size, deadline, timeout_s)
+        ok = True
+        return values
+    finally:
+        for sig, handler in forwarded.items():
+            signal.signal(sig, handler)
+        # After a failure the other ranks may be blocked in a collective forever: kill at once.
+        _reap(procs, grace_s=30.0 if ok else 0.0)
+        del store
+
+
+def _run_in_process(fn: Callable, args: tuple, threads: int, install_signals: bool) -> Any:
+    stop = StopFlag()
+    if install_signals:
+        stop.install()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn(RankContext(0, 1, 0, dist.HashStore(), stop), *args)
+    finally:
+        torch.set_num_threads(before)
+        stop.restore()
+
+
+def _forward_signals(stop_event: Any) -> dict[int, Any]:
+    """The launcher's SIGINT/SIGTERM reach the ranks through `stop_event` (a signal sent
+    to a rank still importing torch would kill it or be ignored)."""
+    def forward(signum: int, frame: Any) -> None:
+        stop_event.set()
+
+    return {sig: signal.signal(sig, forward) for sig in SIGNALS}
+
+
+@contextlib.contextmanager
+def _spawn_environment(hide_cuda: bool) -> Iterator[None]:
+    """The environment the children inherit at exec: CUDA hidden if asked, restored after.
+
+    Setting the variable inside the child would come too late: the spawn bootstrap
+    imports the parent's main module (and with it torch) before ``fn`` runs.
+    """
+    if not hide_cuda:
+        yield
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def _collect(procs: list, results: Any, world: int, deadline: float | None, timeout_s: float | None) -> list[Any]:
+    values: dict[int, Any] = {}
+    while len(values) < world:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise TimeoutError(f"launch_local: ranks {sorted(set(range(world)) - set(values))} "
+                               f"did not finish within {timeout_s:.0f}s")
+        try:
+            rank, ok, value = results.get(timeout=1.0 if remaining is None else min(remaining, 1.0))
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                    and i not in values]
+            if not dead:
+                continue
+            try:  # give a dying rank a moment to flush its traceback through the queue
+                rank, ok, value = results.get(timeout=2.0)
+            except queue.Empty:
+                raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} before "
+                                   "reporting (killed? out of memory?)") from None
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed:\n{value}")
+        # Full pickle is safe here: these bytes were written by torch.save in a child this
+        # launcher started, over a private queue; fn may return any picklable object.
+        values[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    return [values[r] for r in range(world)]
+
+
+def _reap(procs: list, grace_s: float) -> None:
+    """Let ranks exit on their own first: a killed rank cannot run its exit handlers, which
+    would orphan helper processes it started (megatron's checkpoint writer starts some)."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)

@@ -1,0 +1,69 @@
+"""Rollout batches -> length-sorted, right-padded micro-batches, and back.
+
+Contract: a rollout batch is a list of ``(prompt, response)`` token lists.
+``micro_batches(batch, size)`` covers every sequence once, in micro-batches of at most
+``size`` sequences sorted by (length, index): the order depends only on the tokens, so
+two runs that generated the same tokens compute bit-identical log-probs and updates.
+Right padding never changes a real token's logits (the model is causal).
+``scatter`` puts per-micro-batch ``[b, T-1]`` values back as per-sequence response
+values in batch order; ``padded`` is its inverse for one micro-batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+Sequence2 = tuple[Sequence[int], Sequence[int]]  # (prompt tokens, response tokens)
+
+
+@dataclass
+class MicroBatch:
+    index: torch.Tensor       # [b] positions of these sequences in the rollout batch
+    input_ids: torch.Tensor   # [b, T]
+    mask: torch.Tensor        # [b, T-1] 1 where target input_ids[:, 1:] is a response token
+
+
+def micro_batches(batch: Sequence[Sequence2], size: int) -> list[MicroBatch]:
+    """Length-sorted, right-padded micro-batches covering every sequence once."""
+    if not batch:
+        raise ValueError("micro_batches: the rollout batch is empty")
+    lengths = [len(p) + len(r) for p, r in batch]
+    # Stable sort on (length, index): deterministic for a given set of tokens.
+    order = sorted(range(len(batch)), key=lambda i: (lengths[i], i))
+    out = []
+    for start in range(0, len(order), size):
+        idx = order[start: start + size]
+        T = max(lengths[i] for i in idx)
+        ids = torch.zeros(len(idx), T, dtype=torch.long)
+        mask = torch.zeros(len(idx), max(T - 1, 1), dtype=torch.float32)
+        for row, i in enumerate(idx):
+            prompt, response = batch[i]
+            seq = list(prompt) + list(response)
+            ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            # target j (= input_ids[j + 1]) is a response token for j in [P-1, P+R-1)
+            mask[row, len(prompt) - 1: len(seq) - 1] = 1.0
+        out.append(MicroBatch(torch.tensor(idx), ids, mask))
+    return out
+
+
+def scatter(values: list[torch.Tensor], mbs: list[MicroBatch], n: int) -> list[torch.Tensor]:
+    """Per-sequence response values (``[len(response)]`` each) in rollout-batch order."""
+    out: list[torch.Tensor | None] = [None] * n
+    for mb, lp in zip(mbs, values):
+        for row, i in enumerate(mb.index.tolist()):
+            out[i] = lp[row][mb.mask[row].bool()]
+    return out  # type: ignore[return-value]
+
+
+def padded(rows: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence response values back into the [b, T-1] layout of `mask`."""
+    out = torch.zeros_like(mask)
+    for r, values in enumerate(rows):
+        out[r][mask[r].bool()] = values
+    return out
+
+
+def sequence_length(item: Sequence2) -> int:
+    return len(item[0]) + len(item[1])

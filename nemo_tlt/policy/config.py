@@ -1,0 +1,70 @@
+"""Typed config of the policy backend (the ``policy:`` block of the top-level config).
+
+Fields are OmegaConf-structured-config friendly (str / int / float / bool / Optional /
+List / nested dataclasses, every one with a default) and validated at construction;
+error messages name the YAML key (``policy.tensor_parallel``, ``policy.optim.lr``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from nemo_tlt.checks import check_float, check_int
+from nemo_tlt.optim import OptimConfig
+
+BACKENDS = ("torch", "megatron")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class PolicyOptimConfig(OptimConfig):
+    """``OptimConfig`` under ``policy.optim`` (the default: constant LR 5e-5, betas 0.9 / 0.99)."""
+
+    KEY: ClassVar[str] = "policy.optim"
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Which backend trains the policy and how.
+
+    backend: ``torch`` (the plain-PyTorch ``DecoderLM``, the oracle) or ``megatron``
+    (megatron-core ``GPTModel``; TP x PP > 1 need it). micro_batch: sequences per
+    log-prob / update forward (length-sorted). separate_logprob_pass: recompute the old
+    log-probs in a no-grad pass of their own instead of the update forward's (detached;
+    ratio 1 with one optimizer step per batch). clip_eps: PPO ratio clip. kl_coef > 0
+    keeps a frozen reference policy and adds a k3 KL penalty. dtype: weights dtype of
+    the megatron backend ('float32' | 'bfloat16'; the torch backend keeps the model's).
+    """
+
+    backend: str = "torch"
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    micro_batch: int = 4
+    separate_logprob_pass: bool = False
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    dtype: str = "float32"
+    optim: PolicyOptimConfig = field(default_factory=PolicyOptimConfig)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"policy.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        check_int("policy.tensor_parallel", self.tensor_parallel, 1)
+        check_int("policy.pipeline_parallel", self.pipeline_parallel, 1)
+        if self.backend != "megatron" and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
+            raise ValueError(f"policy.tensor_parallel / policy.pipeline_parallel > 1 need policy.backend=megatron, "
+                             f"got backend {self.backend!r}")
+        check_int("policy.micro_batch", self.micro_batch, 1)
+        if not isinstance(self.separate_logprob_pass, bool):
+            raise ValueError(f"policy.separate_logprob_pass must be a bool, got {self.separate_logprob_pass!r}")
+        check_float("policy.clip_eps", self.clip_eps, 0, 1, lo_open=True, hi_open=True)
+        check_float("policy.kl_coef", self.kl_coef, 0)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"policy.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.optim, OptimConfig):
+            raise ValueError(f"policy.optim must be an OptimConfig, got {type(self.optim).__name__}")
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one model replica together (TP x PP)."""
+        return self.tensor_parallel * self.pipeline_parallel

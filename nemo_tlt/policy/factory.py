@@ -1,0 +1,28 @@
+"""``build_policy_backend``: the one place that picks a ``PolicyBackend`` implementation.
+
+The process group, if any, is initialised by the launcher before this is called (every
+rank calls it); a single torch rank needs none. The megatron backend imports
+megatron-core lazily and fails with the install step when it is missing.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.policy.config import PolicyConfig
+from nemo_tlt.policy.protocol import PolicyBackend
+
+
+def build_policy_backend(config: PolicyConfig, canonical: Mapping[str, torch.Tensor], model_config: LMConfig, *,
+                         temperature: float, seed: int) -> PolicyBackend:
+    """The backend ``config.backend`` names, holding a copy of ``canonical``; ``temperature`` is the
+    sampling temperature the log-probs are taken at; ``seed`` seeds megatron's RNG tracker."""
+    if config.backend == "torch":
+        from nemo_tlt.policy.torch_backend import TorchPolicy, build_decoder
+
+        return TorchPolicy(build_decoder(canonical, model_config), config, temperature=temperature)
+    from nemo_tlt.policy.megatron_backend import MegatronPolicy
+
+    return MegatronPolicy(canonical, model_config, config, temperature=temperature, seed=seed)

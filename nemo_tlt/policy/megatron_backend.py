@@ -1,0 +1,402 @@
+"""The megatron-core policy backend: a TP x PP ``GPTModel`` behind the ``PolicyBackend`` contract.
+
+Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
+* Built on *every* rank of an initialised ``torch.distributed`` world (gloo on CPU, NCCL
+  on GPU) of size TP x PP x data-parallel; the launcher owns the world. It initialises
+  megatron's parallel state (or checks the existing one), builds this rank's real
+  ``GPTModel`` (local spec, no Transformer Engine; CPU shims around every call only on
+  CPU) and loads its shard of the canonical (HF-named) weights via the layout adapters.
+* The same length-sorted micro-batches as the torch backend; log-probs of
+  ``log_softmax(logits / T)`` over the *true* vocabulary (Megatron's padded rows masked
+  out). Every rank of a model-parallel group passes the same batch (checked); results
+  come back on every rank.
+* Gradients: without sequence parallelism megatron's local-spec layers keep the residual
+  stream replicated over TP (row-parallel outputs all-reduced in forward, column-parallel
+  inputs all-reduce their grad in backward), so replicated norms get identical grads on
+  every TP rank with no extra all-reduce. Tied embeddings under PP > 1 (two copies, first
+  and last stage) are summed over the embedding group, as megatron's
+  ``finalize_model_grads`` would; then the gradients are summed over the data-parallel
+  group (``allreduce_flat``). The clip norm counts every weight once and is all-reduced
+  over the model-parallel group.
+* Optimizer: ``nemo_tlt.optim.build_optimizer`` (AdamW) over the local shards
+  (elementwise, so sharded == unsharded for equal grads). Megatron's
+  ``DistributedOptimizer`` (fp32 main params, grad buffers, overlapped reduce) needs its
+  DDP wrapper; not used here.
+* ``captures_hidden`` is True: a hook on the final norm (``megatron_patches.hidden_capture``)
+  captures the hidden states of the log-prob / update forward on the last stage; with
+  PP > 1 they are broadcast to every stage of the pipeline, so ``on_hidden`` runs on every rank.
+* Weights out: ``canonical_weights()`` streams layer by layer to every rank
+  (``nemo_tlt.weights.reshard``); ``rollout_state_dict(rollout_tp, receivers)`` does so in a
+  rollout engine's TP layout; ``canonical_state_dict()`` gathers on global rank 0.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from typing import Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from nemo_tlt.dist import allreduce_flat
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.optim import build_optimizer
+from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, padded, scatter
+from nemo_tlt.policy.config import PolicyConfig
+from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty
+from nemo_tlt.policy.protocol import STATS, HiddenSink, check_update_args
+from nemo_tlt.weights.layout import ParallelLayout
+from nemo_tlt.weights.megatron_layout import canonical_to_megatron, check_tp
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+VOCAB_MULTIPLE = 128  # Megatron's default make_vocab_size_divisible_by
+
+
+def policy_layout(config: PolicyConfig) -> ParallelLayout:
+    return ParallelLayout(tp=config.tensor_parallel, pp=config.pipeline_parallel,
+                          make_vocab_size_divisible_by=VOCAB_MULTIPLE)
+
+
+def check_policy_model(config: PolicyConfig, model_config: LMConfig) -> None:
+    """Refuse a TP that cannot split heads / query groups / MLP, or a PP the layers cannot fill."""
+    try:
+        check_tp(model_config, config.tensor_parallel)
+    except ValueError as err:
+        raise ValueError(f"policy.tensor_parallel={config.tensor_parallel}: {err}") from None
+    if config.pipeline_parallel > model_config.num_layers:
+        raise ValueError(f"policy.pipeline_parallel={config.pipeline_parallel} exceeds num_layers="
+                         f"{model_config.num_layers}: every stage needs at least one layer")
+    try:
+        policy_layout(config).stage_layer_counts(model_config.num_layers)
+    except ValueError as err:
+        raise ValueError(f"policy.pipeline_parallel={config.pipeline_parallel}: {err}") from None
+
+
+def _batch_digest(batch: Sequence[Sequence2]) -> str:
+    return hashlib.sha256(repr([(list(p), list(r)) for p, r in batch]).encode()).hexdigest()
+
+
+class MegatronPolicy:
+    """One rank's policy shard, its AdamW + schedule and the optional frozen KL reference."""
+
+    def __init__(self, canonical: Mapping[str, torch.Tensor], model_config: LMConfig, config: PolicyConfig, *,
+                 temperature: float, seed: int) -> None:
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            raise RuntimeError("policy.backend=megatron needs megatron-core, which is not installed; install it "
+                               "with pip install -e \".[megatron]\" (or pip install megatron-core)")
+        from nemo_tlt.megatron.parallel import compute_device, default_backend
+
+        if config.backend != "megatron":
+            raise ValueError(f"MegatronPolicy: policy.backend is {config.backend!r}, not 'megatron'")
+        if not temperature > 0:
+            raise ValueError(f"MegatronPolicy: temperature must be > 0, got {temperature!r}")
+        check_policy_model(config, model_config)  # before any collective: a bad TP fails alike on every rank
+        if not dist.is_initialized():
+            raise RuntimeError("policy.backend=megatron needs an initialised torch.distributed world "
+                               f"(backend {default_backend()!r}); the launcher (nemo_tlt.dist / torchrun / SLURM) "
+                               "owns it")
+        self._model_config, self.config, self.temperature, self.seed = model_config, config, temperature, seed
+        self.layout = policy_layout(config)
+        self.dtype = _DTYPES[config.dtype]
+        self.device = compute_device()
+        with self._device_context():
+            from nemo_tlt.megatron.parallel import ensure_model_parallel
+
+            ensure_model_parallel(self.layout.tp, self.layout.pp, seed=seed, owner="policy")
+            self.model = self._build(canonical).train()
+            self.reference = None
+            if config.kl_coef > 0:
+                self.reference = self._build(canonical).eval().requires_grad_(False)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.schedule = build_optimizer(self.params, config.optim, foreach=False)
+        self.step = 0
+
+    # ---- the contract's properties -------------------------------------------------
+    @property
+    def model_config(self) -> LMConfig:
+        return self._model_config
+
+    @property
+    def train_ranks(self) -> tuple[int, ...]:
+        from megatron.core import parallel_state
+
+        if not self.sharded_state:
+            return (dist.get_rank(),)
+        return tuple(dist.get_process_group_ranks(parallel_state.get_model_parallel_group()))
+
+    @property
+    def sharded_state(self) -> bool:
+        return self.layout.tp * self.layout.pp > 1
+
+    @property
+    def captures_hidden(self) -> bool:
+        return True
+
+    @property
+    def coords(self) -> tuple[int, int]:
+        """(pipeline stage, tensor-parallel rank) of this process."""
+        from nemo_tlt.megatron.live import rank_coords
+
+        return rank_coords()
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _device_context(self):
+        from nemo_tlt.megatron.parallel import device_context
+
+        return device_context(self.device)
+
+    def _build(self, canonical: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+        from nemo_tlt.megatron.gpt_builder import build_gpt_model
+        from nemo_tlt.megatron.live import load_shard, rank_coords
+
+        model = build_gpt_model(self.model_config, self.layout, dtype=self.dtype)
+        shard = canonical_to_megatron(canonical, self.model_config, self.layout)[rank_coords()]
+        load_shard(model, {k: v.to(self.dtype) for k, v in shard.items()})
+        return model.to(self.device)
+
+    # ---- forward pieces ------------------------------------------------------------------
+    def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """log softmax(logits / T) at the next tokens, from vocab-parallel logits ``[B, T, V/tp]``."""
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        if input_ids.shape[1] == 1:  # a lone token has no target; keep the graph for backward
+            return logits.sum(-1) * 0.0
+        scaled = (logits[:, :-1].float() / self.temperature).contiguous()
+        part = scaled.shape[-1]
+        valid = self.model_config.vocab_size - parallel_state.get_tensor_model_parallel_rank() * part
+        if valid < part:
+            # Megatron pads the vocabulary with zero rows; their logit 0 would join the partition
+            # function, so they get probability exactly 0 (and no gradient) instead.
+            pad = torch.arange(part, device=scaled.device) >= max(valid, 0)
+            scaled = scaled.masked_fill(pad, float("-inf"))
+        # The megatron op subtracts the max in place: it gets a tensor nobody else reads.
+        return -vocab_parallel_cross_entropy(scaled, input_ids[:, 1:].contiguous())
+
+    def _schedule(self, model: torch.nn.Module, mb: MicroBatch, loss_fn: Callable, forward_only: bool,
+                  batch: Sequence[Sequence2], on_hidden: HiddenSink | None) -> list:
+        """Megatron's own schedule (pipelined for PP > 1) over one micro-batch; hands the final
+        hidden states of this forward to ``on_hidden`` on every rank.
+
+        One schedule call per micro-batch because micro-batches have different lengths
+        and the pipeline's point-to-point buffers are shaped per call.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_patches.hidden_capture import HiddenCapture
+        from nemo_tlt.megatron.pipeline_forward import causal_attention_mask
+
+        ids = mb.input_ids.to(self.device)
+        B, T = ids.shape
+        positions = torch.arange(T, device=self.device).unsqueeze(0).expand(B, T)
+        mask = causal_attention_mask(T, B).to(self.device)
+        captured: list[torch.Tensor] = []
+        capture = HiddenCapture(model, captured.append) if on_hidden is not None else None
+
+        def forward_step(data_iterator: Iterator, step_model: torch.nn.Module):
+            return step_model(next(data_iterator), positions, mask), loss_fn
+
+        try:
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter([ids]), model=[model], num_microbatches=1,
+                seq_length=T, micro_batch_size=B, forward_only=forward_only, collect_non_loss_data=forward_only)
+        finally:
+            if capture is not None:
+                capture.remove()
+        if on_hidden is not None:
+            hidden = (captured[-1].float() if self._is_last_stage()
+                      else torch.empty(B, T, self.model_config.hidden_size, device=self.device))
+            hidden = self._from_last_stage(hidden).cpu()
+            for row, i in enumerate(mb.index.tolist()):
+                length = len(batch[i][0]) + len(batch[i][1])
+                on_hidden(i, mb.input_ids[row, :length], hidden[row, :length])
+        return out
+
+    def _is_last_stage(self) -> bool:
+        from megatron.core import parallel_state
+
+        return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Broadcast a last-stage tensor to every stage of this rank's pipeline (shape known everywhere)."""
+        from megatron.core import parallel_state
+
+        if self.layout.pp > 1:
+            dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
+        return tensor
+
+    def _check_same_batch(self, batch: Sequence[Sequence2]) -> None:
+        from megatron.core import parallel_state
+
+        if not self.sharded_state:
+            return
+        group = parallel_state.get_model_parallel_group()
+        digests: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(digests, _batch_digest(batch), group=group)
+        if len(set(digests)) != 1:
+            raise ValueError("MegatronPolicy: the ranks of one model-parallel group passed different batches; "
+                             "every rank of policy.train_ranks must pass the union of their rollouts")
+
+    # ---- log-probs -----------------------------------------------------------------------
+    def _all_logprobs(self, model: torch.nn.Module, batch: Sequence[Sequence2], mbs: list[MicroBatch],
+                      on_hidden: HiddenSink | None) -> list[torch.Tensor]:
+        values = []
+        for mb in mbs:
+            ids = mb.input_ids.to(self.device)
+            out = self._schedule(model, mb, lambda o, non_loss_data=True, ids=ids: self._token_logprobs(o, ids),
+                                 True, batch, on_hidden)
+            values.append(out[0] if self._is_last_stage() else None)
+        lengths = [len(r) for _, r in batch]
+        flat = (torch.cat(scatter([v.float().cpu() for v in values], mbs, len(batch))).to(self.device)
+                if self._is_last_stage() else torch.empty(sum(lengths), device=self.device))
+        return list(self._from_last_stage(flat).split(lengths))
+
+    @torch.no_grad()
+    def logprobs(self, batch: Sequence[Sequence2], current: bool = True, *, on_hidden: HiddenSink | None = None
+                 ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        if not current and self.reference is None:  # nothing to compute: no batch check (a collective)
+            return None, None
+        mbs = micro_batches(batch, self.config.micro_batch)
+        with self._device_context():
+            self._check_same_batch(batch)
+            old = None
+            if current:
+                self.model.eval()
+                old = self._all_logprobs(self.model, batch, mbs, on_hidden)
+                self.model.train()
+            ref = None
+            if self.reference is not None:
+                ref = self._all_logprobs(self.reference, batch, mbs, None)
+        return old, ref
+
+    # ---- update --------------------------------------------------------------------------
+    def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
+               logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None
+               ) -> dict[str, float]:
+        from megatron.core import parallel_state
+
+        check_update_args("MegatronPolicy", batch, advantages, global_tokens)
+        with self._device_context():
+            self._check_same_batch(batch)
+            self.optimizer.zero_grad(set_to_none=False)
+            for p in self.params:
+                if p.grad is None:  # a weight megatron's graph never reached still joins the reduce
+                    p.grad = torch.zeros_like(p)
+            totals = torch.zeros(len(STATS), dtype=torch.float64, device=self.device)
+            for mb in micro_batches(batch, self.config.micro_batch):
+                self._schedule(self.model, mb, self._loss_fn(mb, advantages, logp_old, logp_ref, global_tokens,
+                                                             totals), False, batch, on_hidden)
+            self._from_last_stage(totals)
+            self._allreduce_tied_embedding_grads()
+            allreduce_flat([p.grad for p in self.params], group=parallel_state.get_data_parallel_group())
+            norm = self._clip_grads()
+            lr = self.schedule.apply(self.step)
+            self.optimizer.step()
+            self.step += 1
+        return {**dict(zip(STATS, totals.tolist())), "grad_norm": norm, "lr": lr}
+
+    def _loss_fn(self, mb: MicroBatch, advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
+                 logp_ref: list[torch.Tensor] | None, global_tokens: int, totals: torch.Tensor) -> Callable:
+        """The last stage's loss for one micro-batch; accumulates the step stats into ``totals``."""
+        idx = mb.index.tolist()
+        mask = mb.mask.to(self.device)
+        ids = mb.input_ids.to(self.device)
+        old = None if logp_old is None else padded([logp_old[i].to(mask) for i in idx], mask)
+        ref = padded([logp_ref[i].to(mask) for i in idx], mask) if logp_ref is not None else None
+        adv = advantages[mb.index].to(mask)
+        share = float(mb.mask.sum()) / global_tokens
+
+        def loss_fn(output: torch.Tensor, non_loss_data: bool = False):
+            new = self._token_logprobs(output, ids)
+            pg, stats = clipped_pg_loss(new, new.detach() if old is None else old, adv, mask, self.config.clip_eps)
+            loss, kl = pg, None
+            if ref is not None:
+                kl = kl_penalty(new, ref, mask)
+                loss = loss + self.config.kl_coef * kl
+            parts = (loss.detach(), pg.detach(), kl.detach() if kl is not None else 0.0,
+                     stats["clip_frac"], stats["approx_kl"])
+            totals.add_(torch.tensor([float(v) for v in parts], dtype=torch.float64, device=totals.device) * share)
+            # micro-batch token mean -> its share of the global token mean
+            return loss * share, {}
+
+        return loss_fn
+
+    # ---- gradients ------------------------------------------------------------------------
+    def _allreduce_tied_embedding_grads(self) -> None:
+        """Tied embeddings under PP > 1 live on the first and the last stage; their grads are summed."""
+        from megatron.core import parallel_state
+
+        if not (self.model_config.tie_word_embeddings and self.layout.pp > 1):
+            return
+        if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+            return
+        weight = self.model.shared_embedding_or_output_weight()
+        dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+
+    def _clip_grads(self) -> float:
+        """Clip by the global grad norm over every weight counted once; returns the norm."""
+        from megatron.core import parallel_state
+
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in self.params:
+            duplicate = (not getattr(p, "tensor_model_parallel", False) and tp_rank != 0) or getattr(p, "shared", False)
+            if not duplicate:
+                sq += p.grad.float().pow(2).sum()
+        if self.sharded_state:
+            dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+        norm = sq.sqrt()
+        clip = self.config.optim.grad_clip
+        if clip > 0:
+            # torch.nn.utils.clip_grad_norm_'s rule, so both backends clip alike.
+            coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+            for p in self.params:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return float(norm)
+
+    # ---- weights out / in ----------------------------------------------------------------
+    def canonical_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full canonical weights on every rank, streamed layer by layer (a collective)."""
+        yield from self.rollout_state_dict(rollout_tp=1).items()
+
+    def canonical_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Every rank calls; global rank 0 gets the gathered canonical weights, the others None."""
+        from nemo_tlt.megatron.live import gather_canonical
+
+        with self._device_context():
+            return gather_canonical(self.model, self.model_config, self.layout)
+
+    def rollout_state_dict(self, rollout_tp: int = 1, receivers: tuple[int, ...] = ()
+                           ) -> dict[str, torch.Tensor] | None:
+        """Stream the weights, layer by layer, to ``receivers`` (default every rank) in the rollout
+        engine's layout at ``rollout_tp`` (canonical names); None on non-receivers."""
+        from nemo_tlt.megatron.live import local_shard
+        from nemo_tlt.weights.reshard import ReshardPlan, stream_reshard
+
+        plan = ReshardPlan(self.model_config, self.layout, rollout_tp, receivers=receivers, dtype=self.dtype,
+                           device=self.device.type)
+        with self._device_context():
+            return stream_reshard(local_shard(self.model), plan)
+
+    def load_canonical(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Replace the policy weights (e.g. on resume); the KL reference keeps the initial policy."""
+        from nemo_tlt.megatron.live import load_shard
+
+        shard = canonical_to_megatron(weights, self.model_config, self.layout)[self.coords]
+        with torch.no_grad():
+            load_shard(self.model, {k: v.to(self.device, self.dtype) for k, v in shard.items()})
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state (over its own shard) and schedule step, tagged with its (pp, tp)."""
+        return {"optimizer": self.optimizer.state_dict(), "step": self.step, "coords": list(self.coords),
+                "tensor_parallel": self.layout.tp, "pipeline_parallel": self.layout.pp}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = (list(self.coords), self.layout.tp, self.layout.pp)
+        theirs = (list(state["coords"]), state["tensor_parallel"], state["pipeline_parallel"])
+        if mine != theirs:
+            raise ValueError(f"MegatronPolicy.load_state_dict: state of (coords, TP, PP)={theirs} "
+                             f"cannot be loaded on {mine}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])

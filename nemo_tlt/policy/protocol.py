@@ -1,0 +1,79 @@
+"""``PolicyBackend``: the whole surface of a trainable policy the RL loop uses.
+
+Contract (every implementation)
+-------------------------------
+* A rollout batch is a list of ``(prompt, response)`` token lists
+  (``nemo_tlt.policy.batching``). Log-probs are those of the sampling distribution,
+  ``log_softmax(logits / temperature)`` at the response positions (the EOS a response
+  ended with included), one ``[len(response)]`` tensor per sequence.
+* ``logprobs(batch, current)`` returns ``(old, ref)``: the current policy's log-probs
+  (None unless ``current``) and the frozen reference's (None without ``kl_coef > 0``).
+* ``update(batch, advantages, logp_old, logp_ref, global_tokens)`` makes exactly one
+  optimizer step on the clipped PG loss (+ KL) as a token mean over ``global_tokens``
+  response tokens of the whole step: each micro-batch adds ``sum(loss) / global_tokens``,
+  and the backend sums gradients over its data-parallel replicas itself, so every
+  replica takes the same step and stays identical. ``logp_old=None``: the update
+  forward's own log-probs, detached (ratio 1). Returns ``loss, pg_loss, kl, clip_frac,
+  approx_kl`` (this rank's share of the token mean), ``grad_norm`` and ``lr``.
+* ``on_hidden(index, tokens[L], hidden[L, H])``, if given and ``captures_hidden``, is
+  called for every sequence of the batch, on every rank that called, with the final
+  hidden states (after the final norm, detached, float) of the same forward that
+  computed the log-probs; ``index`` is the sequence's position in ``batch`` and
+  ``hidden[t]`` is the feature that predicts ``tokens[t + 1]``.
+* ``canonical_weights()`` streams the full canonical (HF-named) weights on every rank;
+  for a model-parallel backend it is a collective: every rank iterates it to the end.
+* ``state_dict()`` / ``load_state_dict()`` hold the optimizer and the schedule step
+  (for resume); ``sharded_state`` says whether they differ per rank (then a checkpoint
+  keeps every rank's). ``load_canonical`` replaces the weights (the KL reference keeps
+  the initial policy).
+* ``train_ranks``: the global ranks whose rollouts this rank trains on together, in
+  order (its model-parallel group when TP x PP > 1, else just itself).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.policy.batching import Sequence2
+
+HiddenSink = Callable[[int, torch.Tensor, torch.Tensor], None]  # (batch index, tokens [L], hidden [L, H])
+STATS = ("loss", "pg_loss", "kl", "clip_frac", "approx_kl")
+
+
+@runtime_checkable
+class PolicyBackend(Protocol):
+    @property
+    def model_config(self) -> LMConfig: ...
+
+    @property
+    def train_ranks(self) -> tuple[int, ...]: ...
+
+    @property
+    def sharded_state(self) -> bool: ...
+
+    @property
+    def captures_hidden(self) -> bool: ...
+
+    def logprobs(self, batch: Sequence[Sequence2], current: bool = True, *, on_hidden: HiddenSink | None = None
+                 ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]: ...
+
+    def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
+               logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None
+               ) -> dict[str, float]: ...
+
+    def canonical_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def load_canonical(self, weights: Mapping[str, torch.Tensor]) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def check_update_args(owner: str, batch: Sequence[Sequence2], advantages: torch.Tensor, global_tokens: int) -> None:
+    if advantages.shape != (len(batch),):
+        raise ValueError(f"{owner}.update: advantages must be [{len(batch)}], got {tuple(advantages.shape)}")
+    if global_tokens < 1:
+        raise ValueError(f"{owner}.update: global_tokens must be >= 1, got {global_tokens}")

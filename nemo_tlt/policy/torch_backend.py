@@ -1,0 +1,152 @@
+"""The plain-PyTorch policy backend: a ``DecoderLM`` replica per rank, AdamW, pure data parallelism.
+
+Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
+* every rank holds the whole model; gradients are summed over all ranks of the default
+  process group (if one is initialised) through one flat float32 buffer before the clip,
+  so the replicas take bit-identical steps. A single rank needs no process group.
+* ``captures_hidden`` is True: the log-prob forward is ``logits(hidden(ids))``, so the
+  final hidden states come for free.
+* ``canonical_weights`` streams the replica's own weights (no communication).
+* With ``kl_coef > 0`` a frozen copy of the initial policy is the KL reference.
+* Nothing here is random: the model is built under a forked RNG, so building a backend
+  leaves the global RNG as it was.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from nemo_tlt.dist import allreduce_flat
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.optim import build_optimizer
+from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, padded, scatter
+from nemo_tlt.policy.config import PolicyConfig
+from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty, token_logprobs
+from nemo_tlt.policy.protocol import STATS, HiddenSink, check_update_args
+
+
+def build_decoder(canonical: Mapping[str, torch.Tensor], model_config: LMConfig) -> DecoderLM:
+    """A ``DecoderLM`` holding a copy of ``canonical`` (in its dtype); the global RNG is left untouched."""
+    state = {k: v for k, v in canonical.items() if not (model_config.tie_word_embeddings and k == "lm_head.weight")}
+    with torch.random.fork_rng(devices=[]):
+        model = DecoderLM(model_config)
+    model.load_state_dict(state, strict=True)
+    return model.to(next(iter(state.values())).dtype)
+
+
+class TorchPolicy:
+    """One rank's policy replica, its AdamW + schedule and the optional KL reference."""
+
+    def __init__(self, model: DecoderLM, config: PolicyConfig, *, temperature: float) -> None:
+        if config.backend != "torch" or config.model_parallel != 1:
+            raise ValueError(f"TorchPolicy: policy.backend={config.backend!r} with TP x PP={config.model_parallel}; "
+                             "the torch backend is backend 'torch' at TP = PP = 1")
+        if not temperature > 0:
+            raise ValueError(f"TorchPolicy: temperature must be > 0, got {temperature!r}")
+        self.model, self.config, self.temperature = model.train(), config, temperature
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # foreach=False: the per-parameter loop, bit-identical to the step this backend always took.
+        self.optimizer, self.schedule = build_optimizer(self.params, config.optim, foreach=False)
+        self.step = 0  # optimizer steps taken (drives the schedule)
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if config.kl_coef > 0 else None
+
+    # ---- the contract's properties -------------------------------------------------
+    @property
+    def model_config(self) -> LMConfig:
+        return self.model.config
+
+    @property
+    def train_ranks(self) -> tuple[int, ...]:
+        return (dist.get_rank() if dist.is_initialized() else 0,)
+
+    @property
+    def sharded_state(self) -> bool:
+        return False
+
+    @property
+    def captures_hidden(self) -> bool:
+        return True
+
+    # ---- forward ------------------------------------------------------------------
+    def _token_logprobs(self, model: DecoderLM, mb: MicroBatch, batch: Sequence[Sequence2],
+                        on_hidden: HiddenSink | None) -> torch.Tensor:
+        hidden = model.hidden(mb.input_ids)
+        if on_hidden is not None:
+            _emit_hidden(on_hidden, hidden, mb, batch)
+        logits = model.logits(hidden)[:, :-1] / self.temperature
+        if mb.input_ids.shape[1] == 1:  # a lone token has no target; keep shapes aligned
+            return logits.new_zeros(mb.mask.shape)
+        return token_logprobs(logits, mb.input_ids[:, 1:])
+
+    @torch.no_grad()
+    def logprobs(self, batch: Sequence[Sequence2], current: bool = True, *, on_hidden: HiddenSink | None = None
+                 ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        if not current and self.reference is None:
+            return None, None
+        mbs = micro_batches(batch, self.config.micro_batch)
+        old = None
+        if current:
+            old = scatter([self._token_logprobs(self.model, mb, batch, on_hidden) for mb in mbs], mbs, len(batch))
+        ref = None
+        if self.reference is not None:
+            ref = scatter([self._token_logprobs(self.reference, mb, batch, None) for mb in mbs], mbs, len(batch))
+        return old, ref
+
+    # ---- update -------------------------------------------------------------------
+    def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
+               logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None
+               ) -> dict[str, float]:
+        check_update_args("TorchPolicy", batch, advantages, global_tokens)
+        self.optimizer.zero_grad(set_to_none=False)
+        totals = dict.fromkeys(STATS, 0.0)
+        for mb in micro_batches(batch, self.config.micro_batch):
+            idx = mb.index.tolist()
+            new = self._token_logprobs(self.model, mb, batch, on_hidden)
+            old = new.detach() if logp_old is None else padded([logp_old[i] for i in idx], mb.mask)
+            pg, stats = clipped_pg_loss(new, old, advantages[mb.index], mb.mask, self.config.clip_eps)
+            share = float(mb.mask.sum()) / global_tokens
+            loss = pg
+            if logp_ref is not None:
+                kl = kl_penalty(new, padded([logp_ref[i] for i in idx], mb.mask), mb.mask)
+                loss = loss + self.config.kl_coef * kl
+                totals["kl"] += float(kl.detach()) * share
+            # micro-batch token mean -> its share of the global token mean
+            (loss * share).backward()
+            totals["loss"] += float(loss.detach()) * share
+            totals["pg_loss"] += float(pg.detach()) * share
+            totals["clip_frac"] += stats["clip_frac"] * share
+            totals["approx_kl"] += stats["approx_kl"] * share
+        allreduce_flat([p.grad for p in self.params])
+        clip = self.config.optim.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else float("inf"))
+        lr = self.schedule.apply(self.step)
+        self.optimizer.step()
+        self.step += 1
+        return {**totals, "grad_norm": float(norm), "lr": lr}
+
+    # ---- weights and state --------------------------------------------------------------
+    def canonical_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.detach()
+
+    def load_canonical(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(dict(weights), strict=True)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self.step = int(state["step"])
+
+
+def _emit_hidden(on_hidden: HiddenSink, hidden: torch.Tensor, mb: MicroBatch, batch: Sequence[Sequence2]) -> None:
+    """Each real sequence's rows of a right-padded micro-batch, in batch indices."""
+    hidden = hidden.detach().float()
+    for row, i in enumerate(mb.index.tolist()):
+        length = len(batch[i][0]) + len(batch[i][1])
+        on_hidden(i, mb.input_ids[row, :length], hidden[row, :length])
