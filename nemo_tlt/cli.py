@@ -18,7 +18,7 @@ _COMMANDS = {
     ("bench", "rollout"): "nemo_tlt.bench.rollout",
     ("bench", "drafter"): "nemo_tlt.bench.drafter",
     ("bench", "reshard"): "nemo_tlt.bench.reshard",
-    ("convert",): "nemo_tlt.weights.convert_cli",
+    ("convert",): "nemo_tlt.convert",
     ("train",): "nemo_tlt.train",
     ("prepare",): "nemo_tlt.demo.prepare",
     ("plan",): "nemo_tlt.plan.cli",

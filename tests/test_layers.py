@@ -11,7 +11,7 @@ LAYERS = [
     {"checks", "atomic", "imports", "optim"},
     {"model"}, {"speculative"}, {"drafter"}, {"adaptive"}, {"rollout"}, {"dist"}, {"spot"}, {"weights"},
     {"megatron"}, {"policy"}, {"config"}, {"rl"}, {"demo"}, {"integrations"},
-    {"cli", "train", "bench", "plan"},
+    {"cli", "train", "convert", "bench", "plan"},
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from nemo_tlt.weights.convert_cli import main
+from nemo_tlt.convert import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

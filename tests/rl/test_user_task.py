@@ -18,6 +18,7 @@ from nemo_tlt.train import main
 pytestmark = pytest.mark.timeout(180)
 
 PROMPTS = [("2+3=", "5"), ("4+4=", "8"), ("1+6=", "7"), ("9-2=", "7"), ("3+3=", "6"), ("8-5=", "3")]
+HERE = __name__  # this module's import name under pytest, for the reward's import path
 SEEN: list[tuple[str, str | None, float]] = []  # (prompt text, answer, bonus) of every reward call
 
 
@@ -27,7 +28,7 @@ def exact_match(prompt, response: str, bonus: float = 0.0) -> float:
     return 1.0 if response.strip() == prompt.answer else bonus
 
 
-def _hf_tokenizer(folder: Path):
+def _hf_tokenizer():
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
     chars = list("0123456789+-= ")
@@ -38,18 +39,18 @@ def _hf_tokenizer(folder: Path):
     tok.decoder = tokenizers.decoders.Fuse()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                                pad_token="<pad>")
-    fast.save_pretrained(folder)
     return fast
 
 
 def test_grpo_tlt_on_a_user_jsonl_task_with_an_imported_reward(tmp_path):
     target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"
-    tok = _hf_tokenizer(target_dir)
+    tok = _hf_tokenizer()
     torch.manual_seed(0)
     lm = LMConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, max_position_embeddings=64, bos_token_id=tok.bos_token_id,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     save_hf_folder(DecoderLM(lm), target_dir)
+    tok.save_pretrained(target_dir)  # beside config.json, as transformers lays out a model folder
     save_drafter(EagleDrafter(EagleConfig.from_target(lm)), drafter_dir)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in PROMPTS))
@@ -61,7 +62,7 @@ progress: false
 task:
   source: jsonl
   options: {{path: {data}, prompt_key: question}}
-  reward: tests.rl.test_user_task:exact_match
+  reward: {HERE}:exact_match
   reward_options: {{bonus: 0.25}}
   tokenizer: hf
 model: {{target_dir: {target_dir}, drafter_dir: {drafter_dir}}}

@@ -18,7 +18,7 @@ import torch
 
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_state_dict
-from nemo_tlt.weights.convert_cli import main
+from nemo_tlt.convert import main
 from nemo_tlt.weights.layout import ParallelLayout
 from nemo_tlt.weights.legacy import legacy_to_canonical, read_legacy_shards
 from nemo_tlt.weights.megatron_layout import canonical_to_megatron

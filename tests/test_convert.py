@@ -14,7 +14,7 @@ import torch
 
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_state_dict
-from nemo_tlt.weights.convert_cli import main
+from nemo_tlt.convert import main
 
 from test_megatron_layout import random_canonical
 
