@@ -108,18 +108,19 @@ class TorchPolicy:
             new = self._token_logprobs(self.model, mb, batch, on_hidden)
             old = new.detach() if logp_old is None else padded([logp_old[i] for i in idx], mb.mask)
             pg, stats = clipped_pg_loss(new, old, advantages[mb.index], mb.mask, self.config.clip_eps)
-            share = float(mb.mask.sum()) / global_tokens
+            n_local = float(mb.mask.sum())
             loss = pg
             if logp_ref is not None:
                 kl = kl_penalty(new, padded([logp_ref[i] for i in idx], mb.mask), mb.mask)
                 loss = loss + self.config.kl_coef * kl
-                totals["kl"] += float(kl.detach()) * share
+                totals["kl"] += float(kl.detach()) * n_local / global_tokens
             # micro-batch token mean -> its share of the global token mean
-            (loss * share).backward()
-            totals["loss"] += float(loss.detach()) * share
-            totals["pg_loss"] += float(pg.detach()) * share
-            totals["clip_frac"] += stats["clip_frac"] * share
-            totals["approx_kl"] += stats["approx_kl"] * share
+            (loss * (n_local / global_tokens)).backward()
+            # (x * n) / g, not x * (n / g): the logged stats keep their exact bits
+            totals["loss"] += float(loss.detach()) * n_local / global_tokens
+            totals["pg_loss"] += float(pg.detach()) * n_local / global_tokens
+            totals["clip_frac"] += stats["clip_frac"] * n_local / global_tokens
+            totals["approx_kl"] += stats["approx_kl"] * n_local / global_tokens
         allreduce_flat([p.grad for p in self.params])
         clip = self.config.optim.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else float("inf"))
