@@ -51,7 +51,7 @@ def _on_gpu_host(worker: str, seen: str, ctx, *args) -> None:
     """Run convert_cli's ``worker`` in a gloo child as it runs on a GPU host: there torch sees
     the GPU unless CUDA_VISIBLE_DEVICES is empty, and the CPU shims refuse to run where it does.
     Records the CUDA_VISIBLE_DEVICES this child started with in ``seen``."""
-    from nemo_tlt.weights import convert_cli
+    from nemo_tlt import convert as convert_cli
 
     with open(f"{seen}.{ctx.rank}", "w") as f:
         json.dump(os.environ.get("CUDA_VISIBLE_DEVICES"), f)
@@ -65,7 +65,7 @@ def test_torch_dist_round_trip_on_a_gpu_host(tmp_path, monkeypatch):
     processes start with the GPU hidden. The GPU host is simulated in the parent and, through
     _on_gpu_host, in the children (only the parent's monkeypatch would not reach them)."""
     pytest.importorskip("megatron.core")
-    from nemo_tlt.weights import convert_cli
+    from nemo_tlt import convert as convert_cli
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -41,7 +41,7 @@ from nemo_tlt.rl.records import IdleResult, RankState, RankStep, Rollout, step_r
 from nemo_tlt.rl.report import MetricsWriter
 from nemo_tlt.rl.run import RunSpec, shard_prompts, step_rng, step_seed
 from nemo_tlt.rl.run_checkpoint import RunCheckpointer, RunState
-from nemo_tlt.rl.task import build_task, check_vocab
+from nemo_tlt.rl.task import build_task, check_eos, check_vocab
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
@@ -63,6 +63,7 @@ class RLWorker:
         model_config, canonical = policy_model.config, policy_model.state_dict()
         self.task = build_task(cfg.task, spec.target_dir)
         check_vocab(self.task.tokenizer, model_config.vocab_size, spec.target_dir)
+        check_eos(self.task.tokenizer, model_config.eos_token_id, spec.target_dir)
         self.policy = build_policy_backend(cfg.policy, canonical, model_config,
                                            temperature=cfg.grpo.temperature, seed=cfg.seed)
         self.engine = TorchRolloutEngine.from_hf_folder(spec.target_dir)

@@ -294,3 +294,11 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int, model_dir: str) -> 
     if tokenizer.vocab_size > model_vocab_size:
         raise ValueError(f"task.tokenizer: the tokenizer's vocab_size {tokenizer.vocab_size} exceeds the model's "
                          f"vocab_size {model_vocab_size} ({model_dir})")
+
+
+def check_eos(tokenizer: Tokenizer, model_eos_id: int, model_dir: str) -> None:
+    """The rollout stops rows at the model config's EOS; the tokenizer must mean the same token."""
+    if tokenizer.eos_id != model_eos_id:
+        raise ValueError(f"task.tokenizer: the tokenizer's eos id {tokenizer.eos_id} differs from the model's "
+                         f"eos_token_id {model_eos_id} ({model_dir}/config.json); rollouts would not stop where "
+                         "the tokenizer ends a response")

@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 
 from nemo_tlt.bench import reshard
-from nemo_tlt.weights import convert_cli
+from nemo_tlt import convert as convert_cli
 
 
 @pytest.fixture

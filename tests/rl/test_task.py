@@ -286,3 +286,14 @@ def test_the_task_interfaces_do_not_import_the_demo():
             "sys.exit(sorted(m for m in sys.modules if m.startswith('nemo_tlt.demo')) or 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_check_eos_refuses_a_tokenizer_whose_eos_is_not_the_models():
+    from nemo_tlt.rl.task import check_eos
+
+    class Tok:
+        eos_id = 3
+
+    check_eos(Tok(), 3, "m")
+    with pytest.raises(ValueError, match="eos id 3 differs from the model's eos_token_id 2"):
+        check_eos(Tok(), 2, "m")
