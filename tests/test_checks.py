@@ -8,7 +8,7 @@ from nemo_tlt.drafter.train import DrafterTrainConfig
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.demo.sft import SFTConfig
 from nemo_tlt.spot.harvest import HarvestConfig
-from nemo_tlt.spot.trainer import SpotTrainerConfig
+from nemo_tlt.spot.trainer import DrafterOptimConfig, SpotTrainerConfig
 from nemo_tlt.weights.layout import ParallelLayout
 
 
@@ -44,7 +44,7 @@ def test_bounds_that_hold_pass():
     (lambda: PolicyConfig(clip_eps=1.0), r"policy\.clip_eps must be < 1"),
     (lambda: PolicyConfig(micro_batch=0), r"policy\.micro_batch must be >= 1"),
     (lambda: SpotTrainerConfig(batch_size=True), r"SpotTrainerConfig\.batch_size must be an int"),
-    (lambda: SpotTrainerConfig(beta2=1.0), r"SpotTrainerConfig\.beta2 must be < 1"),
+    (lambda: SpotTrainerConfig(optim=DrafterOptimConfig(betas=[0.9, 1.0])), r"drafter\.trainer\.optim\.betas\[1\] must be < 1"),
     (lambda: HarvestConfig(hidden_size=8, recency_decay=0.0), r"HarvestConfig\.recency_decay must be > 0"),
     (lambda: HarvestConfig(hidden_size=8, min_length=1), r"HarvestConfig\.min_length must be >= 2"),
     (lambda: ParallelLayout(tp=0), r"ParallelLayout\.tp must be >= 1"),

@@ -16,7 +16,7 @@ from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_state_dict
 from nemo_tlt.convert import main
 
-from test_megatron_layout import random_canonical
+from tests.weights.test_megatron_layout import random_canonical
 
 
 def _hf_folder(path, cfg: LMConfig, state: dict | None = None):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nemo_tlt.config import load_config
-from nemo_tlt.rl import train_cli
+from nemo_tlt import train as train_cli
 from nemo_tlt.train import TrainArgs, build_plan, main, pair_orders, parse_argv
 
 DEMO = Path(__file__).resolve().parents[1] / "conf" / "demo.yaml"

@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.arm_shapes = [TreeShape.parse(s, field=f"--arms[{i}]") for i, s in enumerate(args.arms.split(","))]
     learned = args.policy == "learned"
     if args.bucket_edges is None:
-        args.bucket_edges = ",".join(map(str, LearnedSDConfig.bucket_edges if learned else (2, 4, 8, 16)))
+        args.bucket_edges = ",".join(map(str, LearnedSDConfig().bucket_edges if learned else (2, 4, 8, 16)))
     if args.min_pulls is None:
         args.min_pulls = LearnedSDConfig.min_pulls if learned else 3
     try:

@@ -173,8 +173,8 @@ def check_train_config(plan: PlanConfig) -> None:
         ("batch.group_size", plan.batch.group_size, "grpo.group_size", train.grpo.group_size),
         ("batch.max_response_len", plan.batch.max_response_len, "grpo.max_new_tokens", train.grpo.max_new_tokens),
         ("sd.enabled", plan.sd.enabled, "rollout.sd_enabled", train.rollout.sd_enabled),
-        ("sd.threshold", plan.sd.threshold, "rollout.threshold_on", train.rollout.threshold_on),
-        ("sd.arms", tuple(plan.sd.arms), "rollout.arms", tuple(train.rollout.arms)),
+        ("sd.threshold", plan.sd.threshold, "rollout.threshold.threshold_on", train.rollout.threshold.threshold_on),
+        ("sd.arms", tuple(plan.sd.arms), "rollout.bandit.arms", tuple(a.name for a in train.rollout.bandit.arms)),
         ("sd.drafter_training", plan.sd.drafter_training, "drafter.train_on_idle", train.drafter.train_on_idle),
         ("cluster GPUs", plan.cluster.world, "workers.num_workers", train.workers.num_workers),
     ]

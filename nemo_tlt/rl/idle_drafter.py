@@ -19,7 +19,6 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import torch
 
@@ -40,7 +39,7 @@ class IdleDrafter:
         self.config, self.view = config, view
         self.drafter = load_drafter(drafter_dir, view)
         self.buffer = HarvestBuffer(HarvestConfig(view.config.hidden_size, max_bytes=config.harvest_max_mb << 20))
-        self.trainer = SpotTrainer(self.drafter, eagle_loss_fn(view), replace(config.trainer, seed=seed), rank=rank)
+        self.trainer = SpotTrainer(self.drafter, eagle_loss_fn(view), config.trainer, rank=rank, seed=seed)
         self._thread = ThreadPoolExecutor(1, "tlt-idle", initializer=_init_idle_thread,
                                           initargs=(config.nice, torch.get_num_threads()))
 

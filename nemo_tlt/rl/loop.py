@@ -135,7 +135,7 @@ class RLWorker:
         mine = RankStep(rank=comm.rank, ids=rollout.ids, tokens=[r.tokens for r in rollout.out.results],
                         rewards=rewards, gen_s=rollout.seconds, sd_steps=rollout.out.stats.sd_steps,
                         plain_steps=rollout.out.stats.plain_steps, accept_lengths=rollout.out.stats.accept_lengths,
-                        segments=[(a - self.t0, b - self.t0, c) for a, b, c in rollout.segments], idle=idle,
+                        segments=rollout.segments, idle=idle,
                         update=update, state=self.rank_state(), weights=weights)
         ranks = comm.gather(mine)
         # A sharded optimizer state (TP x PP > 1) differs per rank: keep every rank's.
@@ -146,9 +146,8 @@ class RLWorker:
         self.rank_states = [r.state for r in ranks]
         times = {"step_s": time.perf_counter() - t_start, "rollout_s": t_meet - t_start, "logprob_s": t_logprob,
                  "update_s": t_update, "weight_sync_s": t_sync}
-        events = [[e.rank, e.state.value, e.time - self.t0] for e in timeline]
-        return step_record(step, self.spec.mode, self.cfg.grpo.prompts_per_step * G, ranks, times, events,
-                           self.coord.now() - self.t0)
+        return step_record(step, self.spec.mode, self.cfg.grpo.prompts_per_step * G, ranks, times, timeline,
+                           self.t0, self.coord.now())
 
     # ---- the phases -----------------------------------------------------------
     def rollout(self, step: int, prompts: list) -> Rollout:

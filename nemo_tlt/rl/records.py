@@ -69,9 +69,10 @@ class RankStep:
 
 
 def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], times: dict[str, float],
-                timeline: list[list], t_end: float) -> dict[str, Any]:
-    """The step's JSON record from every rank's result (``times``: phase seconds of rank 0,
-    ``timeline``: [rank, state, t] events on the run's clock)."""
+                timeline: list, t0: float, now: float) -> dict[str, Any]:
+    """The step's JSON record from every rank's result (``times``: phase seconds of rank 0;
+    ``timeline``: the coordinator's events; times on the coordinator's clock, shared by
+    all ranks, are logged relative to the run's start ``t0``)."""
     rewards, tokens = [0.0] * num_seqs, [[] for _ in range(num_seqs)]
     for r in ranks:
         for i, rew, toks in zip(r.ids, r.rewards, r.tokens):
@@ -104,8 +105,9 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
         # data parallelism must keep every rank's policy and drafter bit-identical
         "replicas_identical": all(r.weights == ranks[0].weights for r in ranks),
         "rewards": rewards, "rollout_digest": digest(tokens),
-        "timeline": timeline,
+        "timeline": [[e.rank, e.state.value, e.time - t0] for e in timeline],
         # per rank, where its rollout decoded plainly or with which tree (run-length)
-        "decode_segments": [[r.rank, round(a, 4), round(b, 4), choice] for r in ranks for a, b, choice in r.segments],
-        "t_end": t_end,
+        "decode_segments": [[r.rank, round(a - t0, 4), round(b - t0, 4), choice]
+                            for r in ranks for a, b, choice in r.segments],
+        "t_end": now - t0,
     }

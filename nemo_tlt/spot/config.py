@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nemo_tlt.checks import check_int
-from nemo_tlt.spot.trainer import SpotTrainerConfig
+from nemo_tlt.spot.trainer import DrafterOptimConfig, SpotTrainerConfig
 
 HARVEST_SOURCES = ("rollout", "policy")
 
@@ -27,7 +27,8 @@ class IdleDrafterConfig:
     # OS niceness of the thread that trains on idle time (0: same as rollout). Where
     # workers share CPU cores, a busy worker's tail rollout must win every contention.
     nice: int = 19
-    trainer: SpotTrainerConfig = field(default_factory=lambda: SpotTrainerConfig(warmup_steps=5))
+    trainer: SpotTrainerConfig = field(
+        default_factory=lambda: SpotTrainerConfig(optim=DrafterOptimConfig(warmup_steps=5, decay_steps=9_995)))
 
     def __post_init__(self) -> None:
         if not isinstance(self.train_on_idle, bool):

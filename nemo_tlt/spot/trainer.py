@@ -2,7 +2,7 @@
 
 Contract
 --------
-* ``SpotTrainer(model, loss_fn, config)`` trains ``model`` with AdamW, linear warmup
+* ``SpotTrainer(model, loss_fn, config, rank=0, seed=0)`` trains ``model`` with AdamW, linear warmup
   then cosine decay (``lr_schedule``), and gradient-norm clipping.
   ``loss_fn(model, samples: list[HarvestSample])`` returns the loss tensor, or
   ``(loss, stats: dict[str, float])``; ``spot.losses.eagle_loss_fn`` builds one for
@@ -18,7 +18,7 @@ Contract
   mark idle, wait for enough idle workers, train until preempted, meet, average.
   Every rank calls it once its rollout share is done, whether or not it will train.
 * All randomness (batch sampling) comes from a ``torch.Generator`` seeded by
-  ``(config.seed, rank)``; ``state_dict`` / ``load_state_dict`` cover optimizer,
+  ``(seed, rank)``; ``state_dict`` / ``load_state_dict`` cover optimizer,
   step, generator and counters for exact resume through ``CheckpointManager``.
 """
 from __future__ import annotations
@@ -26,13 +26,13 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from nemo_tlt.checks import check_float, check_int
+from nemo_tlt.checks import check_int
 from nemo_tlt.optim import OptimConfig, build_optimizer
 from nemo_tlt.spot.averaging import AverageStats, average_replicas
 from nemo_tlt.spot.coordinator import WorkerCoordinator, WorkerState, idle_utilization
@@ -43,53 +43,41 @@ LossFn = Callable[[nn.Module, list[HarvestSample]], LossResult]
 
 
 @dataclass(frozen=True)
-class SpotTrainerConfig:
-    """lr: peak learning rate; warmup_steps then cosine decay to lr * min_lr_ratio at
-    total_steps (optimizer steps over the whole run, not per round).
-    batch_size: samples per micro-step; grad_accum: micro-steps per optimizer step.
-    max_steps_per_round: cap on optimizer steps in one idle window (None: until preempted).
-    """
+class DrafterOptimConfig(OptimConfig):
+    """The drafter's AdamW and schedule (``drafter.trainer.optim``): warmup, then cosine
+    decay to 10% over the run's optimizer steps (not per idle round)."""
 
+    KEY: ClassVar[str] = "drafter.trainer.optim"
     lr: float = 3e-4
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: int = 10
-    total_steps: int = 10_000
+    decay_steps: Optional[int] = 9_990
     min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class SpotTrainerConfig:
+    """batch_size: samples per micro-step; grad_accum: micro-steps per optimizer step.
+    max_steps_per_round: cap on optimizer steps in one idle window (None: until preempted).
+    optim: AdamW, gradient clip and LR schedule (``nemo_tlt.optim``)."""
+
     batch_size: int = 8
     grad_accum: int = 1
-    max_steps_per_round: int | None = None
-    seed: int = 0
+    max_steps_per_round: Optional[int] = None
+    optim: DrafterOptimConfig = field(default_factory=DrafterOptimConfig)
 
     def __post_init__(self) -> None:
-        check_float("SpotTrainerConfig.lr", self.lr, 0, lo_open=True)
-        for name in ("weight_decay", "grad_clip"):
-            check_float(f"SpotTrainerConfig.{name}", getattr(self, name), 0)
-        check_int("SpotTrainerConfig.warmup_steps", self.warmup_steps, 0)
-        for name in ("beta1", "beta2"):
-            check_float(f"SpotTrainerConfig.{name}", getattr(self, name), 0, 1, hi_open=True)
-        check_float("SpotTrainerConfig.min_lr_ratio", self.min_lr_ratio, 0, 1)
-        for name in ("total_steps", "batch_size", "grad_accum"):
+        for name in ("batch_size", "grad_accum"):
             check_int(f"SpotTrainerConfig.{name}", getattr(self, name), 1)
-        if self.max_steps_per_round is not None and self.max_steps_per_round < 1:
-            raise ValueError(
-                f"SpotTrainerConfig.max_steps_per_round must be None or >= 1, got {self.max_steps_per_round!r}"
-            )
-
-
-    def optim_config(self) -> OptimConfig:
-        """AdamW + schedule of this trainer in the shared form (``nemo_tlt.optim``)."""
-        return OptimConfig(lr=self.lr, weight_decay=self.weight_decay, betas=[self.beta1, self.beta2],
-                           grad_clip=self.grad_clip, warmup_steps=self.warmup_steps,
-                           decay_steps=max(0, self.total_steps - self.warmup_steps),
-                           min_lr_ratio=self.min_lr_ratio)
+        if self.max_steps_per_round is not None:
+            check_int("SpotTrainerConfig.max_steps_per_round", self.max_steps_per_round, 1)
+        if not isinstance(self.optim, OptimConfig):
+            raise ValueError(f"SpotTrainerConfig.optim must be an OptimConfig, got {type(self.optim).__name__}")
 
 
 def lr_schedule(step: int, config: SpotTrainerConfig) -> float:
-    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
-    return config.optim_config().lr_at(step)
+    """The learning rate of optimizer step ``step`` (warmup, then cosine decay)."""
+    return config.optim.lr_at(step)
 
 
 @dataclass
@@ -113,7 +101,8 @@ class RoundStats:
 class SpotTrainer:
     """Holds the drafter's optimizer and schedule across idle windows. See the module docstring."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, config: SpotTrainerConfig, rank: int = 0) -> None:
+    def __init__(self, model: nn.Module, loss_fn: LossFn, config: SpotTrainerConfig, rank: int = 0,
+                 seed: int = 0) -> None:
         self.model = model
         self.loss_fn = loss_fn
         self.config = config
@@ -121,8 +110,8 @@ class SpotTrainer:
         if not params:
             raise ValueError("SpotTrainer: the model has no trainable parameters")
         self.params = params
-        self.optimizer, self.schedule = build_optimizer(params, config.optim_config())
-        self.generator = torch.Generator().manual_seed(config.seed * 100_003 + rank)
+        self.optimizer, self.schedule = build_optimizer(params, config.optim)
+        self.generator = torch.Generator().manual_seed(seed * 100_003 + rank)
         self.step = 0  # optimizer steps over the whole run (drives the schedule)
         self.samples_since_sync = 0
         self.tokens_trained = 0
@@ -158,8 +147,8 @@ class SpotTrainer:
             samples += len(batch)
             tokens += sum(s.length for s in batch)
         self.schedule.apply(self.step)
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)
         self.optimizer.step()
         self.step += 1
         stats.optimizer_steps += 1

@@ -45,13 +45,13 @@ def tiny_assets(root: Path) -> tuple[Path, Path]:
 
 
 def tiny_overrides(target: Path, drafter: Path, run_dir: Path, steps: int = 3, workers: int = 2) -> list[str]:
-    task = [f"task.{k}={v}" for k, v in TINY_TASK.items()]
+    task = [f"task.options.{k}={v}" for k, v in TINY_TASK.items()]
     return task + [
         f"run_dir={run_dir}", f"steps={steps}", "progress=false",
         f"model.target_dir={target}", f"model.drafter_dir={drafter}",
-        "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.max_new_tokens=100", "grpo.lr=1e-3",
-        "grpo.format_bonus=0.1", "grpo.acceptance=coupled",
-        "rollout.threshold_on=4", "rollout.threshold_off=6",
+        "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.max_new_tokens=100", "policy.optim.lr=1e-3",
+        "task.reward_options.format_bonus=0.1", "grpo.acceptance=coupled",
+        "rollout.threshold.threshold_on=4", "rollout.threshold.threshold_off=6",  # with rollout.sd_policy=threshold
         f"workers.num_workers={workers}", "workers.start_method=fork", "workers.timeout_s=120",
         # full priority for idle-time training, so a loaded test machine cannot starve it
         "drafter.nice=0",
@@ -125,7 +125,7 @@ def test_tlt_vs_baseline_two_workers(tiny_models, tmp_path):
             for rank in (0, 1):
                 busy, idle = _rollout_span(r["timeline"], rank)
                 segs = [seg[1:] for seg in r["decode_segments"] if seg[0] == rank]
-                assert all(busy - 1e-3 <= a <= b <= idle + 1e-3 for a, b, _ in segs)
+                assert all(busy - 1e-3 <= a <= b <= idle + 1e-3 for a, b, _ in segs), (busy, idle, segs, r["timeline"])
                 assert 0 < sum(b - a for a, b, _ in segs) <= idle - busy + 1e-3
     assert all(seg[3] == "plain" for base in bases for r in base for seg in r["decode_segments"])
     assert any(seg[3] != "plain" for tlt in tlts for r in tlt for seg in r["decode_segments"])

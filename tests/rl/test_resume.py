@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from nemo_tlt.config import load_config
-from nemo_tlt.rl.loop import RunSpec, prepare_run_dir, run_rank
+from nemo_tlt.rl.loop import run_rank
+from nemo_tlt.rl.run import RunSpec, prepare_run_dir
 from nemo_tlt.rl.workers import launch
 from nemo_tlt.spot.checkpoint import CheckpointManager
 

@@ -19,11 +19,12 @@ from nemo_tlt.speculative.tree_shape import TreeShape
 from nemo_tlt.spot.coordinator import WorkerCoordinator
 from nemo_tlt.spot.harvest import HarvestBuffer, HarvestConfig
 from nemo_tlt.spot.losses import eagle_loss_fn
-from nemo_tlt.spot.trainer import SpotTrainer, SpotTrainerConfig
+from nemo_tlt.spot.trainer import SpotTrainer, DrafterOptimConfig, SpotTrainerConfig
 from tiny import tiny_target
 
 pytestmark = pytest.mark.timeout(120)
-TRAIN = SpotTrainerConfig(lr=5e-3, warmup_steps=5, batch_size=8, max_steps_per_round=60, total_steps=120)
+TRAIN = SpotTrainerConfig(batch_size=8, max_steps_per_round=60,
+                          optim=DrafterOptimConfig(lr=5e-3, warmup_steps=5, decay_steps=115))
 
 
 def _requests(n: int, seed: int) -> list[Request]:

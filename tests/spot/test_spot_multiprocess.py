@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from nemo_tlt.dist import free_port
 from nemo_tlt.spot.coordinator import WorkerCoordinator
-from nemo_tlt.spot.trainer import SpotTrainer, SpotTrainerConfig, train_while_idle
+from nemo_tlt.spot.trainer import SpotTrainer, DrafterOptimConfig, SpotTrainerConfig, train_while_idle
 
 from ._toys import regression_loss, toy_buffer, toy_model
 
@@ -51,7 +51,7 @@ def _worker_body(rank: int, port: int) -> dict:
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=30))
     coord = WorkerCoordinator(store, rank, WORLD, min_idle_workers=1, timeout_s=30)
-    trainer = SpotTrainer(toy_model(seed=0), regression_loss, SpotTrainerConfig(lr=1e-2, warmup_steps=0, batch_size=2),
+    trainer = SpotTrainer(toy_model(seed=0), regression_loss, SpotTrainerConfig(batch_size=2, optim=DrafterOptimConfig(lr=1e-2, warmup_steps=0)),
                           rank=rank)
     out: dict = {"rank": rank}
     # Step 0: staggered rollouts. Ranks 0 and 1 train on their own data until rank 2,

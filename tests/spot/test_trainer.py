@@ -16,7 +16,7 @@ from nemo_tlt.spot.checkpoint import CheckpointManager
 from nemo_tlt.spot.coordinator import WorkerCoordinator
 from nemo_tlt.spot.harvest import HarvestBuffer, HarvestConfig
 from nemo_tlt.spot.losses import eagle_loss_fn
-from nemo_tlt.spot.trainer import SpotTrainer, SpotTrainerConfig, lr_schedule
+from nemo_tlt.spot.trainer import SpotTrainer, DrafterOptimConfig, SpotTrainerConfig, lr_schedule
 from tiny import tiny_target
 
 from ._toys import H, regression_loss, toy_buffer, toy_model
@@ -36,12 +36,12 @@ def open_coordinator() -> WorkerCoordinator:
 
 def test_config_validation_and_schedule():
     with pytest.raises(ValueError, match="lr"):
-        SpotTrainerConfig(lr=0.0)
+        SpotTrainerConfig(optim=DrafterOptimConfig(lr=0.0))
     with pytest.raises(ValueError, match="grad_accum"):
         SpotTrainerConfig(grad_accum=0)
-    with pytest.raises(ValueError, match="beta2"):
-        SpotTrainerConfig(beta2=1.0)
-    cfg = SpotTrainerConfig(lr=1.0, warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    with pytest.raises(ValueError, match=r"betas\[1\]"):
+        SpotTrainerConfig(optim=DrafterOptimConfig(betas=[0.9, 1.0]))
+    cfg = SpotTrainerConfig(optim=DrafterOptimConfig(lr=1.0, warmup_steps=4, decay_steps=10, min_lr_ratio=0.1))
     assert [lr_schedule(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_schedule(4, cfg) == pytest.approx(1.0)
     assert lr_schedule(9, cfg) == pytest.approx(0.55)  # half-way through the cosine
@@ -50,7 +50,7 @@ def test_config_validation_and_schedule():
 
 def test_run_trains_until_round_cap_and_counts_samples():
     buf = toy_buffer()
-    trainer = SpotTrainer(toy_model(), regression_loss, SpotTrainerConfig(lr=3e-2, warmup_steps=0, batch_size=4,
+    trainer = SpotTrainer(toy_model(), regression_loss, SpotTrainerConfig(batch_size=4, optim=DrafterOptimConfig(lr=3e-2, warmup_steps=0),
                                                                           max_steps_per_round=60, grad_clip=0.0))
     with torch.no_grad():
         first = float(regression_loss(trainer.model, buf.samples()))
@@ -124,7 +124,8 @@ def test_preemption_from_another_thread_is_seen_before_the_next_micro_step():
 
 
 def test_state_dict_gives_exact_resume():
-    cfg = SpotTrainerConfig(lr=1e-2, warmup_steps=2, batch_size=3, max_steps_per_round=3)
+    cfg = SpotTrainerConfig(batch_size=3, max_steps_per_round=3,
+                            optim=DrafterOptimConfig(lr=1e-2, warmup_steps=2))
     a = SpotTrainer(toy_model(), regression_loss, cfg, rank=1)
     buf = toy_buffer()
     a.run(open_coordinator(), buf)
@@ -139,7 +140,8 @@ def test_state_dict_gives_exact_resume():
 
 
 def test_resume_through_checkpoint_manager(tmp_path):
-    cfg = SpotTrainerConfig(lr=1e-2, warmup_steps=2, batch_size=3, max_steps_per_round=3)
+    cfg = SpotTrainerConfig(batch_size=3, max_steps_per_round=3,
+                            optim=DrafterOptimConfig(lr=1e-2, warmup_steps=2))
     a = SpotTrainer(toy_model(), regression_loss, cfg)
     buf = toy_buffer()
     a.run(open_coordinator(), buf)
@@ -178,7 +180,7 @@ def test_eagle_loss_fn_trains_the_real_drafter_on_harvested_states():
     loss_fn = eagle_loss_fn(target)
     with torch.no_grad():
         first, _ = loss_fn(drafter, buf.samples())
-    trainer = SpotTrainer(drafter, loss_fn, SpotTrainerConfig(lr=5e-3, warmup_steps=2, batch_size=6,
+    trainer = SpotTrainer(drafter, loss_fn, SpotTrainerConfig(batch_size=6, optim=DrafterOptimConfig(lr=5e-3, warmup_steps=2),
                                                               max_steps_per_round=40))
     stats = trainer.run(open_coordinator(), buf)
     with torch.no_grad():
