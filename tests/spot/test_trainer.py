@@ -50,8 +50,9 @@ def test_config_validation_and_schedule():
 
 def test_run_trains_until_round_cap_and_counts_samples():
     buf = toy_buffer()
-    trainer = SpotTrainer(toy_model(), regression_loss, SpotTrainerConfig(batch_size=4, optim=DrafterOptimConfig(lr=3e-2, warmup_steps=0),
-                                                                          max_steps_per_round=60, grad_clip=0.0))
+    cfg = SpotTrainerConfig(batch_size=4, max_steps_per_round=60,
+                            optim=DrafterOptimConfig(lr=3e-2, warmup_steps=0, grad_clip=0.0))
+    trainer = SpotTrainer(toy_model(), regression_loss, cfg)
     with torch.no_grad():
         first = float(regression_loss(trainer.model, buf.samples()))
     stats = trainer.run(open_coordinator(), buf)
