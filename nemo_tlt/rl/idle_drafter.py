@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Mapping
 
 import torch
 
@@ -59,8 +60,15 @@ class IdleDrafter:
                           drafter_loss=rnd.mean_loss if rnd.micro_steps else None,
                           stop_latency_s=report.stop_latency_s)
 
-    def restart_buffer(self, next_step: int) -> None:
-        """After a resume: an empty buffer whose first step is ``next_step``."""
+    def restore(self, policy_weights: Mapping[str, torch.Tensor], drafter_weights: Mapping[str, torch.Tensor],
+                trainer_state: dict, generator: list[int], next_step: int) -> None:
+        """Back to a checkpoint: the view of the synced policy, the drafter, its trainer
+        (optimizer, schedule step, this rank's sampling generator) and an empty buffer
+        whose first step is ``next_step``."""
+        self.view.load(policy_weights)
+        self.drafter.load_state_dict(dict(drafter_weights), strict=True)
+        self.trainer.load_state_dict(trainer_state)
+        self.trainer.generator.set_state(torch.tensor(generator, dtype=torch.uint8))
         self.buffer = HarvestBuffer(self.buffer.config, start_step=next_step)
 
     def close(self) -> None:

@@ -15,18 +15,16 @@ One RL step on every rank:
    engine (and the drafter's view of the target).
 6. ``log_and_checkpoint``: rank 0 logs the step and checkpoints (async).
 
-The loop sees three contracts only: ``RolloutEngine``, ``PolicyBackend`` and the task
-(source, tokenizer, reward). Nothing the policy learns depends on SD: prompts,
-sampling seed and sequence ids are functions of (seed, step), so with ``coupled`` or
-``greedy`` acceptance TLT and baseline generate the same tokens and compute the same
-rewards and weights, and a resumed run repeats the steps an uninterrupted one takes.
+The loop sees three contracts only: ``RolloutEngine``, ``PolicyBackend`` and the task.
+Prompts, sampling seed and sequence ids are functions of (seed, step), so with
+``coupled`` or ``greedy`` acceptance TLT and baseline generate the same tokens, rewards
+and weights, and a resumed run repeats the steps an uninterrupted one takes.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -38,10 +36,11 @@ from nemo_tlt.rl.decode_segments import decode_segments
 from nemo_tlt.rl.grpo import group_advantages
 from nemo_tlt.rl.idle_drafter import IdleDrafter, idle_without_training
 from nemo_tlt.rl.records import IdleResult, RankState, RankStep, Rollout, step_record
-from nemo_tlt.rl.report import MetricsWriter
+from nemo_tlt.rl.report import MetricsWriter, progress_bar
 from nemo_tlt.rl.run import RunSpec, shard_prompts, step_rng, step_seed
 from nemo_tlt.rl.run_checkpoint import RunCheckpointer, RunState
 from nemo_tlt.rl.task import build_task, check_eos, check_vocab
+from nemo_tlt.rl.weight_stream import WeightStream
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
@@ -91,7 +90,7 @@ class RLWorker:
         if self.cfg.resume:
             self.resume()
         status, step, rank0 = "completed", self.start_step, self.comm.rank == 0
-        bar = _progress(self.cfg, self.spec.mode, self.start_step) if rank0 else None
+        bar = progress_bar(self.cfg, self.spec.mode, self.start_step) if rank0 else None
         writer = MetricsWriter(self.spec.out_dir, self.records) if rank0 else None
         try:
             for step in range(self.start_step, self.cfg.steps):
@@ -211,30 +210,18 @@ class RLWorker:
     def sync_weights(self, idle: IdleResult) -> str:
         """Policy weights to the engine and the drafter's view; new drafter weights to the
         engine. Returns the digest of both (replicas must stay identical)."""
-        h = hashlib.sha256()
-        keep = self.comm.rank == 0
-        synced: dict[str, torch.Tensor] = {}
-
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in self.policy.canonical_weights():
-                h.update(tensor.detach().contiguous().numpy().tobytes())
-                if self.drafter is not None:
-                    self.drafter.view.update(name, tensor)
-                if keep:
-                    synced[name] = tensor
-                yield name, tensor
-
-        self.engine.load_policy_weights(stream())
-        self.synced = synced
+        view = self.drafter.view if self.drafter is not None else None
+        stream = WeightStream(self.policy.canonical_weights(), keep=self.comm.rank == 0, view=view)
+        self.engine.load_policy_weights(stream)
+        self.synced = stream.kept
         if self.drafter is not None:
             t0 = time.perf_counter()
             self.engine.load_drafter(self.drafter.drafter)
             idle.drafter_sync_s = time.perf_counter() - t0
-            if idle.drafter_steps and self.sd_policy is not None:  # new drafter weights: the SD policy discounts what it learned of the old
-                self.sd_policy.drafter_updated()
-            for t in self.drafter.drafter.state_dict().values():
-                h.update(t.detach().contiguous().numpy().tobytes())
-        return h.hexdigest()[:16]
+            if idle.drafter_steps and self.sd_policy is not None:
+                self.sd_policy.drafter_updated()  # it discounts what it measured of the old drafter
+            stream.add(self.drafter.drafter)
+        return stream.hexdigest()
 
     def log_and_checkpoint(self, step: int, record: dict[str, Any], writer: MetricsWriter, bar) -> None:
         self.records.append(record)
@@ -275,23 +262,13 @@ class RLWorker:
         if self.sd_policy is not None and mine.sd_policy is not None:
             self.sd_policy.load_state_dict(mine.sd_policy)
         if self.drafter is not None:
-            self.drafter.view.load(state.policy_weights)
-            self.drafter.drafter.load_state_dict(dict(state.drafter_weights), strict=True)
-            self.drafter.trainer.load_state_dict(state.drafter_trainer)
-            self.drafter.trainer.generator.set_state(torch.tensor(mine.generator, dtype=torch.uint8))
+            self.drafter.restore(state.policy_weights, state.drafter_weights, state.drafter_trainer, mine.generator,
+                                 next_step=state.step + 1)
             self.engine.load_drafter(self.drafter.drafter)
-            self.drafter.restart_buffer(state.step + 1)
         self.records = list(state.records) if self.comm.rank == 0 else []
         self.rank_states = list(state.ranks)
         self.saved_step = state.step
         self.start_step = state.step + 1
-
-
-def _progress(cfg, mode: str, start: int):
-    if not cfg.progress:
-        return None
-    from tqdm.auto import tqdm
-    return tqdm(total=cfg.steps, initial=start, desc=f"RL steps ({mode})", unit="step", leave=True)
 
 
 def run_rank(spec: RunSpec, comm: "Comm", stop: "StopFlag", on_step: Callable | None = None) -> dict[str, Any]:

@@ -317,3 +317,11 @@ def write_plots(runs: dict[str, list[dict]], out_dir: str | Path) -> dict[str, s
         "accept_length": str(plot_accept_length(runs, out / "accept_length.png")),
         "worker_timeline": str(plot_worker_timeline(runs, out / "worker_timeline.png")),
     }
+
+
+def progress_bar(cfg, mode: str, start: int):
+    """A tqdm bar over the run's RL steps (None with ``progress: false``)."""
+    if not cfg.progress:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=cfg.steps, initial=start, desc=f"RL steps ({mode})", unit="step", leave=True)
