@@ -1,12 +1,13 @@
 """`nemo-tlt`: the command line. Thin: parse -> build -> run.
 
-    nemo-tlt prepare                      # train and cache the demo target + drafter
+    nemo-tlt prepare                      # the demo target, drafter and assistant (shipped, or trained and cached)
     nemo-tlt bench rollout --out F.json   # plain vs SD vs HF transformers
     nemo-tlt bench rollout --workload longtail --out F.json
     nemo-tlt bench drafter --out F.json
     nemo-tlt bench reshard --out F.json
     nemo-tlt convert ...                  # checkpoint conversion (Megatron / HF / TensorRT-LLM)
-    nemo-tlt train CONFIG.yaml [key=value ...]
+    nemo-tlt plan CONFIG.yaml [key=value ...]   # memory / reshard plan and simulated speedup (or --calibrate RUN_DIR)
+    nemo-tlt train CONFIG.yaml [key=value ...] [--compare-baseline]
 """
 from __future__ import annotations
 

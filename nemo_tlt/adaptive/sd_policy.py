@@ -207,7 +207,7 @@ class AdaptiveSDPolicy(_RunningCountPolicy):
             )
         if self.bandit is not None:
             self.bandit.load_state_dict(state["bandit"])
-        if "step_cost" in state:  # absent from states saved before the "scaled" reward
+        if "step_cost" in state:  # optional: states of the older format have none
             self.step_cost.load_state_dict(state["step_cost"])
         if self.bandit is not None:
             self.bandit.set_size_exponent(self._exponent())

@@ -10,14 +10,14 @@ its throughput is tokens / t = acc_a * r**(1 - b) / c_a, and
 
 does not depend on r: arms compare on what they control. ``b = 0`` (a fixed cost per
 step, overhead-bound decoding) makes that the "per_row" reward, ``b = 1``
-(compute-bound: time grows like the batch) plain "throughput"; on the 2-core CPU b
-was about 0.3. :class:`StepCostFit` estimates b as the pooled within-group
+(compute-bound: time grows like the batch) plain "throughput"; real decoding lies
+in between (figures: docs/benchmarks.md). :class:`StepCostFit` estimates b as the pooled within-group
 least-squares slope of log(seconds) on log(running): each group (an arm, or a
 bucket) has its own cost level as intercept, so groups pulled at different batch
 sizes do not bias the slope. Consumers apply the current b when they rank, to every
-stored reward alike: b read 0.78 after the first 10 steps of the default long-tail
-benchmark (all in the crowded head) and about 0.3 later, and rewards scaled once
-with the early b would keep that error until they left their window.
+stored reward alike: the first steps of a rollout all run in the crowded head, so an
+early b can be far from the later one, and rewards scaled once with it would keep
+that error until they left their window.
 """
 from __future__ import annotations
 

@@ -39,10 +39,9 @@ from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.speculative.tree_shape import TreeShape
 
-# A short chain, a long chain and a wide tree. With coupled drafting (the drafter ranks
-# with the target's own sampling noise) SD paid at every batch size of the default
-# rollout on the 2-core CPU: at 64 running rows the best arm still beat plain decoding,
-# at 128 they were even. Hence SD on from 64 running rows down.
+# A short chain, a long chain and a wide tree. `--threshold-on 64` (the threshold policy
+# here) turns SD on where the best arm beats plain decoding on the default rollout, at 64
+# running rows and below (figures: docs/benchmarks.md).
 DEFAULT_ARMS = ("4_1_4", "6_1_6", "8_2_16")
 # The default workload's options this one refuses, and what it uses instead.
 NOT_LONGTAIL = {
@@ -194,8 +193,8 @@ def run_rounds(args, target, drafter, reqs: list[Request], sp: SamplingParams):
     outputs = {}
     for r in range(args.repeats):
         # Round-robin, so load changes hit every method alike; each round starts one method
-        # later, so no method always follows the same one (the run after the widest tree
-        # had a slower prefill), and garbage of the previous run is collected untimed.
+        # later, so no method always follows the same one (a run's timing can depend on what
+        # ran before it), and garbage of the previous run is collected untimed.
         for name, key, engine, make_policy in runs[r % len(runs):] + runs[:r % len(runs)]:
             gc.collect()
             res, outputs[key], trace = _run(engine, reqs, sp, make_policy())

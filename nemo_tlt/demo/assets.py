@@ -58,7 +58,7 @@ class AssetConfig:
     task: TaskConfig = TaskConfig(name="arith", tail_exponent=1.3, max_solution_chars=400)
     # 1200 steps (about 1M completion tokens): the traces are nearly deterministic given
     # the prompt, and a confident warm start both earns RL rewards and is predictable
-    # enough for a drafter (400 steps left the loss at 0.63 nats / token).
+    # enough for a drafter (why this many: docs/benchmarks.md).
     sft: SFTConfig = SFTConfig(steps=1200, batch_size=16, lr=3e-3, warmup_steps=20, seq_len=640)
     sft_examples: int = 4096
     drafter_prompts: int = 256
@@ -66,8 +66,7 @@ class AssetConfig:
     # (mode, temperature, seed) of the target's generations the drafter learns from: its
     # argmax text and coupled samples at the demo's and the benchmark's temperatures.
     # Coupled samples do not depend on the engine's row order, so the data are
-    # reproducible. 2400 steps: fine-tuning the earlier 1200-step drafter for 1200 more on
-    # coupled samples raised the accepted length of 6_2_12 from 5.7 to 6.2 (T = 0.7).
+    # reproducible. The drafter trains for 2400 steps (why this many: docs/benchmarks.md).
     drafter_data: tuple[tuple[str, float, int], ...] = (("greedy", 1.0, 0), ("coupled", 0.7, 1),
                                                         ("coupled", 1.0, 2))
     drafter_train: DrafterTrainConfig = field(default_factory=lambda: DrafterTrainConfig(

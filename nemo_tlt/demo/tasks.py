@@ -8,8 +8,8 @@ trace grows with the number of steps (linearly for ``arith`` and ``count``,
 quadratically for ``sort``).
 
 Traces are deliberately regular: each step mostly copies text from the prompt
-or from the previous step and computes one small thing. A tiny LM learns them in
-a minute or two of CPU training, and a drafter can predict most of their tokens,
+or from the previous step and computes one small thing. A tiny LM learns them on
+a CPU, and a drafter can predict most of their tokens,
 which is what speculative decoding needs to pay off.
 
 Tasks (prompt -> solution; the answer follows the single '#'):

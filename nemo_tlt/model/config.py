@@ -208,8 +208,8 @@ class LMConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Field values as plain data; ``LMConfig(**to_dict())`` rebuilds the config.
-        ``rope_scaling`` is left out when None, so a config without scaling keeps the
-        dict (and any hash of it) it had before the field existed."""
+        ``rope_scaling`` is left out when None, so the dict of a config without scaling
+        (and any hash of it, e.g. the demo's cache folder names) does not mention the field."""
         d = asdict(self)
         if self.rope_scaling is None:
             del d["rope_scaling"]

@@ -147,9 +147,8 @@ def row_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 
 
 def _copy_runs(out: torch.Tensor, buf: torch.Tensor, runs, used: int, row_dim: int, slot_dim: int) -> None:
-    # One strided slice copy per run. On CPU, index_select / index_copy_ over a view cut
-    # to `used` slots ran ~100x slower than these copies (45 ms against 0.3 ms for 7 rows
-    # of a 16-layer cache).
+    # One strided slice copy per run: on CPU, index_select / index_copy_ over a view cut
+    # to `used` slots is far slower than these copies (figures: docs/benchmarks.md).
     for s, d, n in runs:
         out.narrow(row_dim, d, n).narrow(slot_dim, 0, used).copy_(
             buf.narrow(row_dim, s, n).narrow(slot_dim, 0, used))

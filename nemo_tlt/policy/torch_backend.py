@@ -49,7 +49,8 @@ class TorchPolicy:
             raise ValueError(f"TorchPolicy: temperature must be > 0, got {temperature!r}")
         self.model, self.config, self.temperature = model.train(), config, temperature
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # foreach=False: the per-parameter loop, bit-identical to the step this backend always took.
+        # foreach=False: torch's per-parameter AdamW loop (its CPU default) on every device, as
+        # in the megatron backend, so the update's arithmetic does not change with the device.
         self.optimizer, self.schedule = build_optimizer(self.params, config.optim, foreach=False)
         self.step = 0  # optimizer steps taken (drives the schedule)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if config.kl_coef > 0 else None

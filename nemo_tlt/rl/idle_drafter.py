@@ -5,8 +5,9 @@ Contract
 * The drafter reads the target's embedding, final norm and LM head through a
   :class:`~nemo_tlt.drafter.target_view.TargetView` that follows every weight sync
   (``view.update`` on the canonical stream), never through the rollout engine.
-* ``harvest(step, sequences)`` stores (tokens, hidden states) pairs (hidden row t
-  predicts token t+1: ``[len(tokens) - 1, H]``), from whichever forward produced them.
+* ``harvest(step, tokens, hidden)`` stores one sequence's tokens and hidden states
+  (hidden row t predicts token t+1: ``[len(tokens) - 1, H]``), from whichever forward
+  produced them; a sequence shorter than ``min_length`` tokens (no training pair) is skipped.
 * ``idle_time(step, coord)`` is called when this rank's rollout share is done: the
   idle-time protocol (train until the last rank finishes, then meet and average the
   drafter, weighted by samples trained) runs on a thread of lowered OS priority

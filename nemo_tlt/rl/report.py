@@ -252,7 +252,7 @@ def timeline_segments(recs: list[dict]) -> dict[int, list[tuple[float, float, st
 
 def decode_strips(recs: list[dict]) -> dict[int, list[tuple[float, float, str]]]:
     """Per rank: (start, end, choice) decode segments over the whole run ("plain" or a
-    tree shape's name); records written before they were logged contribute none."""
+    tree shape's name); records without ``decode_segments`` contribute none."""
     out: dict[int, list[tuple[float, float, str]]] = {}
     for r in recs:
         for rank, a, b, choice in r.get("decode_segments", []):

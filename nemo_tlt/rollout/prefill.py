@@ -1,7 +1,7 @@
 """Prefill plan: which prompts share a forward pass.
 
-A rollout's prompts differ in length (here 5 to 83 tokens, mean 17), and one
-right-padded forward over all of them spends most of its work on padding. Sorted by
+A rollout's prompts differ in length, and one right-padded forward over all of them
+can spend most of its work on padding. Sorted by
 length and cut into contiguous chunks, each chunk pads only to its own longest
 prompt; every extra chunk costs one more forward's fixed overhead. `prefill_chunks`
 picks the cut that minimises  sum over chunks of (overhead + rows x longest prompt),

@@ -16,8 +16,8 @@ Contract
   arrived at ``meet``) the rollout phase is over and all training is preempted,
   so the ranks can meet and hand the devices to the policy update.
   ``preempt_requested()`` is the hot-path check between micro-steps: a local
-  flag, then one Store ``add(key, 0)`` read (~tens of microseconds on TCPStore);
-  no sleeping, no polling loop.
+  flag, then one Store ``add(key, 0)`` read (one round trip); no sleeping, no
+  polling loop.
 * The preemption baseline is taken when a rank becomes idle, not when training
   starts, so a request that lands between ``should_train()`` and
   ``start_training()`` is never lost.

@@ -45,7 +45,8 @@ LossFn = Callable[[nn.Module, list[HarvestSample]], LossResult]
 @dataclass(frozen=True)
 class DrafterOptimConfig(OptimConfig):
     """The drafter's AdamW and schedule (``drafter.trainer.optim``): warmup, then cosine
-    decay to 10% over the run's optimizer steps (not per idle round)."""
+    decay to 10% over ``decay_steps`` optimizer steps, counted over the whole run (not per
+    idle round)."""
 
     KEY: ClassVar[str] = "drafter.trainer.optim"
     lr: float = 3e-4
