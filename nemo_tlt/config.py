@@ -4,7 +4,7 @@ Contract
 --------
 * One tree: each component's own config class nests directly (``policy`` is
   :class:`~nemo_tlt.policy.config.PolicyConfig`, ``rollout`` is
-  :class:`~nemo_tlt.adaptive.config.SpecDecodingConfig`, ``drafter`` is
+  :class:`~nemo_tlt.rollout.config.RolloutConfig`, ``drafter`` is
   :class:`~nemo_tlt.spot.config.IdleDrafterConfig`); the blocks only the run itself
   reads (task, model, grpo, workers, checkpoint) are defined here. Nothing is
   copied field by field downstream: the loop hands each block to its component.
@@ -29,10 +29,10 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from nemo_tlt.adaptive.config import SpecDecodingConfig
 from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.imports import check_import_path, is_import_path
 from nemo_tlt.policy.config import PolicyConfig
+from nemo_tlt.rollout.config import RolloutConfig
 from nemo_tlt.speculative.sampling import MODES
 from nemo_tlt.speculative.tree_shape import TreeShape
 from nemo_tlt.spot.config import IdleDrafterConfig
@@ -53,7 +53,7 @@ def _check_jsonl_options(options: Mapping[str, Any]) -> None:
         raise ValueError(f"task.options has keys {unknown} that task.source='jsonl' does not take; "
                          f"known: {list(TASK_JSONL_OPTIONS)}")
     if "path" not in options:
-        raise ValueError("task.options.path is required with task.source='jsonl' (the TASK_JSONL file of prompts)")
+        raise ValueError("task.options.path is required with task.source='jsonl' (the JSONL file of prompts)")
     for key in TASK_JSONL_OPTIONS:
         if key in options and (not isinstance(options[key], str) or not options[key]):
             raise ValueError(f"task.options.{key} must be a non-empty string, got {options[key]!r}")
@@ -109,7 +109,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if (self.target_dir is None) != (self.drafter_dir is None):
-            raise ValueError("ModelConfig.target_dir and drafter_dir must be given together "
+            raise ValueError("ModelConfig.target_dir and ModelConfig.drafter_dir must be given together "
                              "(or both left null for the demo assets)")
 
 
@@ -177,7 +177,7 @@ class TLTConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    rollout: SpecDecodingConfig = field(default_factory=SpecDecodingConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     drafter: IdleDrafterConfig = field(default_factory=IdleDrafterConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -201,11 +201,6 @@ class TLTConfig:
         if self.grpo.prompts_per_step < world:
             raise ValueError(f"grpo.prompts_per_step={self.grpo.prompts_per_step} leaves a worker without prompts "
                              f"(workers.num_workers={world}); each worker takes whole groups")
-
-    @property
-    def tlt_enabled(self) -> bool:
-        """TLT proper: adaptive SD in the rollout (drafter training may still be off)."""
-        return self.rollout.sd_enabled
 
     def baseline(self) -> "TLTConfig":
         """The same run without TLT: plain decoding, no drafter training."""
@@ -255,7 +250,10 @@ def _build(schema: type, values: dict[str, Any], prefix: str) -> Any:
     except ValueError as err:
         if not prefix:
             raise
-        message = str(err).replace(f"{schema.__name__}.", prefix)
+        message = str(err)
+        for cls in schema.__mro__:  # a class names its own fields and those it inherits
+            if dataclasses.is_dataclass(cls):
+                message = message.replace(f"{cls.__name__}.", prefix)
         if message == str(err) and not message.startswith(prefix):  # names no key: say which block
             message = f"{prefix.rstrip('.')}: {message}"
         raise ValueError(message) from None

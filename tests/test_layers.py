@@ -51,3 +51,10 @@ def test_imports_only_point_down():
             if target in LEVEL and LEVEL[target] > LEVEL[unit]:
                 upward.append(f"{path.relative_to(ROOT.parent)} ({unit}) imports {module} ({target})")
     assert not upward, "\n".join(upward)
+
+
+def test_only_entry_points_import_the_demo():
+    entry = LAYERS[-1]
+    users = sorted(f"{path.relative_to(ROOT.parent)}" for path, unit in _files()
+                   if unit not in entry | {"demo"} and any(_unit(m) == "demo" for m in _imports(path)))
+    assert not users, users

@@ -130,3 +130,10 @@ def test_noisy_control_is_reported(tmp_path, monkeypatch, capsys):
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["noisy"] is True and report["control_ratio"] == pytest.approx(1.3)
     assert "too noisy" in report["note"] and "too noisy" in capsys.readouterr().out
+
+
+def test_a_task_that_does_not_import_is_refused_before_any_worker_starts(tmp_path, capsys):
+    rc = main([str(DEMO), f"run_dir={tmp_path}", "task.reward=no_such_module_for_tlt:score", "progress=false"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "task.reward='no_such_module_for_tlt:score': cannot import module" in err

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_tlt.dist.allreduce import allreduce_flat
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -88,7 +87,3 @@ class Comm:
         if self.distributed:
             dist.barrier()
 
-    def allreduce_grads(self, grads: list[torch.Tensor | None]) -> None:
-        """Sum gradients over ranks in one flat float32 buffer (identical bits on every rank)."""
-        if self.distributed:
-            allreduce_flat(grads)

@@ -61,6 +61,9 @@ class PolicyConfig:
         check_float("policy.kl_coef", self.kl_coef, 0)
         if self.dtype not in DTYPES:
             raise ValueError(f"policy.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.backend == "torch" and self.dtype != "float32":
+            raise ValueError(f"policy.dtype={self.dtype!r} applies to the megatron backend; the torch backend "
+                             "trains in the model folder's float32")
         if not isinstance(self.optim, OptimConfig):
             raise ValueError(f"policy.optim must be an OptimConfig, got {type(self.optim).__name__}")
 

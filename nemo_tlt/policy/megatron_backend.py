@@ -25,9 +25,12 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
 * ``captures_hidden`` is True: a hook on the final norm (``megatron_patches.hidden_capture``)
   captures the hidden states of the log-prob / update forward on the last stage; with
   PP > 1 they are broadcast to every stage of the pipeline, so ``on_hidden`` runs on every rank.
-* Weights out: ``canonical_weights()`` streams layer by layer to every rank
-  (``nemo_tlt.weights.reshard``); ``rollout_state_dict(rollout_tp, receivers)`` does so in a
-  rollout engine's TP layout; ``canonical_state_dict()`` gathers on global rank 0.
+* Weights out: ``canonical_weights()`` yields the full canonical weights on every rank;
+  the reshard (``nemo_tlt.weights.reshard.stream_reshard``) moves them layer by layer,
+  but collects them into one dict per rank before the first is yielded, so each rank
+  holds one full copy at that moment (a generator reshard would not; not done yet).
+  ``rollout_state_dict(rollout_tp, receivers)`` does the same in a rollout engine's TP
+  layout; ``canonical_state_dict()`` gathers on global rank 0.
 """
 from __future__ import annotations
 
@@ -357,7 +360,8 @@ class MegatronPolicy:
 
     # ---- weights out / in ----------------------------------------------------------------
     def canonical_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full canonical weights on every rank, streamed layer by layer (a collective)."""
+        """The full canonical weights on every rank (a collective; see the module docstring
+        for the one full copy per rank it holds)."""
         yield from self.rollout_state_dict(rollout_tp=1).items()
 
     def canonical_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -399,4 +403,4 @@ class MegatronPolicy:
             raise ValueError(f"MegatronPolicy.load_state_dict: state of (coords, TP, PP)={theirs} "
                              f"cannot be loaded on {mine}")
         self.optimizer.load_state_dict(state["optimizer"])
-        self.step = int(state["step"])
+        self.step = int(state.get("step", 0))  # checkpoints without it predate the LR schedule

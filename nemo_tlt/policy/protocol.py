@@ -20,8 +20,9 @@ Contract (every implementation)
   hidden states (after the final norm, detached, float) of the same forward that
   computed the log-probs; ``index`` is the sequence's position in ``batch`` and
   ``hidden[t]`` is the feature that predicts ``tokens[t + 1]``.
-* ``canonical_weights()`` streams the full canonical (HF-named) weights on every rank;
-  for a model-parallel backend it is a collective: every rank iterates it to the end.
+* ``canonical_weights()`` yields the full canonical (HF-named) weights, tensor by
+  tensor, on every rank; for a model-parallel backend it is a collective: every rank
+  iterates it to the end. A consumer must not assume the backend holds no full copy.
 * ``state_dict()`` / ``load_state_dict()`` hold the optimizer and the schedule step
   (for resume); ``sharded_state`` says whether they differ per rank (then a checkpoint
   keeps every rank's). ``load_canonical`` replaces the weights (the KL reference keeps

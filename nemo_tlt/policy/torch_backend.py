@@ -143,7 +143,7 @@ class TorchPolicy:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
-        self.step = int(state["step"])
+        self.step = int(state.get("step", 0))  # checkpoints without it predate the LR schedule
 
 
 def _emit_hidden(on_hidden: HiddenSink, hidden: torch.Tensor, mb: MicroBatch, batch: Sequence[Sequence2]) -> None:

@@ -42,7 +42,7 @@ from nemo_tlt.rl.run_checkpoint import RunCheckpointer, RunState
 from nemo_tlt.rl.task import build_task, check_eos, check_vocab
 from nemo_tlt.rl.weight_stream import WeightStream
 from nemo_tlt.rollout.protocol import Request
-from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
+from nemo_tlt.rollout.factory import build_rollout_engine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.spot.coordinator import WorkerCoordinator
 
@@ -65,7 +65,7 @@ class RLWorker:
         check_eos(self.task.tokenizer, model_config.eos_token_id, spec.target_dir)
         self.policy = build_policy_backend(cfg.policy, canonical, model_config,
                                            temperature=cfg.grpo.temperature, seed=cfg.seed)
-        self.engine = TorchRolloutEngine.from_hf_folder(spec.target_dir)
+        self.engine = build_rollout_engine(cfg.rollout, spec.target_dir)
         self.sd_policy = self.drafter = None
         if spec.tlt:
             self.sd_policy = cfg.rollout.build_policy(np.random.default_rng([cfg.seed, comm.rank, 0xB4]))
@@ -73,6 +73,9 @@ class RLWorker:
             self.drafter = IdleDrafter(cfg.drafter, spec.drafter_dir, view, comm.rank, cfg.seed)
             self.engine.load_drafter(self.drafter.drafter)
         self.harvest_from = cfg.drafter.harvest_from if self.drafter and cfg.drafter.train_on_idle else None
+        if self.harvest_from == "policy" and not self.policy.captures_hidden:
+            raise ValueError(f"drafter.harvest_from=policy: the {cfg.policy.backend} policy backend cannot hand "
+                             "over hidden states; use drafter.harvest_from=rollout")
         self.coord = WorkerCoordinator(comm.store, comm.rank, comm.world, cfg.drafter.min_idle_workers,
                                        prefix=f"tlt/{spec.mode}", timeout_s=cfg.workers.timeout_s)
         self.ckpt = RunCheckpointer(spec.checkpoint_dir, cfg.checkpoint.keep_last, writer=comm.rank == 0)
@@ -250,7 +253,7 @@ class RLWorker:
 
     def resume(self) -> None:
         """Every rank reads the newest valid checkpoint of this run (if any)."""
-        state = self.ckpt.load_latest(self.comm.world)
+        state = self.ckpt.load_latest(self.comm.world, self.spec.mode)
         if state is None:
             log.info("resume=true but %s holds no checkpoint: starting at step 0", self.spec.checkpoint_dir)
             return

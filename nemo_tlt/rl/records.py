@@ -1,12 +1,12 @@
 """Typed per-rank results of one RL step, and the step record rank 0 logs.
 
-``RankStep`` is what every rank sends rank 0 at the end of a step (one gather);
+``RankStep`` is what every rank contributes at the end of a step (one all-gather; rank 0 uses it);
 ``step_record`` folds the ranks' results into the JSON record of metrics.jsonl
 (the keys ``nemo_tlt.rl.report`` plots and compares). Pure functions, no I/O.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,7 +65,6 @@ class RankStep:
     update: dict[str, float]
     state: RankState
     weights: str                   # digest of this rank's synced policy + drafter weights
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], times: dict[str, float],

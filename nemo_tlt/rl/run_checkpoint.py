@@ -11,7 +11,12 @@ Contract
   background, the newest ``keep_last`` kept: nemo_tlt.spot.checkpoint); every rank
   reads (``load_latest``). A crash mid-write leaves the previous checkpoint valid.
 * A checkpoint written by another number of workers is refused: its per-rank
-  states (and the prompts each rank owns) would not line up.
+  states (and the prompts each rank owns) would not line up. So is one of the other
+  mode (TLT / baseline).
+* The harvest buffer is not saved (it may hold hundreds of MB per rank): after a
+  resume the drafter trains only on data harvested from then on, so the drafter (and
+  with it SD's acceptance and timings) may differ from an uninterrupted run's. The
+  policy, rewards and rollouts do not: they never depend on the drafter.
 """
 from __future__ import annotations
 
@@ -61,8 +66,9 @@ class RunCheckpointer:
                 "ranks": [asdict(r) for r in state.ranks], "records": state.records}
         self._manager.save_async(state.step, tensors, extra, json.loads(json.dumps(meta)))
 
-    def load_latest(self, world: int) -> RunState | None:
-        """The newest valid checkpoint, or None when there is none; refuses another world size."""
+    def load_latest(self, world: int, mode: str) -> RunState | None:
+        """The newest valid checkpoint, or None when there is none; refuses another world
+        size or another mode (a baseline checkpoint holds no drafter)."""
         if self._manager is not None:
             ck = self._manager.load() if self._manager.latest() is not None else None
         else:
@@ -71,6 +77,8 @@ class RunCheckpointer:
         if ck is None:
             return None
         meta = ck.json_state
+        if meta["mode"] != mode:
+            raise ValueError(f"resume: {ck.path} is a {meta['mode']} run's checkpoint; this run is {mode}")
         if meta["world"] != world:
             raise ValueError(f"resume: {ck.path} was written by {meta['world']} workers; "
                              f"workers.num_workers={world} cannot continue it exactly")

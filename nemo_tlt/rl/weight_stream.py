@@ -5,7 +5,7 @@ rollout engine, with what else the step needs from the same pass.
 ``load_policy_weights``; as each (name, tensor) goes by it is hashed (data-parallel
 replicas must end every step with the same bits), copied into the drafter's view of
 the target when there is one, and kept by reference when ``keep`` (rank 0 checkpoints
-the weights the engine serves). No second full copy of the weights is made.
+the weights the engine serves). The stream itself copies nothing.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class WeightStream:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.source:
-            self._hash.update(tensor.detach().contiguous().numpy().tobytes())
+            self._hash.update(_bytes(tensor))
             if self.view is not None:
                 self.view.update(name, tensor)
             if self.keep:
@@ -36,7 +36,12 @@ class WeightStream:
     def add(self, module: torch.nn.Module) -> None:
         """Hash another module's weights into the digest (e.g. the drafter's)."""
         for t in module.state_dict().values():
-            self._hash.update(t.detach().contiguous().numpy().tobytes())
+            self._hash.update(_bytes(t))
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()[:16]
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    """The tensor's raw bytes, for any dtype (numpy has no bfloat16)."""
+    return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()

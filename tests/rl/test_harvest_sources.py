@@ -22,13 +22,14 @@ DEMO = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
 
 
 def first_step_harvest(spec, comm, stop, on_step):
-    """Run RL step 0 on this rank and return what its harvest buffer holds."""
+    """Run RL step 0 on every rank and return what each rank's harvest buffer holds."""
     worker = RLWorker(spec, comm, stop)
     worker.t0 = worker.coord.now()
     try:
         worker.step(0)
-        return {"tokens": [s.token_ids.tolist() for s in worker.drafter.buffer.samples()],
+        mine = {"tokens": [s.token_ids.tolist() for s in worker.drafter.buffer.samples()],
                 "hidden": [s.hidden.float() for s in worker.drafter.buffer.samples()]}
+        return comm.gather(mine)
     finally:
         worker.drafter.close()
         worker.ckpt.close()
@@ -51,11 +52,15 @@ def test_megatron_logprob_pass_feeds_the_buffer_like_the_torch_rollout(tiny_mode
     from_rollout = _harvest(tmp_path, target, drafter, "torch", [])
     from_policy = _harvest(tmp_path, target, drafter, "megatron", [
         "policy.backend=megatron", "policy.tensor_parallel=2", "drafter.harvest_from=policy"])
-    # the policy's forward visits sequences in length-sorted micro-batches: compare by sequence
-    rollout = sorted(zip(from_rollout["tokens"], from_rollout["hidden"]), key=lambda x: x[0])
-    policy = sorted(zip(from_policy["tokens"], from_policy["hidden"]), key=lambda x: x[0])
-    assert rollout and [t for t, _ in policy] == [t for t, _ in rollout]
-    for (_, a), (_, b) in zip(policy, rollout):
-        assert a.shape == b.shape
-        # both stored in the buffer's bfloat16: equal up to one rounding step
-        torch.testing.assert_close(a, b, atol=2e-2, rtol=1e-2)
+    # every rank holds its own rollout's sequences (rank 1's start past rank 0's in the
+    # model-parallel group's union batch); the policy's forward visits them in
+    # length-sorted micro-batches, so compare by sequence
+    assert len(from_rollout) == len(from_policy) == 2
+    for rank, (mine_r, mine_p) in enumerate(zip(from_rollout, from_policy)):
+        rollout = sorted(zip(mine_r["tokens"], mine_r["hidden"]), key=lambda x: x[0])
+        policy = sorted(zip(mine_p["tokens"], mine_p["hidden"]), key=lambda x: x[0])
+        assert rollout and [t for t, _ in policy] == [t for t, _ in rollout], f"rank {rank}"
+        for (_, a), (_, b) in zip(policy, rollout):
+            assert a.shape == b.shape
+            # both stored in the buffer's bfloat16: equal up to one rounding step
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=1e-2)
