@@ -33,10 +33,9 @@ from typing import Any
 
 from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.config import TaskConfig, TLTConfig, load_config
-from nemo_tlt.model.hf_io import read_config
 from nemo_tlt.rl.loop import run_rank
 from nemo_tlt.rl.run import RunSpec, prepare_run_dir
-from nemo_tlt.rl.task import build_task, check_vocab
+from nemo_tlt.rl.task import build_task
 from nemo_tlt.rl.report import compare_pairs, format_pairs, run_block, write_plots
 from nemo_tlt.rl.workers import launch
 
@@ -192,8 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "config.yaml").write_text(resolved)
     try:
         target_dir, drafter_dir = resolve_models(config)
-        task = build_task(config.task, target_dir)  # imports the user's source, reward, tokenizer now, once
-        check_vocab(task.tokenizer, read_config(target_dir).vocab_size, target_dir)
+        build_task(config.task, target_dir)  # imports the user's source, reward and tokenizer now, once
         plan = build_plan(config, args, target_dir, drafter_dir)
         for run in plan:
             prepare_run_dir(run.spec)
