@@ -27,6 +27,11 @@ def torch_engine(model_dir: Path) -> RolloutEngine:
     return TorchRolloutEngine.from_hf_folder(model_dir)
 
 
+def trtllm_engine(model_dir: Path) -> RolloutEngine:
+    from nemo_tlt.rollout.trtllm_engine import TRTLLMRolloutEngine  # lazy: optional package
+    return TRTLLMRolloutEngine.from_hf_folder(model_dir)
+
+
 def needs(package: str, cuda: bool = False) -> list[pytest.MarkDecorator]:
     """Marks for an engine that needs `package` (and a CUDA device): skipped with the
     reason where it is missing. See README.md."""
@@ -37,9 +42,10 @@ def needs(package: str, cuda: bool = False) -> list[pytest.MarkDecorator]:
     return marks
 
 
-# One entry per engine; another engine is one more, e.g. (see README.md)
-#   pytest.param(trtllm_engine, id="trtllm", marks=[pytest.mark.trtllm, *needs("tensorrt_llm", cuda=True)])
-ENGINES = [pytest.param(torch_engine, id="torch")]
+# One entry per engine (see README.md). The trtllm cases run only with TensorRT-LLM and a
+# CUDA device (`pytest -m trtllm` on a GPU node; docs/trtllm.md); they were never run here.
+ENGINES = [pytest.param(torch_engine, id="torch"),
+           pytest.param(trtllm_engine, id="trtllm", marks=[pytest.mark.trtllm, *needs("tensorrt_llm", cuda=True)])]
 
 
 @pytest.fixture(scope="session", params=ENGINES)

@@ -1,0 +1,85 @@
+"""A NeMo-RL ``GenerationInterface`` adapter over a `RolloutEngine` with TLT's SD policy.
+
+Follows ``nemo_rl/models/generation/interfaces.py`` (NVIDIA/NeMo-RL main, 2026
+snapshot): ``generate(data, greedy)`` takes a GenerationDatumSpec (``input_ids``
+[B, T] right-padded, ``input_lengths`` [B]) and returns a GenerationOutputSpec:
+``output_ids`` [B, T'] (input followed by generation, right-padded with
+``pad_token_id``), ``generation_lengths``, ``unpadded_sequence_lengths``,
+``logprobs`` and ``truncated``. NeMo-RL is not importable here: plain dicts of tensors
+with those keys stand for its ``BatchedDataDict``.
+
+``logprobs`` are zeros: the `RolloutEngine` contract returns tokens, not their
+log-probabilities (NeMo-RL's training log-probs come from the policy's forward).
+Weights: ``prepare_refit_info`` keeps the {name: (shape, dtype)} map;
+``update_weights_from_collective`` loads the canonical stream that the
+``weight_source`` callable given at construction produces (the caller's collective
+receive); NeMo-RL's Ray/NCCL plumbing itself is not reproduced.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from nemo_tlt.adaptive.config import SpecDecodingConfig
+from nemo_tlt.rollout.protocol import PolicyWeights, Request, RolloutEngine
+from nemo_tlt.speculative.sampling import SamplingParams
+
+
+class TLTGeneration:
+    def __init__(self, engine: RolloutEngine, sampling: SamplingParams, pad_token_id: int,
+                 spec: SpecDecodingConfig | None = None, seed: int = 0,
+                 weight_source: Callable[[], PolicyWeights] | None = None) -> None:
+        if sampling.mode == "greedy":
+            raise ValueError("TLTGeneration.sampling is the non-greedy sampling; generate(greedy=True) selects greedy")
+        self.engine, self.sampling, self.pad_token_id = engine, sampling, pad_token_id
+        self.policy = (spec or SpecDecodingConfig(sd_enabled=False)).build_policy(np.random.default_rng(seed))
+        self.weight_source = weight_source
+        self.state_dict_info: dict[str, Any] | None = None
+        self._calls = 0
+
+    def init_collective(self, ip: str, port: int, world_size: int) -> list:
+        """No process group of its own: weights arrive through ``weight_source``."""
+        return []
+
+    def generate(self, data: Mapping[str, torch.Tensor], greedy: bool = False) -> dict[str, torch.Tensor]:
+        for key in ("input_ids", "input_lengths"):
+            if key not in data:
+                raise ValueError(f"generate: data has no {key!r} (GenerationDatumSpec keys: input_ids, input_lengths)")
+        ids, lengths = data["input_ids"], [int(n) for n in data["input_lengths"]]
+        requests = [Request(ids[b, :n].tolist(), seq_id=b) for b, n in enumerate(lengths)]
+        mode = "greedy" if greedy else self.sampling.mode
+        sampling = SamplingParams(**{**self.sampling.__dict__, "mode": mode, "seed": self.sampling.seed + self._calls})
+        self._calls += 1
+        out = self.engine.generate(requests, sampling, policy=self.policy)
+        gen = torch.tensor([len(r.tokens) for r in out.results], dtype=torch.long)
+        total = torch.tensor(lengths, dtype=torch.long) + gen
+        output_ids = torch.full((len(requests), int(total.max())), self.pad_token_id, dtype=ids.dtype)
+        for b, (req, res) in enumerate(zip(requests, out.results)):
+            output_ids[b, :int(total[b])] = torch.tensor(list(req.prompt) + res.tokens, dtype=ids.dtype)
+        return {"output_ids": output_ids, "generation_lengths": gen, "unpadded_sequence_lengths": total,
+                "logprobs": torch.zeros(output_ids.shape, dtype=torch.float32),
+                "truncated": torch.tensor([r.stop_reason == "length" for r in out.results])}
+
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def prepare_refit_info(self, state_dict_info: dict[str, Any]) -> None:
+        self.state_dict_info = dict(state_dict_info)
+
+    def update_weights_from_collective(self) -> list:
+        if self.weight_source is None:
+            raise ValueError("update_weights_from_collective: TLTGeneration was built without a weight_source "
+                             "(a callable returning the canonical weight stream)")
+        self.engine.load_policy_weights(self.weight_source())
+        return []
+
+    def update_weights(self, weights: PolicyWeights) -> bool:
+        """Load canonical weights given directly (a state dict or a stream)."""
+        self.engine.load_policy_weights(weights)
+        return True

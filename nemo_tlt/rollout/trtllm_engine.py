@@ -1,0 +1,321 @@
+"""`TRTLLMRolloutEngine`: the `RolloutEngine` contract over TensorRT-LLM's LLM API.
+
+Written against the TensorRT-LLM source named by ``trtllm_config.TRTLLM_SOURCE``;
+NEVER RUN here (no GPU, TensorRT-LLM not installable): only the pure parts below
+(request/result conversion, validation, the weight-stream checks, the missing-package
+error, the schedule mapping in ``trtllm_schedule``) are tested, against a fake
+module. ``pytest -m trtllm`` on a GPU node runs the conformance suite on it.
+
+What runs where: TensorRT-LLM's PyTorch backend drafts with EAGLE-3 only, one-model
+(the drafter a submodule of the target). The drafter is the EAGLE-3 HF folder in
+``TRTLLMEngineConfig.drafter_dir``; TLT's SD policy is mapped between rollouts to
+TensorRT-LLM's per-batch-size draft lengths (``trtllm_schedule``), which decide
+each iteration inside TensorRT-LLM: the policy's ``begin_rollout`` is called, its
+``choose`` / ``observe`` are not (no per-step hook exists in the LLM API).
+
+Lossless guarantee (the part of the contract this engine keeps):
+
+* ``greedy``: SD output is token-identical to plain greedy (TensorRT-LLM accepts a
+  draft token only if it is the target's argmax).
+* ``rejection``: the target's sampling distribution. Without
+  ``use_rejection_sampling`` (TensorRT-LLM's prototype flag) non-greedy batches
+  verify by exact match: each position's token is the target's own sample, a draft
+  token is kept only when equal to it, so the output is the target's distribution
+  at a lower acceptance; with the flag, rejection sampling (also the target's
+  distribution, higher acceptance; prototype). TensorRT-LLM's top-p boundary rule may
+  differ from ``speculative.sampling.process_logits``. Not checked statistically here.
+* ``coupled``: NOT expressible: TensorRT-LLM draws from a per-request random stream
+  that advances per step, not noise keyed by (seed, sequence, position), so SD and
+  plain decoding would not give the same tokens. Refused with a ValueError.
+
+Stats: ``tokens_generated`` and ``wall_s`` (= ``time_other_s``) are measured; the
+LLM API reports no per-step split, so forwards, SD/plain steps, accept lengths and
+the time split stay 0 and ``trace`` stays empty (see ``UNAVAILABLE_STATS``).
+``last_decoded_per_iter`` holds TensorRT-LLM's iteration-weighted mean of tokens per
+decode iteration when it reports one. ``return_hidden`` is refused: the LLM API
+returns no final hidden states (harvest drafter data from the policy instead:
+``drafter.harvest_from=policy``).
+
+Policy weights: canonical (HF-named) full tensors, checked strictly like the torch
+engine, are sent in buckets through TensorRT-LLM's ``WorkerExtension.update_weights``
+as CUDA IPC handles (each TP rank shards them itself), then finalised. Drafter
+refit at runtime is UNVERIFIED (no documented API; see `load_drafter`).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from nemo_tlt.adaptive.sd_policy import SpecPolicy
+from nemo_tlt.drafter.base import Drafter
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.hf_io import read_config, read_state_dict
+from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.rollout.protocol import GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
+from nemo_tlt.rollout.trtllm_config import TRTLLM_PACKAGE, TRTLLMEngineConfig
+from nemo_tlt.rollout.trtllm_schedule import draft_len_schedule
+from nemo_tlt.speculative.sampling import SamplingParams
+
+UNAVAILABLE_STATS = ("target_forwards", "prefill_forwards", "drafter_forwards", "plain_steps", "sd_steps",
+                     "accept_lengths", "time_draft_s", "time_verify_s", "time_plain_s", "prefill_s", "trace")
+
+
+def import_tensorrt_llm() -> ModuleType:
+    """The ``tensorrt_llm`` module, or an ImportError naming the package and how to get it."""
+    try:
+        return importlib.import_module(TRTLLM_PACKAGE)
+    except ImportError as err:
+        raise ImportError(
+            f"TRTLLMRolloutEngine needs the {TRTLLM_PACKAGE!r} package (NVIDIA TensorRT-LLM), which is not "
+            f"importable here ({err}). It runs only on Linux hosts with an NVIDIA GPU: install it there with "
+            "`pip install tensorrt_llm` (NVIDIA's wheels; see docs/trtllm.md for the version followed), or use "
+            "the embedded torch engine (rollout backend 'torch')") from err
+
+
+# ---- pure conversion ---------------------------------------------------------------------------
+def check_sampling(sampling: SamplingParams) -> None:
+    """The sampling this engine can run losslessly (see the module docstring)."""
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"generate: sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if sampling.mode == "coupled":
+        raise ValueError("SamplingParams.mode='coupled' is not expressible with TensorRT-LLM: its sampler "
+                         "draws from a per-request random stream, not noise keyed by (seed, seq_id, position), "
+                         "so SD would not reproduce plain decoding's tokens; use 'greedy' or 'rejection' "
+                         "(the target distribution), or the torch engine for 'coupled'")
+
+
+def request_seed(seed: int, seq_id: int) -> int:
+    """The per-request seed handed to TensorRT-LLM: one stream per (run seed, sequence)."""
+    return (seed * 1_000_003 + seq_id) % 2**63
+
+
+def sampling_kwargs(sampling: SamplingParams, eos_token_id: int, seq_id: int) -> dict[str, Any]:
+    """Keyword arguments of ``tensorrt_llm.SamplingParams`` for one request."""
+    check_sampling(sampling)
+    kwargs: dict[str, Any] = {"max_tokens": sampling.max_new_tokens,
+                              "end_id": eos_token_id if sampling.stop_on_eos else -1, "detokenize": False}
+    if sampling.mode == "greedy":
+        kwargs.update(top_k=1, temperature=0.0)
+    else:
+        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None,
+                      top_p=sampling.top_p, seed=request_seed(sampling.seed, seq_id))
+    return kwargs
+
+
+def validate_requests(requests: list[Request], sampling: SamplingParams, cfg: LMConfig) -> None:
+    """The contract's input checks (ValueError naming the field), before any decoding."""
+    check_sampling(sampling)
+    if not isinstance(requests, list) or not requests:
+        raise ValueError("generate: requests is empty or not a list; give at least one Request")
+    for i, req in enumerate(requests):
+        if not isinstance(req, Request):
+            raise ValueError(f"requests[{i}] must be a Request, got {type(req).__name__}")
+        if not req.prompt:
+            raise ValueError(f"requests[{i}].prompt is empty; a prompt needs at least one token")
+        if len(req.prompt) + sampling.max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(f"requests[{i}].prompt has {len(req.prompt)} tokens; with sampling.max_new_tokens="
+                             f"{sampling.max_new_tokens} it exceeds the context of {cfg.max_position_embeddings} "
+                             "(max_position_embeddings)")
+        if min(req.prompt) < 0 or max(req.prompt) >= cfg.vocab_size:
+            raise ValueError(f"requests[{i}].prompt has token ids outside [0, {cfg.vocab_size}) (vocab_size)")
+
+
+def completion_to_result(token_ids: list[int], finish_reason: str | None, sampling: SamplingParams,
+                         eos_token_id: int) -> RequestResult:
+    """Our result from one TensorRT-LLM completion: EOS kept as the last token with
+    stop reason "eos" (TensorRT-LLM's "stop"; the EOS is appended when it is not
+    among the returned ids), anything else "length"."""
+    tokens = [int(t) for t in token_ids]
+    if finish_reason == "stop" and sampling.stop_on_eos:
+        if not tokens or tokens[-1] != eos_token_id:
+            tokens.append(eos_token_id)
+        return RequestResult(tokens[:sampling.max_new_tokens], "eos")
+    if finish_reason not in ("length", "stop"):
+        raise ValueError(f"TensorRT-LLM finished a request with reason {finish_reason!r}; expected 'stop' or "
+                         "'length'")
+    return RequestResult(tokens, "length")
+
+
+def canonical_shapes(cfg: LMConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor name of a model of config ``cfg`` with its shape (no memory)."""
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def weight_buckets(weights: PolicyWeights, shapes: Mapping[str, tuple[int, ...]],
+                   bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The stream checked strictly (unknown name, repeat, wrong shape: ValueError naming
+    the tensor as it arrives; a missing name when the stream ends) and cut into buckets
+    of about ``bucket_bytes``."""
+    pairs = weights.items() if isinstance(weights, Mapping) else weights
+    seen: set[str] = set()
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for i, item in enumerate(pairs):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise ValueError(f"load_policy_weights: item {i} of the stream must be a (name, tensor) pair")
+        name, tensor = item
+        if name not in shapes:
+            raise ValueError(f"load_policy_weights: unknown tensor {name!r}: not a canonical name of this model")
+        if name in seen:
+            raise ValueError(f"load_policy_weights: tensor {name!r} was given twice")
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"load_policy_weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {shapes[name]}")
+        seen.add(name)
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    missing = [name for name in shapes if name not in seen]
+    if missing:
+        raise ValueError(f"load_policy_weights: tensor {missing[0]!r} was not given ({len(missing)} of "
+                         f"{len(shapes)} canonical tensors missing)")
+    if bucket:
+        yield bucket
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+class TRTLLMRolloutEngine:
+    """Implements `RolloutEngine` through TensorRT-LLM's LLM API (see the module docstring)."""
+
+    def __init__(self, config: TRTLLMEngineConfig) -> None:
+        if not isinstance(config, TRTLLMEngineConfig):
+            raise ValueError(f"TRTLLMRolloutEngine.config must be a TRTLLMEngineConfig, got {type(config).__name__}")
+        trtllm = import_tensorrt_llm()
+        self.config = config
+        self._model_config = read_config(config.target_dir)
+        self._shapes = canonical_shapes(self._model_config)
+        from tensorrt_llm.llmapi import Eagle3DecodingConfig  # lazy: optional package
+
+        spec = config.speculative_kwargs()
+        speculative_config = None if spec is None else Eagle3DecodingConfig(**spec)
+        self.llm = trtllm.LLM(**config.llm_kwargs(), speculative_config=speculative_config)
+        self._trtllm = trtllm
+        self._schedule = config.build_schedule()
+        self._drafter_loaded = config.drafter_dir is not None
+        self._failed_load: str | None = None
+        self.last_decoded_per_iter: float | None = None
+
+    @classmethod
+    def from_hf_folder(cls, path: str | os.PathLike, **kwargs: Any) -> "TRTLLMRolloutEngine":
+        """An engine serving the HF-format folder ``path`` (weights read from it)."""
+        return cls(TRTLLMEngineConfig(target_dir=str(path), **kwargs))
+
+    @property
+    def model_config(self) -> LMConfig:
+        return self._model_config
+
+    def load_policy_weights(self, weights: PolicyWeights) -> None:
+        """See `RolloutEngine.load_policy_weights`: buckets sent as CUDA IPC handles to
+        every worker's device, then ``update_weights(None)`` finalises. A failure after
+        a bucket was sent leaves the model unservable until a complete load."""
+        sent = 0
+        try:
+            for bucket in weight_buckets(weights, self._shapes, self.config.weight_bucket_mb << 20):
+                self.llm._collective_rpc("update_weights", (self._ipc_handles(bucket),))
+                sent += len(bucket)
+            self.llm._collective_rpc("update_weights", (None,))
+        except BaseException as err:  # re-raised: only the model's state is recorded
+            if sent:
+                self._failed_load = f"{sent} of {len(self._shapes)} tensors sent before: {err}"
+            raise
+        self._failed_load = None
+
+    def load_drafter(self, drafter: Drafter | str | os.PathLike | None) -> None:
+        """None: speculation off from the next rollout. A folder in the EAGLE-3 HF layout:
+        its tensors are sent through ``update_weights`` under ``drafter_weight_prefix``
+        (UNVERIFIED: TensorRT-LLM documents no runtime drafter update; the one-model
+        draft module's parameter names and the loader's handling of them are assumed).
+        A torch `Drafter` is refused: export it first (``nemo-tlt convert --from drafter
+        --to eagle3-hf``)."""
+        if drafter is None:
+            self._drafter_loaded = False
+            return
+        if isinstance(drafter, torch.nn.Module):
+            raise ValueError("TRTLLMRolloutEngine.load_drafter takes an EAGLE-3 HF folder, not a torch "
+                             f"{type(drafter).__name__}: export it with `nemo-tlt convert --from drafter "
+                             "--to eagle3-hf` and pass the folder")
+        if self.config.drafter_dir is None:
+            raise ValueError("TRTLLMRolloutEngine.load_drafter: the LLM was built without a drafter "
+                             "(TRTLLMEngineConfig.drafter_dir is null); TensorRT-LLM cannot add one at runtime")
+        folder = Path(drafter)
+        tensors = read_state_dict(folder)
+        prefix = self.config.drafter_weight_prefix
+        self.llm._collective_rpc("update_weights", (self._ipc_handles([(prefix + n, t) for n, t in tensors.items()]),))
+        self.llm._collective_rpc("update_weights", (None,))
+        self._drafter_loaded = True
+
+    def generate(self, requests: list[Request], sampling: SamplingParams, *, policy: SpecPolicy | None = None,
+                 return_hidden: bool = False) -> GenerateOutput:
+        """See `RolloutEngine.generate` and the module docstring (coupled and
+        return_hidden are refused)."""
+        if self._failed_load is not None:
+            raise ValueError(f"generate: the last load_policy_weights failed midway ({self._failed_load}); "
+                             "load complete weights first")
+        validate_requests(requests, sampling, self._model_config)
+        if return_hidden:
+            raise ValueError("generate: return_hidden is not available from TensorRT-LLM's LLM API; harvest "
+                             "drafter data from the policy's forward (drafter.harvest_from=policy)")
+        if policy is not None:
+            policy.begin_rollout()
+        self._install_schedule(policy)
+        t0 = time.perf_counter()
+        eos = self._model_config.eos_token_id
+        params = [self._trtllm.SamplingParams(**sampling_kwargs(sampling, eos, r.seq_id if r.seq_id is not None else i))
+                  for i, r in enumerate(requests)]
+        outputs = self.llm.generate([list(r.prompt) for r in requests], params, use_tqdm=False)
+        results = [completion_to_result(o.outputs[0].token_ids, o.outputs[0].finish_reason, sampling, eos)
+                   for o in outputs]
+        stats = GenerationStats(tokens_generated=sum(len(r.tokens) for r in results))
+        stats.wall_s = stats.time_other_s = time.perf_counter() - t0
+        self.last_decoded_per_iter = _decoded_per_iter(outputs, results)
+        return GenerateOutput(results, stats)
+
+    def _install_schedule(self, policy: SpecPolicy | None) -> None:
+        """The policy's draft_len_schedule, sent to the workers when it changed."""
+        if not self._drafter_loaded:
+            if policy is not None and draft_len_schedule(policy, self.config.max_draft_len,
+                                                         self.config.max_batch_size):
+                raise ValueError("generate: the policy asks for speculation but no drafter is loaded")
+            wanted: dict[int, int] = {}
+        else:
+            wanted = draft_len_schedule(policy, self.config.max_draft_len, self.config.max_batch_size)
+        if wanted == self._schedule:
+            return
+        if not self.config.runtime_schedule:
+            raise ValueError(f"generate: the policy's draft_len_schedule {wanted} differs from the one the LLM was "
+                             f"built with {self._schedule} and TRTLLMEngineConfig.runtime_schedule is false")
+        self.llm._collective_rpc("set_draft_len_schedule", (wanted,))
+        self._schedule = wanted
+
+    def _ipc_handles(self, bucket: list[tuple[str, torch.Tensor]]) -> dict[str, list[tuple[str, Any]]]:
+        """TensorRT-LLM's ``update_weights`` payload: per worker device UUID, (name, CUDA IPC
+        handle) pairs of the tensors copied to that device (workers of this node: TP ranks)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+        from tensorrt_llm._torch.utils import get_device_uuid  # the UUID form the workers look up
+
+        handles: dict[str, list[tuple[str, Any]]] = {}
+        for device in range(self.config.tensor_parallel_size):
+            on_device = [(name, t.to(f"cuda:{device}").contiguous()) for name, t in bucket]
+            handles[get_device_uuid(device)] = [(name, reduce_tensor(t)) for name, t in on_device]
+        return handles
+
+
+def _decoded_per_iter(outputs: list[Any], results: list[RequestResult]) -> float | None:
+    """Iteration-weighted mean tokens per decode iteration (None when not reported)."""
+    means = [o.avg_decoded_tokens_per_iter for o in outputs]
+    if any(m is None or m <= 0 for m in means):
+        return None
+    iterations = sum(len(r.tokens) / m for r, m in zip(results, means))
+    return sum(len(r.tokens) for r in results) / iterations if iterations else None

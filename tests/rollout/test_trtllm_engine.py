@@ -1,0 +1,140 @@
+"""Our side of the TensorRT-LLM engine: config, conversion, strict weight streams, the
+missing-package error. TensorRT-LLM itself is never imported here: where the engine
+object is needed, ``FakeTensorRTLLM`` (a stand-in module defined below, not TensorRT-LLM)
+records what our code hands to the LLM API."""
+from __future__ import annotations
+
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
+from nemo_tlt.model.hf_io import save_hf_folder
+from nemo_tlt.rollout.protocol import Request
+from nemo_tlt.rollout.trtllm_config import WORKER_EXTENSION, TRTLLMEngineConfig
+from nemo_tlt.rollout.trtllm_engine import (TRTLLMRolloutEngine, canonical_shapes, completion_to_result,
+                                            import_tensorrt_llm, sampling_kwargs, weight_buckets)
+from nemo_tlt.speculative.sampling import SamplingParams
+from nemo_tlt.speculative.tree_shape import TreeShape
+from tiny import tiny_config, tiny_target
+
+
+def test_missing_package_error_names_it_and_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # makes the import fail like a missing package
+    with pytest.raises(ImportError, match=r"'tensorrt_llm' package.*pip install tensorrt_llm"):
+        import_tensorrt_llm()
+    with pytest.raises(ImportError, match="tensorrt_llm"):
+        TRTLLMRolloutEngine(TRTLLMEngineConfig(target_dir="unused"))
+
+
+def test_coupled_sampling_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="coupled.*not expressible"):
+        sampling_kwargs(SamplingParams(mode="coupled"), 2, 0)
+
+
+def test_sampling_kwargs_greedy_and_sampled():
+    g = sampling_kwargs(SamplingParams(mode="greedy", max_new_tokens=7), eos_token_id=2, seq_id=5)
+    assert g == {"max_tokens": 7, "end_id": 2, "detokenize": False, "top_k": 1, "temperature": 0.0}
+    s = sampling_kwargs(SamplingParams(mode="rejection", temperature=0.7, top_p=0.9, seed=3, stop_on_eos=False),
+                        eos_token_id=2, seq_id=5)
+    assert s["end_id"] == -1 and s["top_k"] is None and s["top_p"] == 0.9 and s["temperature"] == 0.7
+    other = sampling_kwargs(SamplingParams(mode="rejection", seed=3), 2, seq_id=6)
+    assert s["seed"] != other["seed"]  # one random stream per sequence
+
+
+def test_completion_keeps_eos_as_last_token():
+    sp = SamplingParams(max_new_tokens=5)
+    assert completion_to_result([7, 8], "stop", sp, 2).tokens == [7, 8, 2]
+    assert completion_to_result([7, 2], "stop", sp, 2).tokens == [7, 2]
+    r = completion_to_result([7, 8, 9, 9, 9], "length", sp, 2)
+    assert (r.tokens, r.stop_reason) == ([7, 8, 9, 9, 9], "length")
+    with pytest.raises(ValueError, match="reason 'cancelled'"):
+        completion_to_result([7], "cancelled", sp, 2)
+
+
+def test_weight_stream_is_strict_and_bucketed():
+    model = tiny_target()
+    shapes = canonical_shapes(model.config)
+    sd = model.state_dict()
+    assert shapes == {n: tuple(t.shape) for n, t in sd.items()}
+    buckets = list(weight_buckets(iter(sd.items()), shapes, bucket_bytes=8 * 1024))
+    assert len(buckets) > 1 and [n for b in buckets for n, _ in b] == list(sd)
+    with pytest.raises(ValueError, match="unknown tensor 'nope'"):
+        list(weight_buckets([("nope", torch.zeros(1))], shapes, 1 << 20))
+    name = next(iter(sd))
+    with pytest.raises(ValueError, match=f"{name!r} has shape"):
+        list(weight_buckets([(name, torch.zeros(1))], shapes, 1 << 20))
+    with pytest.raises(ValueError, match="given twice"):
+        list(weight_buckets([(name, sd[name]), (name, sd[name])], shapes, 1 << 20))
+    with pytest.raises(ValueError, match="was not given"):
+        list(weight_buckets([(name, sd[name])], shapes, 1 << 20))
+
+
+def test_config_validation_and_llm_kwargs():
+    with pytest.raises(ValueError, match="TRTLLMEngineConfig.max_draft_len"):
+        TRTLLMEngineConfig(target_dir="t", max_draft_len=0)
+    with pytest.raises(ValueError, match="max_concurrency needs a drafter_dir"):
+        TRTLLMEngineConfig(target_dir="t", max_concurrency=8)
+    with pytest.raises(ValueError, match="eagle3_layers_to_capture must list distinct"):
+        TRTLLMEngineConfig(target_dir="t", drafter_dir="d", eagle3_layers_to_capture=(1, 1))
+    cfg = TRTLLMEngineConfig(target_dir="t", drafter_dir="d", max_draft_len=3, max_concurrency=16,
+                             eagle3_layers_to_capture=(1, 5, 9))
+    assert cfg.speculative_kwargs() == {"max_draft_len": 3, "speculative_model": "d", "eagle3_one_model": True,
+                                        "use_rejection_sampling": False, "eagle3_layers_to_capture": {1, 5, 9},
+                                        "max_concurrency": 16}
+    kw = cfg.llm_kwargs()
+    assert kw["orchestrator_type"] == "ray" and kw["ray_worker_extension_cls"] == WORKER_EXTENSION
+    assert cfg.build_schedule() == {16: 3}
+    assert TRTLLMEngineConfig(target_dir="t").speculative_kwargs() is None
+
+
+# ---- a stand-in module (NOT TensorRT-LLM) to check what our engine hands to the LLM API ----------
+class FakeLLM:
+    def __init__(self, **kwargs):
+        self.kwargs, self.rpcs, self.calls = kwargs, [], []
+
+    def _collective_rpc(self, method, args):
+        self.rpcs.append((method, args))
+
+    def generate(self, prompts, params, use_tqdm=True):
+        self.calls.append((prompts, params))
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5, 6], finish_reason="stop")],
+                                avg_decoded_tokens_per_iter=2.0) for _ in prompts]
+
+
+def fake_tensorrt_llm(monkeypatch):
+    mod = types.ModuleType("tensorrt_llm")
+    mod.LLM = FakeLLM
+    mod.SamplingParams = lambda **kw: kw
+    llmapi = types.ModuleType("tensorrt_llm.llmapi")
+    llmapi.Eagle3DecodingConfig = lambda **kw: ("Eagle3DecodingConfig", kw)
+    mod.llmapi = llmapi
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", mod)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi", llmapi)
+
+
+def test_engine_conversion_and_schedule_updates_against_a_fake_module(monkeypatch, tmp_path):
+    fake_tensorrt_llm(monkeypatch)
+    folder = save_hf_folder(tiny_target(), tmp_path / "t")
+    engine = TRTLLMRolloutEngine.from_hf_folder(folder, drafter_dir=str(tmp_path / "d"), max_draft_len=4,
+                                                max_batch_size=8)
+    assert engine.llm.kwargs["speculative_config"][1]["speculative_model"] == str(tmp_path / "d")
+    assert engine.model_config == tiny_config()
+    out = engine.generate([Request([3, 4]), Request([5], seq_id=9)], SamplingParams(max_new_tokens=4),
+                          policy=FixedSDPolicy(TreeShape(2, 1, 2)))
+    assert [r.tokens for r in out.results] == [[5, 6, 2], [5, 6, 2]]
+    assert out.stats.tokens_generated == 6 and engine.last_decoded_per_iter == 2.0
+    prompts, params = engine.llm.calls[-1]
+    assert prompts == [[3, 4], [5]] and params[0]["max_tokens"] == 4
+    assert engine.llm.rpcs == [("set_draft_len_schedule", ({8: 2},))]
+    engine.generate([Request([3])], SamplingParams(max_new_tokens=4), policy=FixedSDPolicy(TreeShape(2, 1, 2)))
+    assert len(engine.llm.rpcs) == 1  # unchanged schedule: not sent again
+    engine.generate([Request([3])], SamplingParams(max_new_tokens=4))
+    assert engine.llm.rpcs[-1] == ("set_draft_len_schedule", ({},))
+    with pytest.raises(ValueError, match="return_hidden"):
+        engine.generate([Request([3])], SamplingParams(max_new_tokens=4), return_hidden=True)
+    with pytest.raises(ValueError, match="not a torch|EAGLE-3 HF folder"):
+        engine.load_drafter(torch.nn.Linear(1, 1))
