@@ -209,21 +209,22 @@ class TLTConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML-able values (tree shapes in their string form), as load_config reads them."""
-        return _plain(self)
+        return plain_values(self)
 
     def to_yaml(self) -> str:
         return OmegaConf.to_yaml(OmegaConf.create(self.to_dict()))
 
 
-def _plain(value: Any) -> Any:
+def plain_values(value: Any) -> Any:
+    """A config (or any value) as plain YAML-able values; tree shapes in their string form."""
     if isinstance(value, TreeShape):
         return value.name
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: plain_values(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain_values(v) for v in value]
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain_values(v) for k, v in value.items()}
     return value
 
 
@@ -233,7 +234,7 @@ def _reraise(err: OmegaConfBaseException, source: str) -> ValueError:
     return ValueError(f"{source}: config key '{key}': {first}")
 
 
-def _build(schema: type, values: dict[str, Any], prefix: str) -> Any:
+def build_structured(schema: type, values: dict[str, Any], prefix: str) -> Any:
     """``schema(**values)`` with nested dataclasses built first; a ValueError from a
     nested class names its key path (``ClassName.field`` -> ``prefix.field``)."""
     hints = typing.get_type_hints(schema)
@@ -243,7 +244,7 @@ def _build(schema: type, values: dict[str, Any], prefix: str) -> Any:
             continue
         value, kind = values[f.name], hints[f.name]
         if dataclasses.is_dataclass(kind) and isinstance(value, dict):
-            value = _build(kind, value, f"{prefix}{f.name}.")
+            value = build_structured(kind, value, f"{prefix}{f.name}.")
         kwargs[f.name] = value
     try:
         return schema(**kwargs)
@@ -282,7 +283,7 @@ def load_structured(schema: type, path: str | Path | None = None, overrides: Seq
         values = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as err:
         raise _reraise(err, "overrides") from None
-    return _build(schema, values, "")
+    return build_structured(schema, values, "")
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TLTConfig:

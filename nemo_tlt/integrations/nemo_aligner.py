@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemo_tlt.adaptive.config import SpecDecodingConfig
 from nemo_tlt.checks import check_int
-from nemo_tlt.config import _build
+from nemo_tlt.config import build_structured, plain_values
 from nemo_tlt.rollout.protocol import Request, RolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.spot.config import IdleDrafterConfig
@@ -130,13 +130,12 @@ def read_aligner_config(cfg: Mapping[str, Any] | DictConfig) -> AlignerGeneratio
         unload_engine_train=bool(get(trt + "unload_engine_train")), trt_model_dir=str(get("trainer.ppo.trt_model_dir")),
         max_generation_length=max_len, use_greedy=bool(get(sp + "use_greedy")),
         temperature=float(get(sp + "temperature")), top_k=int(get(sp + "top_k")), top_p=float(get(sp + "top_p")),
-        tlt=_build(TLTBlock, merged, "tlt."))
+        tlt=build_structured(TLTBlock, merged, "tlt."))
 
 
 def _plain_block() -> dict[str, Any]:
     """TLTBlock's defaults as plain values (arms as strings), the schema merged into."""
-    from nemo_tlt.config import _plain
-    return _plain(TLTBlock())
+    return plain_values(TLTBlock())
 
 
 def build_engine(tlt: TLTBlock) -> RolloutEngine:
