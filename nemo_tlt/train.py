@@ -22,9 +22,10 @@
 * Exit status: 0 done, 2 bad usage or config, 130 interrupted (SIGINT/SIGTERM; the
   run was checkpointed: rerun with ``resume=true`` to continue).
 * Under ``srun`` (SLURM launch mode, ``nemo_tlt.rl.workers.launch_mode``) every task
-  runs this command as one worker; only rank 0 prints the config and writes the
-  run's files (config, summaries, report, plots). The run folder must be on a file
-  system every node shares.
+  runs this command as one worker; only rank 0 prints the config, writes the run's
+  files (config, summaries, report, plots) and exits with the status above (the
+  other ranks exit 0 once their part ended, interrupted or not). The run folder must
+  be on a file system every node shares.
 """
 from __future__ import annotations
 
@@ -213,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = run_plan(plan, primary)
     if not primary:
-        return EXIT_INTERRUPTED if any(s["status"] != "completed" for _, s in results) else 0
+        # The step's exit status is rank 0's: a peer leaving non-zero first would make
+        # `srun --kill-on-bad-exit` kill rank 0 while it writes the report.
+        return 0
     _write_report(run_dir, results, args.compare_baseline)
     print(f"run folder: {run_dir.resolve()}")
     if any(s["status"] != "completed" for _, s in results):
