@@ -110,4 +110,5 @@ def test_usr1_stops_with_a_checkpoint_and_a_requeue_resumes(cluster, tiny_models
     cluster.requeue(job)
     log = finished(cluster, job, out)
     assert "continuing with resume=true" in log
+    assert "resume: true" in (run / "config.yaml").read_text()  # the requeued job ran with resume=true
     assert [r["step"] for r in metrics(run / "tlt")] == list(range(steps))
