@@ -25,11 +25,14 @@ def _unavailable(reason: str) -> None:
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
+    cluster, reason = None, ""
     try:
         ensure_packages()
         cluster = SlurmCluster(nodes=NODES).start()
     except ClusterUnavailable as err:
-        _unavailable(str(err))
+        reason = str(err)
+    if cluster is None:
+        _unavailable(reason)
     try:
         yield cluster
     finally:
