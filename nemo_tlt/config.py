@@ -38,6 +38,7 @@ from nemo_tlt.speculative.tree_shape import TreeShape
 from nemo_tlt.spot.config import IdleDrafterConfig
 
 START_METHODS = ("spawn", "fork", "forkserver")
+LAUNCHERS = ("auto", "local", "slurm")
 TASK_JSONL, TASK_HF = "jsonl", "hf"  # the built-in task source and tokenizer (nemo_tlt.rl.task)
 TASK_JSONL_OPTIONS = ("path", "prompt_key", "answer_key")
 
@@ -137,12 +138,18 @@ class GRPOConfig:
 class WorkersConfig:
     """Rollout workers (processes; gloo + TCPStore). One worker runs in the calling
     process; ``threads_per_worker`` applies to it as to every worker. With
-    ``policy.backend=megatron`` every worker is one Megatron rank."""
+    ``policy.backend=megatron`` every worker is one Megatron rank.
+
+    ``launcher``: ``local`` starts the workers as local processes; ``slurm`` makes this
+    process one worker, an ``srun`` task (``nemo_tlt.dist.slurm``; SLURM's task count
+    must equal ``num_workers``); ``auto`` is ``slurm`` inside an srun step of more than
+    one task and ``local`` otherwise."""
 
     num_workers: int = 2
     threads_per_worker: int = 1  # torch intra-op threads of each worker
     start_method: str = "spawn"
     timeout_s: float = 900.0  # longest a worker waits for the others before failing loudly
+    launcher: str = "auto"
 
     def __post_init__(self) -> None:
         check_int("WorkersConfig.num_workers", self.num_workers, 1)
@@ -151,6 +158,8 @@ class WorkersConfig:
             raise ValueError(f"WorkersConfig.start_method must be one of {list(START_METHODS)}, "
                              f"got {self.start_method!r}")
         check_float("WorkersConfig.timeout_s", self.timeout_s, 0.0, lo_open=True)
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"WorkersConfig.launcher must be one of {list(LAUNCHERS)}, got {self.launcher!r}")
 
 
 @dataclass(frozen=True)

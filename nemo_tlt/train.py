@@ -21,6 +21,11 @@
   whose ``summary.json`` says it completed all ``steps``.
 * Exit status: 0 done, 2 bad usage or config, 130 interrupted (SIGINT/SIGTERM; the
   run was checkpointed: rerun with ``resume=true`` to continue).
+* Under ``srun`` (SLURM launch mode, ``nemo_tlt.rl.workers.launch_mode``) every task
+  runs this command as one worker; only rank 0 prints the config, writes the run's
+  files (config, summaries, report, plots) and exits with the status above (the
+  other ranks exit 0 once their part ended, interrupted or not). The run folder must
+  be on a file system every node shares.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ from nemo_tlt.rl.loop import run_rank
 from nemo_tlt.rl.run import RunSpec, prepare_run_dir
 from nemo_tlt.rl.task import build_task
 from nemo_tlt.rl.report import compare_pairs, format_pairs, run_block, write_plots
-from nemo_tlt.rl.workers import launch
+from nemo_tlt.rl.workers import launch, process_rank
 
 log = logging.getLogger(__name__)
 USAGE = "usage: nemo-tlt train CONFIG.yaml [key=value ...] [--compare-baseline [--pairs N]]"
@@ -154,17 +159,22 @@ def completed_summary(spec: RunSpec) -> dict[str, Any] | None:
     return summary if done else None
 
 
-def run_plan(plan: list[PlannedRun]) -> list[tuple[PlannedRun, dict[str, Any]]]:
-    """Run (or, on resume, skip finished) runs in order; stops after an interrupted one."""
+def run_plan(plan: list[PlannedRun], primary: bool = True) -> list[tuple[PlannedRun, dict[str, Any]]]:
+    """Run (or, on resume, skip finished) runs in order; stops after an interrupted one.
+
+    Only the `primary` process writes summaries; every SLURM task takes the same
+    decisions (a summary file is only ever removed when it does not count as done)."""
     done = []
     for run in plan:
         summary = completed_summary(run.spec)
         if summary is not None:
-            print(f"{run.label}: completed before, skipped (resume=true)")
+            if primary:
+                print(f"{run.label}: completed before, skipped (resume=true)")
         else:
-            (Path(run.spec.out_dir) / SUMMARY).unlink(missing_ok=True)
+            if primary:
+                (Path(run.spec.out_dir) / SUMMARY).unlink(missing_ok=True)
             summary = launch(run.spec, run_rank)
-            if summary["status"] == "completed":
+            if summary["status"] == "completed" and primary:
                 write_json_atomic(Path(run.spec.out_dir) / SUMMARY, summary)  # resume trusts only whole files
         done.append((run, summary))
         if summary["status"] != "completed":
@@ -184,21 +194,31 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"nemo-tlt train: error: {err}\n{USAGE}", file=sys.stderr)
         return 2
-    resolved = config.to_yaml()
-    print(resolved)
+    try:
+        primary = process_rank(config.workers) == 0  # the launch mode is chosen here (local or SLURM)
+    except ValueError as err:
+        print(f"nemo-tlt train: error: {err}", file=sys.stderr)
+        return 2
     run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(resolved)
+    if primary:
+        resolved = config.to_yaml()
+        print(resolved)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(resolved)
     try:
         target_dir, drafter_dir = resolve_models(config)
         build_task(config.task, target_dir)  # imports the user's source, reward and tokenizer now, once
         plan = build_plan(config, args, target_dir, drafter_dir)
-        for run in plan:
+        for run in plan if primary else ():
             prepare_run_dir(run.spec)
     except ValueError as err:
         print(f"nemo-tlt train: error: {err}", file=sys.stderr)
         return 2
-    results = run_plan(plan)
+    results = run_plan(plan, primary)
+    if not primary:
+        # The step's exit status is rank 0's: a peer leaving non-zero first would make
+        # `srun --kill-on-bad-exit` kill rank 0 while it writes the report.
+        return 0
     _write_report(run_dir, results, args.compare_baseline)
     print(f"run folder: {run_dir.resolve()}")
     if any(s["status"] != "completed" for _, s in results):

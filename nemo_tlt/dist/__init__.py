@@ -1,6 +1,7 @@
 """Process groups for nemo-tlt: one launcher, one flat all-reduce, the loop's typed collectives.
 
 launch      -- ``launch_local``: N local processes joined by gloo over a TCPStore rendezvous
+slurm       -- ``launch_slurm``: this srun task is one rank (rendezvous from SLURM's variables)
 comm        -- ``Comm`` (typed collectives, trivial for one rank) and ``StopFlag`` (SIGINT/SIGTERM)
 allreduce   -- ``allreduce_flat``: many tensors reduced through one flat float32 buffer
 
@@ -9,5 +10,7 @@ A bottom layer: imports only torch (never another nemo_tlt package).
 from nemo_tlt.dist.allreduce import allreduce_flat
 from nemo_tlt.dist.comm import Comm, StopFlag
 from nemo_tlt.dist.launch import RankContext, Rendezvous, free_port, launch_local
+from nemo_tlt.dist.slurm import SlurmEnvError, in_srun_step, launch_slurm
 
-__all__ = ["Comm", "RankContext", "Rendezvous", "StopFlag", "allreduce_flat", "free_port", "launch_local"]
+__all__ = ["Comm", "RankContext", "Rendezvous", "SlurmEnvError", "StopFlag", "allreduce_flat", "free_port",
+           "in_srun_step", "launch_local", "launch_slurm"]

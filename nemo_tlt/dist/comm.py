@@ -6,8 +6,9 @@ Contract
   group; every one is a no-op (or the trivial answer) when ``world == 1``, so a single
   rank needs no process group. ``store`` is the rendezvous store (the worker
   coordinator's key-value channel).
-* ``StopFlag``: SIGINT / SIGTERM never kill a rank mid-step; the flag records the
-  signal (or a launcher's shared ``event``, so a signal that reached the launcher while
+* ``StopFlag``: SIGINT / SIGTERM / SIGUSR1 never kill a rank mid-step (SIGUSR1 is
+  SLURM's warning before a time limit or preemption, ``--signal=USR1@N``, which the
+  sbatch scripts forward to their tasks); the flag records the signal (or a launcher's shared ``event``, so a signal that reached the launcher while
   a rank was still starting is not lost) and the loop reads it at step boundaries.
 """
 from __future__ import annotations
@@ -20,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 class StopFlag:
-    """Set by SIGINT/SIGTERM (or `request`), or through a shared `event`; read at step boundaries."""
+    """Set by SIGINT/SIGTERM/SIGUSR1 (or `request`), or through a shared `event`; read at step boundaries."""
 
     def __init__(self, event: Any = None) -> None:
         self.signum: int | None = None

@@ -26,9 +26,10 @@ rendezvous ``TCPStore``, a key-value channel every rank shares) and ``stop`` (a
 * ``in_process=True`` with ``world_size == 1``: ``fn`` runs in the calling process with
   a ``HashStore`` and no process group (the caller's torch thread count is restored).
 
-A cluster launch (SLURM: rank / world / local rank from its variables, the store at the
-first host of the node list, hosted by rank 0) is one more producer of a ``Rendezvous``
-handed to ``run_rank``; the ranks' side is the same.
+A cluster launch (``nemo_tlt.dist.slurm.launch_slurm``: rank / world / local rank / node
+from SLURM's variables, the store at the first host of the node list, hosted by rank 0)
+is one more producer of a ``Rendezvous`` handed to ``run_rank``; the ranks' side is the
+same.
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ class Rendezvous:
     world: int
     local_rank: int
     host_store: bool = False
+    node: int = 0  # index of this rank's node (0 for a local launch)
 
 
 @dataclass
@@ -78,6 +80,7 @@ class RankContext:
     local_rank: int
     store: Any  # torch.distributed.Store
     stop: StopFlag
+    node: int = 0  # index of this rank's node: ranks with equal `node` share a host
 
 
 def join(rdzv: Rendezvous, timeout_s: float) -> dist.Store:
@@ -96,12 +99,15 @@ def run_rank(fn: Callable, rdzv: Rendezvous, args: tuple, *, timeout_s: float, t
     stop = StopFlag(stop_event)
     if install_signals:
         stop.install()
-    store = join(rdzv, timeout_s)
-    value = fn(RankContext(rdzv.rank, rdzv.world, rdzv.local_rank, store, stop), *args)
-    # Only after success: a failing rank reports first and leaves its peers blocked, not
-    # reset (a reset would make a peer's error race the real one to the launcher).
-    dist.destroy_process_group()
-    return value
+    try:
+        store = join(rdzv, timeout_s)
+        value = fn(RankContext(rdzv.rank, rdzv.world, rdzv.local_rank, store, stop, rdzv.node), *args)
+        # Only after success: a failing rank reports first and leaves its peers blocked, not
+        # reset (a reset would make a peer's error race the real one to the launcher).
+        dist.destroy_process_group()
+        return value
+    finally:
+        stop.restore()  # a SLURM task outlives its rank: later signals act as usual again
 
 
 def _child(rdzv: Rendezvous, fn: Callable, args: tuple, results: Any, timeout_s: float, threads: int,

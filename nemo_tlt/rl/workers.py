@@ -2,32 +2,85 @@
 
 Contract
 --------
+* ``launch_mode(workers, env)``: ``"local"`` or ``"slurm"`` from ``workers.launcher``
+  and the environment (``auto``: ``slurm`` inside an srun step of more than one task).
+  ``launcher=local`` inside such a step is refused (every task would start its own
+  copy of the run); ``launcher=slurm`` outside an srun step is refused naming the
+  missing variables. ``process_rank(workers, env)`` is this process's rank in the
+  launch (0 for ``local``): the process that writes the run's reports.
 * ``launch(spec, run, on_step=None)`` runs ``run(spec, comm, stop_flag, on_step)`` on
-  every rank through ``nemo_tlt.dist.launch_local`` and returns rank 0's summary. One
-  worker runs in the calling process (a ``HashStore``, no process group); more run as
-  processes (``workers.start_method``) joined by gloo over the launcher's ``TCPStore``,
-  which also carries the BUSY/IDLE/TRAINING coordinator. Every worker computes with
-  ``workers.threads_per_worker`` torch threads (the single in-process worker too; the
-  caller's thread count is restored afterwards); collectives time out after
-  ``workers.timeout_s``.
-* SIGINT / SIGTERM never kill a worker mid-step: the launcher forwards them to every
-  rank's ``StopFlag``; the ranks agree at the next step boundary (``Comm.any``), rank 0
-  checkpoints and every rank exits cleanly.
-* A failing worker is never silent: its traceback reaches the caller, the other workers
-  are stopped, and ``RuntimeError`` names the rank.
+  every rank and returns rank 0's summary (in SLURM mode on every task).
+  - local: through ``nemo_tlt.dist.launch_local``. One worker runs in the calling
+    process (a ``HashStore``, no process group); more run as processes
+    (``workers.start_method``) joined by gloo over the launcher's ``TCPStore``, which
+    also carries the BUSY/IDLE/TRAINING coordinator.
+  - slurm: this process is rank ``SLURM_PROCID`` of ``SLURM_NTASKS``, through
+    ``nemo_tlt.dist.launch_slurm`` (the store is hosted by rank 0 at the job's first
+    node); a task count other than ``workers.num_workers`` is refused naming both.
+  Every worker computes with ``workers.threads_per_worker`` torch threads (the single
+  in-process worker too; the caller's thread count is restored afterwards);
+  collectives time out after ``workers.timeout_s``.
+* SIGINT / SIGTERM never kill a worker mid-step: the local launcher forwards them to
+  every rank's ``StopFlag`` (``srun`` forwards them to its tasks); the ranks agree at
+  the next step boundary (``Comm.any``), rank 0 checkpoints and every rank exits cleanly.
+* A failing worker is never silent: locally its traceback reaches the caller, the other
+  workers are stopped, and ``RuntimeError`` names the rank; under SLURM the task fails
+  with its traceback and ``srun --kill-on-bad-exit=1`` ends the step.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import os
+from typing import Any, Callable, Mapping
 
-from nemo_tlt.dist import Comm, RankContext, StopFlag, launch_local
+import torch.distributed as dist
+
+from nemo_tlt.dist import Comm, RankContext, SlurmEnvError, StopFlag, in_srun_step, launch_local, launch_slurm
+from nemo_tlt.dist.slurm import SlurmTask
 
 RunFn = Callable[[Any, Comm, StopFlag, Callable | None], dict]
+
+
+def _srun_tasks(env: Mapping[str, str]) -> int:
+    if not in_srun_step(env):
+        return 0
+    try:
+        return int(env.get("SLURM_NTASKS", "1"))
+    except ValueError:
+        raise SlurmEnvError(f"SLURM_NTASKS={env['SLURM_NTASKS']!r} is not an integer") from None
+
+
+def launch_mode(workers: Any, env: Mapping[str, str] | None = None) -> str:
+    """``"local"`` or ``"slurm"``: how this process runs `workers` (see the module docstring)."""
+    env = os.environ if env is None else env
+    tasks = _srun_tasks(env)
+    if workers.launcher == "slurm" or (workers.launcher == "auto" and tasks > 1):
+        SlurmTask.from_env(env)  # names what is missing
+        return "slurm"
+    if tasks > 1:
+        raise SlurmEnvError(f"workers.launcher=local, but this process is task {env.get('SLURM_PROCID')} of "
+                            f"SLURM_NTASKS={tasks} srun tasks: each would start its own run of "
+                            f"{workers.num_workers} workers; set workers.launcher=slurm (or auto), or start "
+                            "one task")
+    return "local"
+
+
+def process_rank(workers: Any, env: Mapping[str, str] | None = None) -> int:
+    """This process's rank in the launch: SLURM_PROCID in SLURM mode, else 0."""
+    env = os.environ if env is None else env
+    return SlurmTask.from_env(env).rank if launch_mode(workers, env) == "slurm" else 0
 
 
 def _rank_main(ctx: RankContext, spec: Any, run: RunFn, on_step: Callable | None) -> dict | None:
     summary = run(spec, Comm(ctx.rank, ctx.world, ctx.store), ctx.stop, on_step)
     return summary if ctx.rank == 0 else None
+
+
+def _task_main(ctx: RankContext, spec: Any, run: RunFn, on_step: Callable | None) -> dict:
+    """One SLURM task: every task leaves with rank 0's summary (one report, one status)."""
+    summary = [run(spec, Comm(ctx.rank, ctx.world, ctx.store), ctx.stop, on_step)]
+    if ctx.world > 1:
+        dist.broadcast_object_list(summary, src=0)
+    return summary[0]
 
 
 def launch(spec: Any, run: RunFn, on_step: Callable | None = None) -> dict:
@@ -36,6 +89,9 @@ def launch(spec: Any, run: RunFn, on_step: Callable | None = None) -> dict:
     `on_step(step, record)` is called by every rank after each RL step (a hook for
     tests, e.g. to raise a signal after step k; it must pickle under 'spawn')."""
     workers = spec.config.workers
+    if launch_mode(workers) == "slurm":
+        return launch_slurm(_task_main, workers.num_workers, spec, run, on_step,
+                            collective_timeout_s=workers.timeout_s, threads=workers.threads_per_worker)
     summaries = launch_local(
         _rank_main, workers.num_workers, spec, run, on_step, timeout_s=None,
         collective_timeout_s=workers.timeout_s, threads=workers.threads_per_worker,

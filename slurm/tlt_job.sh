@@ -1,0 +1,55 @@
+# Sourced by the sbatch scripts of this folder (not submitted itself).
+#
+#   tlt_train [SRUN_OPTION ...] -- CONFIG [key=value ...] [--compare-baseline ...]
+#
+# runs `nemo-tlt train` as one srun step whose tasks are the workers (one task = one
+# rank, workers.launcher=slurm: the rendezvous comes from SLURM's variables) and
+# returns its exit status (0 done, 2 bad config or environment, 130 interrupted and
+# checkpointed). Around the step:
+#   * resume: a requeued job (SLURM_RESTART_COUNT > 0) continues its run (resume=true);
+#   * preemption / time limit: `#SBATCH --signal=B:USR1@N` signals only this batch
+#     shell, so the step runs in the background and the trap forwards USR1 to srun,
+#     which forwards it to every task; the ranks stop at the next step boundary and
+#     rank 0 checkpoints (nemo_tlt.dist.StopFlag).
+# Environment (optional):
+#   TLT_PYTHON      the python that has nemo-tlt installed (default: python)
+#   TLT_SRUN_FLAGS  more srun flags, word-split: container flags, GPU binding, ...
+#   TLT_RDZV_PORT   rendezvous port (default: derived from the job id)
+
+tlt_forward_usr1() {
+    TLT_SIGNALLED=1
+    echo "tlt: USR1 (preemption or time limit ahead): forwarding it to the workers" >&2
+    kill -USR1 "$TLT_SRUN_PID" 2>/dev/null
+}
+
+tlt_train() {
+    local srun_opts=()
+    while [ $# -gt 0 ] && [ "$1" != "--" ]; do srun_opts+=("$1"); shift; done
+    if [ $# -eq 0 ]; then
+        echo "tlt_train: usage: tlt_train [SRUN_OPTION ...] -- CONFIG [key=value ...]" >&2
+        return 2
+    fi
+    shift
+    local args=("$@")
+    if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+        echo "tlt: requeued job (restart ${SLURM_RESTART_COUNT}): continuing with resume=true" >&2
+        args+=("resume=true")
+    fi
+    TLT_SIGNALLED=
+    # shellcheck disable=SC2086  # TLT_SRUN_FLAGS is a list of flags on purpose
+    srun --kill-on-bad-exit=1 "${srun_opts[@]}" ${TLT_SRUN_FLAGS:-} \
+        "${TLT_PYTHON:-python}" -m nemo_tlt.cli train "${args[@]}" workers.launcher=slurm &
+    TLT_SRUN_PID=$!
+    trap tlt_forward_usr1 USR1
+    local rc
+    wait "$TLT_SRUN_PID"; rc=$?
+    # `wait` returns early when a trapped signal arrives: wait again until srun is gone.
+    while kill -0 "$TLT_SRUN_PID" 2>/dev/null; do wait "$TLT_SRUN_PID"; rc=$?; done
+    trap - USR1
+    if [ "$rc" -eq 130 ] && [ -n "$TLT_SIGNALLED" ]; then
+        # Hook for the preemption handling: the run is checkpointed here; requeueing the
+        # job (scontrol requeue "$SLURM_JOB_ID") resumes it with resume=true.
+        echo "tlt: stopped on USR1 and checkpointed; a requeue of job $SLURM_JOB_ID resumes it" >&2
+    fi
+    return "$rc"
+}
