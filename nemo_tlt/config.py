@@ -149,6 +149,9 @@ class WorkersConfig:
     threads_per_worker: int = 1  # torch intra-op threads of each worker
     start_method: str = "spawn"
     timeout_s: float = 900.0  # longest a worker waits for the others before failing loudly
+    # Under a SLURM time limit: no RL step starts that cannot end (with its checkpoint)
+    # this many seconds before the limit; the run checkpoints and stops instead.
+    time_limit_margin_s: float = 60.0
     launcher: str = "auto"
 
     def __post_init__(self) -> None:
@@ -158,6 +161,7 @@ class WorkersConfig:
             raise ValueError(f"WorkersConfig.start_method must be one of {list(START_METHODS)}, "
                              f"got {self.start_method!r}")
         check_float("WorkersConfig.timeout_s", self.timeout_s, 0.0, lo_open=True)
+        check_float("WorkersConfig.time_limit_margin_s", self.time_limit_margin_s, 0.0)
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"WorkersConfig.launcher must be one of {list(LAUNCHERS)}, got {self.launcher!r}")
 

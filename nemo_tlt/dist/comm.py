@@ -58,6 +58,7 @@ class Comm:
     rank: int
     world: int
     store: Any  # torch.distributed.Store
+    node: int = 0  # the node (host) this rank runs on: ranks of one node share its devices
 
     @property
     def distributed(self) -> bool:

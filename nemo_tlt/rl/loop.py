@@ -32,13 +32,14 @@ import torch
 from nemo_tlt.drafter.target_view import TargetView
 from nemo_tlt.model.hf_io import load_hf_folder
 from nemo_tlt.policy.factory import build_policy_backend
+from nemo_tlt.rl.boundary import StepBoundary
 from nemo_tlt.rl.decode_segments import decode_segments
 from nemo_tlt.rl.grpo import group_advantages
 from nemo_tlt.rl.idle_drafter import IdleDrafter, idle_without_training
 from nemo_tlt.rl.records import IdleResult, RankState, RankStep, Rollout, step_record
 from nemo_tlt.rl.report import MetricsWriter, progress_bar
 from nemo_tlt.rl.run import RunSpec, shard_prompts, step_rng, step_seed
-from nemo_tlt.rl.run_checkpoint import RunCheckpointer, RunState
+from nemo_tlt.rl.run_checkpoint import RunCheckpointer, RunState, restore
 from nemo_tlt.rl.task import build_task, check_eos, check_vocab
 from nemo_tlt.rl.weight_stream import WeightStream
 from nemo_tlt.rollout.protocol import Request
@@ -95,22 +96,28 @@ class RLWorker:
         status, step, rank0 = "completed", self.start_step, self.comm.rank == 0
         bar = progress_bar(self.cfg, self.spec.mode, self.start_step) if rank0 else None
         writer = MetricsWriter(self.spec.out_dir, self.records) if rank0 else None
+        boundary = StepBoundary(self.comm, self.stop, self.cfg.workers.time_limit_margin_s)
         try:
             for step in range(self.start_step, self.cfg.steps):
-                if self.comm.any(self.stop.requested):
-                    status = "interrupted"
+                decision = boundary.decide()
+                if decision.stop or decision.out_of_time:
+                    status = "interrupted" if decision.stop else "time_limit"
                     break
-                record = self.step(step)
+                record = self.step(step, skip_drafter_round=decision.tight)
                 if rank0:
+                    record.update(time_left_s=boundary.time_left(), drafter_round_skipped=decision.tight)
+                    boundary.budget.add_step(record["step_s"])
+                    t0 = time.perf_counter()
                     self.log_and_checkpoint(step, record, writer, bar)
+                    boundary.budget.add_checkpoint(time.perf_counter() - t0)
                 if on_step is not None:
                     on_step(step, record)
             else:
                 step = self.cfg.steps
-            if status == "interrupted" and rank0 and self.records:
+            if status != "completed" and rank0 and self.records:
                 self.checkpoint(self.records[-1]["step"], final=True)
-                log.info("interrupted: checkpoint of step %d in %s; continue with resume=true",
-                         self.records[-1]["step"], self.spec.checkpoint_dir)
+                log.warning("%s: checkpoint of step %d in %s; continue with resume=true", boundary.reason(decision),
+                            self.records[-1]["step"], self.spec.checkpoint_dir)
         finally:
             for closable in (bar, writer, self.ckpt, self.drafter):
                 if closable is not None:
@@ -119,12 +126,12 @@ class RLWorker:
                 "wall_s": time.perf_counter() - t_run, "out_dir": self.spec.out_dir,
                 "checkpoint_dir": str(self.spec.checkpoint_dir)}
 
-    def step(self, step: int) -> dict[str, Any]:
+    def step(self, step: int, skip_drafter_round: bool = False) -> dict[str, Any]:
         comm, G = self.comm, self.cfg.grpo.group_size
         t_start = time.perf_counter()
         prompts = self.task.source.prompts(step, self.cfg.grpo.prompts_per_step, step_rng(self.cfg.seed, step))
         rollout = self.rollout(step, prompts)
-        idle = self.idle_time(step)
+        idle = self.idle_time(step, skip_drafter_round)
         t_meet = time.perf_counter()
         timeline = self.coord.collect_timelines(step) if comm.rank == 0 else []
         self.coord.mark_busy()
@@ -134,7 +141,7 @@ class RLWorker:
         t0 = time.perf_counter()
         weights = self.sync_weights(idle)
         t_sync = time.perf_counter() - t0
-        mine = RankStep(rank=comm.rank, ids=rollout.ids, tokens=[r.tokens for r in rollout.out.results],
+        mine = RankStep(rank=comm.rank, node=comm.node, ids=rollout.ids, tokens=[r.tokens for r in rollout.out.results],
                         rewards=rewards, gen_s=rollout.seconds, sd_steps=rollout.out.stats.sd_steps,
                         plain_steps=rollout.out.stats.plain_steps, accept_lengths=rollout.out.stats.accept_lengths,
                         segments=rollout.segments, idle=idle,
@@ -170,9 +177,10 @@ class RLWorker:
         segments = decode_segments(out.stats.trace, out.stats.prefill_s, out.stats.wall_s, t_gen)
         return Rollout(ids, requests, out, segments, seconds)
 
-    def idle_time(self, step: int) -> IdleResult:
-        """This rank's share is done: train the drafter until every rank is (TLT), meet."""
-        if self.harvest_from is None:
+    def idle_time(self, step: int, skip: bool = False) -> IdleResult:
+        """This rank's share is done: train the drafter until every rank is (TLT), meet.
+        ``skip`` (agreed by every rank) only meets."""
+        if self.harvest_from is None or skip:
             return idle_without_training(self.coord, step)
         return self.drafter.idle_time(step, self.coord)
 
@@ -252,22 +260,13 @@ class RLWorker:
         self.saved_step = step
 
     def resume(self) -> None:
-        """Every rank reads the newest valid checkpoint of this run (if any)."""
+        """Every rank reads the newest valid checkpoint of this run (if any) and restores from it."""
         state = self.ckpt.load_latest(self.comm.world, self.spec.mode)
         if state is None:
             log.info("resume=true but %s holds no checkpoint: starting at step 0", self.spec.checkpoint_dir)
             return
-        self.policy.load_canonical(state.policy_weights)
-        self.policy.load_state_dict(state.policy_states[self.comm.rank if len(state.policy_states) > 1 else 0])
-        self.engine.load_policy_weights(state.policy_weights)
+        restore(state, self.comm.rank, self.policy, self.engine, self.sd_policy, self.drafter)
         self.synced = dict(state.policy_weights)
-        mine = state.ranks[self.comm.rank]
-        if self.sd_policy is not None and mine.sd_policy is not None:
-            self.sd_policy.load_state_dict(mine.sd_policy)
-        if self.drafter is not None:
-            self.drafter.restore(state.policy_weights, state.drafter_weights, state.drafter_trainer, mine.generator,
-                                 next_step=state.step + 1)
-            self.engine.load_drafter(self.drafter.drafter)
         self.records = list(state.records) if self.comm.rank == 0 else []
         self.rank_states = list(state.ranks)
         self.saved_step = state.step

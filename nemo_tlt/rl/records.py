@@ -53,6 +53,7 @@ class RankState:
 @dataclass
 class RankStep:
     rank: int
+    node: int                      # the host it runs on (per-node idle / training time)
     ids: list[int]                 # sequence ids of this rank's rollout (p * G + g)
     tokens: list[list[int]]
     rewards: list[float]
@@ -91,6 +92,9 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
         "rollout_gen_s": [r.gen_s for r in ranks],
         "drafter_train_s": float(sum(r.idle.train_s for r in ranks)),
         "idle_s": float(sum(r.idle.idle_s for r in ranks)),
+        # worker-seconds per node (keys: node ids), where the cluster's gaps were
+        "idle_s_per_node": _per_node(ranks, lambda r: r.idle.idle_s),
+        "drafter_train_s_per_node": _per_node(ranks, lambda r: r.idle.train_s),
         "drafter_sync_s": float(max(r.idle.drafter_sync_s for r in ranks)),
         "drafter_samples": int(sum(r.idle.drafter_samples for r in ranks)),
         "drafter_steps": int(sum(r.idle.drafter_steps for r in ranks)),
@@ -110,3 +114,10 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
                             for r in ranks for a, b, choice in r.segments],
         "t_end": now - t0,
     }
+
+
+def _per_node(ranks: list[RankStep], value) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for r in ranks:
+        out[str(r.node)] = out.get(str(r.node), 0.0) + float(value(r))
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))

@@ -95,3 +95,19 @@ class RunCheckpointer:
     def close(self) -> None:
         if self._manager is not None:
             self._manager.close()
+
+
+def restore(state: RunState, rank: int, policy, engine, sd_policy, drafter) -> None:
+    """Put the live components of rank ``rank`` back to ``state``: the policy backend
+    (weights, its optimizer state or this rank's shard of it), the rollout engine's
+    weights and drafter, the SD policy, and the drafter side (``IdleDrafter.restore``)."""
+    policy.load_canonical(state.policy_weights)
+    policy.load_state_dict(state.policy_states[rank if len(state.policy_states) > 1 else 0])
+    engine.load_policy_weights(state.policy_weights)
+    mine = state.ranks[rank]
+    if sd_policy is not None and mine.sd_policy is not None:
+        sd_policy.load_state_dict(mine.sd_policy)
+    if drafter is not None:
+        drafter.restore(state.policy_weights, state.drafter_weights, state.drafter_trainer, mine.generator,
+                        next_step=state.step + 1)
+        engine.load_drafter(drafter.drafter)

@@ -71,13 +71,13 @@ def process_rank(workers: Any, env: Mapping[str, str] | None = None) -> int:
 
 
 def _rank_main(ctx: RankContext, spec: Any, run: RunFn, on_step: Callable | None) -> dict | None:
-    summary = run(spec, Comm(ctx.rank, ctx.world, ctx.store), ctx.stop, on_step)
+    summary = run(spec, Comm(ctx.rank, ctx.world, ctx.store, ctx.node), ctx.stop, on_step)
     return summary if ctx.rank == 0 else None
 
 
 def _task_main(ctx: RankContext, spec: Any, run: RunFn, on_step: Callable | None) -> dict:
     """One SLURM task: every task leaves with rank 0's summary (one report, one status)."""
-    summary = [run(spec, Comm(ctx.rank, ctx.world, ctx.store), ctx.stop, on_step)]
+    summary = [run(spec, Comm(ctx.rank, ctx.world, ctx.store, ctx.node), ctx.stop, on_step)]
     if ctx.world > 1:
         dist.broadcast_object_list(summary, src=0)
     return summary[0]
