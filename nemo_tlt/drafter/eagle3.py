@@ -81,7 +81,7 @@ class Eagle3Config:
     def from_target(cls, target: LMConfig, capture_layers: tuple[int, ...] | None = None,
                     draft_vocab_size: int | None = None, ttt_steps: int = 3,
                     ttt_decay: float = 0.8) -> "Eagle3Config":
-        layer = replace(target, family="llama", num_layers=1, qkv_bias=False)
+        layer = replace(target, family="llama", num_layers=1, qkv_bias=False, tie_word_embeddings=False)
         layers = default_capture_layers(target.num_layers) if capture_layers is None else tuple(capture_layers)
         return cls(layer, layers, target.vocab_size if draft_vocab_size is None else draft_vocab_size,
                    ttt_steps, ttt_decay)
