@@ -12,7 +12,10 @@ Contract: ``main(argv) -> int`` (also ``tools/convert_checkpoint.py``). Supporte
 * ``--from legacy --to hf --hf-config config.json``: legacy ``mp_rank_XX[_YYY]``
   Megatron checkpoints (TP/PP read from the folder names), unpickled with only
   what Megatron-LM stores allowed; ``--trust-pickle`` lifts that for files you trust;
-* ``--from hf --to trtllm --tp T``: TensorRT-LLM checkpoint folder.
+* ``--from hf --to trtllm --tp T``: TensorRT-LLM checkpoint folder;
+* ``--from drafter --to eagle3-hf``: a saved EAGLE-3 drafter (``drafter.json``) in
+  the EAGLE-3 HF checkpoint layout vLLM, SGLang and TensorRT-LLM load
+  (nemo_tlt.drafter.eagle3_hf); ``--from eagle3-hf --to drafter`` reads one back.
 
 Errors are clear and early (unknown architecture, mismatched tensor shapes, a TP
 that does not divide heads / kv groups / MLP width, a model the Megatron routes
@@ -39,13 +42,14 @@ from nemo_tlt.dist import RankContext, launch_local
 from nemo_tlt.weights.layout import ParallelLayout
 from nemo_tlt.weights.megatron_layout import check_megatron_biases, check_tp
 
-_ROUTES = {("hf", "torch_dist"), ("torch_dist", "hf"), ("legacy", "hf"), ("hf", "trtllm")}
+_ROUTES = {("hf", "torch_dist"), ("torch_dist", "hf"), ("legacy", "hf"), ("hf", "trtllm"),
+           ("drafter", "eagle3-hf"), ("eagle3-hf", "drafter")}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nemo-tlt convert", description=__doc__.split("\n\n")[0])
-    p.add_argument("--from", dest="src", required=True, choices=["hf", "torch_dist", "legacy"])
-    p.add_argument("--to", dest="dst", required=True, choices=["hf", "torch_dist", "trtllm"])
+    p.add_argument("--from", dest="src", required=True, choices=["hf", "torch_dist", "legacy", "drafter", "eagle3-hf"])
+    p.add_argument("--to", dest="dst", required=True, choices=["hf", "torch_dist", "trtllm", "drafter", "eagle3-hf"])
     p.add_argument("--input", required=True, help="input folder")
     p.add_argument("--output", required=True, help="output folder (must not exist unless --overwrite)")
     p.add_argument("--tp", type=int, default=1, help="target tensor parallel size (torch_dist, trtllm)")
@@ -143,6 +147,8 @@ def convert(args: argparse.Namespace) -> None:
 
         require_megatron_core(f"nemo-tlt convert --from {args.src} --to {args.dst}")
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    if "drafter" in (args.src, args.dst):
+        return _convert_drafter(args, dtype)
     steps = tqdm(total=3, desc=f"convert {args.src}->{args.dst}", unit="step")
     if args.src == "hf":
         cfg, canonical = read_hf_canonical(args.input, dtype)
@@ -189,6 +195,27 @@ def convert(args: argparse.Namespace) -> None:
         steps.update()
     steps.update()
     steps.close()
+
+
+def _convert_drafter(args: argparse.Namespace, dtype: torch.dtype | None) -> None:
+    from nemo_tlt.drafter.eagle3 import Eagle3Drafter
+    from nemo_tlt.drafter.eagle3_hf import read_eagle3_hf, write_eagle3_hf
+    from nemo_tlt.drafter.io import load_drafter, save_drafter
+
+    if args.src == "drafter":
+        drafter = load_drafter(args.input)
+        if not isinstance(drafter, Eagle3Drafter):
+            raise ValueError(f"{args.input}: drafter kind {drafter.kind!r} has no EAGLE-3 HF layout; "
+                             "only kind 'eagle3' drafters export to eagle3-hf")
+        with atomic_output_dir(args.output, overwrite=args.overwrite) as tmp:
+            write_eagle3_hf(drafter, tmp, dtype)
+    else:
+        drafter = read_eagle3_hf(args.input)
+        if dtype is not None:
+            drafter.to(dtype)
+        if os.path.exists(args.output) and not args.overwrite:
+            raise FileExistsError(f"{args.output} exists; pass --overwrite to replace it")
+        save_drafter(drafter, args.output)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,10 @@
 
 All methods run in one process on the same weights and prompts: the embedded
 engine plainly (`plain`) and with a fixed-shape EAGLE tree in each acceptance mode
-(`sd_greedy`, `sd_rejection`, `sd_coupled`); HF transformers `generate` on the same
+(`sd_greedy`, `sd_rejection`, `sd_coupled`; with `--drafters eagle2,eagle3` each
+drafter's methods carry its name, e.g. `sd_greedy_eagle3`: both drafters are
+trained on the demo with the same recipe, `--drafter-steps` overriding its steps
+for both); HF transformers `generate` on the same
 target (`hf_generate`) and HF assisted generation with a one-layer assistant LM
 (`hf_assisted`). Each method is warmed up on one prompt first. Writes JSON and
 prints a table.
@@ -34,14 +37,16 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
 
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
-from nemo_tlt.demo.assets import AssetConfig, default_cache_dir, load_assets, prepare_assets, task_requests
+from nemo_tlt.demo.assets import (AssetConfig, default_cache_dir, load_assets, prepare_assets,
+                                  prepare_eagle3_drafter, task_requests)
+from nemo_tlt.drafter.io import load_drafter
 from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.bench.common import format_table, machine_info
 from nemo_tlt.rollout.protocol import Request
@@ -166,7 +171,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=None, help=f"model cache (default {default_cache_dir()})")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers methods")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--drafters", default="eagle2",
+                   help="comma list of eagle2 (the EAGLE-2 style drafter), eagle3; more than one suffixes "
+                        "the SD methods with the drafter's name")
+    p.add_argument("--drafter-steps", type=int, default=None,
+                   help="train every drafter for this many steps (default: the demo recipe's; its "
+                        "shipped drafter is used then)")
     args = p.parse_args(argv)
+    args.drafter_kinds = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    unknown = sorted(set(args.drafter_kinds) - {"eagle2", "eagle3"})
+    if unknown or not args.drafter_kinds or len(set(args.drafter_kinds)) != len(args.drafter_kinds):
+        p.error(f"--drafters must list eagle2 and/or eagle3 once each, got {args.drafters!r}")
+    if args.drafter_steps is not None and args.drafter_steps < 1:
+        p.error(f"--drafter-steps must be >= 1, got {args.drafter_steps}")
     if args.batch_size < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
         p.error("--batch-size, --num-prompts and --max-new-tokens must be >= 1")
     if args.threads < 0:
@@ -185,15 +202,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = AssetConfig()
+    if args.drafter_steps is not None:
+        config = replace(config, drafter_train=replace(config.drafter_train, steps=args.drafter_steps))
     assets = prepare_assets(config, args.cache_dir)
-    target, drafter = load_assets(assets)
+    target, eagle2 = load_assets(assets)
+    drafter_dirs = {"eagle2": assets.drafter_dir}
+    drafters = {"eagle2": eagle2}
+    if "eagle3" in args.drafter_kinds:
+        drafter_dirs["eagle3"] = prepare_eagle3_drafter(config, args.cache_dir)
+        drafters["eagle3"] = load_drafter(drafter_dirs["eagle3"], target)
     _, reqs = task_requests(config.task, args.num_prompts, seed=20_000 + args.seed)
-    plain_engine, sd_engine = TorchRolloutEngine(target), TorchRolloutEngine(target, drafter)
+    plain_engine = TorchRolloutEngine(target)
     policy = FixedSDPolicy(args.tree_shape)
     methods = [engine_method("plain", plain_engine, SamplingParams("greedy", max_new_tokens=args.max_new_tokens))]
+    suffix = {k: (f"_{k}" if len(args.drafter_kinds) > 1 else "") for k in args.drafter_kinds}
     for mode in ("greedy", "rejection", "coupled"):
         sp = SamplingParams(mode, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
-        methods.append(engine_method(f"sd_{mode}", sd_engine, sp, policy))
+        for kind in args.drafter_kinds:
+            engine = TorchRolloutEngine(target, drafters[kind])
+            methods.append(engine_method(f"sd_{mode}{suffix[kind]}", engine, sp, policy))
         if mode != "greedy":  # the fair baseline of a sampling mode is plain decoding in that mode
             methods.append(engine_method(f"plain_{mode}", plain_engine, sp))
     if not args.no_hf:
@@ -210,25 +237,34 @@ def main(argv: list[str] | None = None) -> int:
         for m in methods:
             m.measure(chunk)
     results = {m.name: m.result() for m in methods}
-    greedy_outputs = {m.name: m.outputs for m in methods if m.name in ("plain", "sd_greedy", "hf_generate", "hf_assisted")}
+    greedy_names = {"plain", "hf_generate", "hf_assisted", *(f"sd_greedy{x}" for x in suffix.values())}
+    greedy_outputs = {m.name: m.outputs for m in methods if m.name in greedy_names}
     outputs = {m.name: m.outputs for m in methods}
-    coupled_identical = outputs["sd_coupled"] == outputs["plain_coupled"]
+    coupled_identical = all(outputs[f"sd_coupled{x}"] == outputs["plain_coupled"] for x in suffix.values())
     ref = greedy_outputs["plain"]
     identical = all(o == ref for o in greedy_outputs.values())
     base = results["plain"]["tokens_per_s"]
     ratios = {f"{m}_vs_plain": r["tokens_per_s"] / base for m, r in results.items() if m != "plain"}
     for mode in ("rejection", "coupled"):
-        ratios[f"sd_{mode}_vs_plain_{mode}"] = results[f"sd_{mode}"]["tokens_per_s"] / results[f"plain_{mode}"]["tokens_per_s"]
+        for x in suffix.values():
+            ratios[f"sd_{mode}{x}_vs_plain_{mode}"] = (results[f"sd_{mode}{x}"]["tokens_per_s"]
+                                                     / results[f"plain_{mode}"]["tokens_per_s"])
     if "hf_generate" in results:
         ratios["plain_vs_hf_generate"] = base / results["hf_generate"]["tokens_per_s"]
-        ratios["sd_greedy_vs_hf_assisted"] = results["sd_greedy"]["tokens_per_s"] / results["hf_assisted"]["tokens_per_s"]
+        for x in suffix.values():
+            ratios[f"sd_greedy{x}_vs_hf_assisted"] = (results[f"sd_greedy{x}"]["tokens_per_s"]
+                                                      / results["hf_assisted"]["tokens_per_s"])
     payload = {"benchmark": "rollout", "workload": args.workload, "results": results,
                "mean_accept_len_definition": ACCEPT_LEN_DEFINITION, "greedy_outputs_identical": identical,
                "coupled_outputs_identical": coupled_identical, "ratios": ratios, "machine": machine_info(),
                "config": {"batch_size": args.batch_size, "num_prompts": args.num_prompts,
                           "max_new_tokens": args.max_new_tokens, "shape": args.tree_shape.name,
                           "target": config.target.to_dict(), "task": config.task.to_dict(),
-                          "target_dir": assets.target_dir.name, "drafter_dir": assets.drafter_dir.name}}
+                          "target_dir": assets.target_dir.name, "drafter_dir": assets.drafter_dir.name,
+                          "drafters": {k: drafter_dirs[k].name for k in args.drafter_kinds},
+                          "drafter_train": {"steps": config.drafter_train.steps,
+                                            "batch_size": config.drafter_train.batch_size,
+                                            "eagle3_ttt_steps": config.eagle3_ttt_steps}}}
     write_json_atomic(args.out, payload)
     print(format_table(results, COLUMNS))
     print("ratios: " + ", ".join(f"{k}={v:.2f}x" for k, v in ratios.items()))

@@ -7,7 +7,10 @@ otherwise it trains (once per configuration, then reuses from the cache):
    arithmetic task (nemo_tlt.demo.sft.cached_warm_start);
 2. an EAGLE *drafter* trained on the target's own generations (hidden states
    returned by the rollout engine: no extra target forward);
-3. a one-layer *assistant* LM for HF assisted generation, SFT-trained on the same task.
+3. a one-layer *assistant* LM for HF assisted generation, SFT-trained on the same task;
+4. on request (`prepare_eagle3_drafter`), an EAGLE-3 drafter trained on the same
+   generations with the same recipe (steps, batch, optimizer) as the EAGLE drafter;
+   never shipped, always cached.
 
 Cache root: ``$NEMO_TLT_CACHE`` or ``~/.cache/nemo_tlt``.
 """
@@ -26,6 +29,7 @@ import torch
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.drafter.data import DrafterSample
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
+from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.io import load_drafter, save_drafter
 from nemo_tlt.drafter.train import DrafterTrainConfig, train_drafter
 from nemo_tlt.model.config import LMConfig
@@ -71,6 +75,9 @@ class AssetConfig:
                                                         ("coupled", 1.0, 2))
     drafter_train: DrafterTrainConfig = field(default_factory=lambda: DrafterTrainConfig(
         steps=2400, batch_size=16, lr=3e-3, warmup_steps=40))
+    # The EAGLE-3 drafter (trained with drafter_train too): draft steps unrolled by
+    # training-time test; the demo's character vocabulary is small, so no reduced one.
+    eagle3_ttt_steps: int = 3
 
 
 @dataclass
@@ -91,11 +98,12 @@ def _key(payload: dict) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _train_drafter_on_target(target_dir: Path, config: AssetConfig, out: Path, progress: bool) -> Path:
-    target = load_hf_folder(target_dir)
+def _drafter_samples(target, config: AssetConfig, drafter=None) -> list[DrafterSample]:
+    """The target's generations on the drafter prompts, with the features `drafter`
+    reads (None: the final hidden states; an EAGLE-3 drafter: its captured layers)."""
     _, reqs = task_requests(config.task, config.drafter_prompts, seed=10_000)
     samples: list[DrafterSample] = []
-    engine = TorchRolloutEngine(target)
+    engine = TorchRolloutEngine(target, drafter)
     for mode, temperature, seed in config.drafter_data:
         sp = SamplingParams(mode=mode, temperature=temperature, max_new_tokens=config.drafter_max_new_tokens,
                             seed=seed)
@@ -104,12 +112,31 @@ def _train_drafter_on_target(target_dir: Path, config: AssetConfig, out: Path, p
             res = engine.generate(chunk, sp, return_hidden=True).results
             samples += [DrafterSample(torch.tensor(list(r.prompt) + o.tokens), o.hidden_states)
                         for r, o in zip(chunk, res)]
-    drafter = EagleDrafter(EagleConfig.from_target(target.config),
-                           generator=torch.Generator().manual_seed(config.drafter_train.seed))
+    return samples
+
+
+def _train_and_save(drafter, target, samples, config: AssetConfig, out: Path, progress: bool) -> Path:
     history = train_drafter(drafter, target, samples, config.drafter_train, progress=progress)
     tail = history[-max(1, len(history) // 10):]
     stats = {k: float(np.mean([h[k] for h in tail])) for k in tail[0]}
     return save_drafter(drafter, out, extra={"train_stats": stats, "num_samples": len(samples)})
+
+
+def _train_drafter_on_target(target_dir: Path, config: AssetConfig, out: Path, progress: bool) -> Path:
+    target = load_hf_folder(target_dir)
+    drafter = EagleDrafter(EagleConfig.from_target(target.config),
+                           generator=torch.Generator().manual_seed(config.drafter_train.seed))
+    return _train_and_save(drafter, target, _drafter_samples(target, config), config, out, progress)
+
+
+def _train_eagle3_on_target(target_dir: Path, config: AssetConfig, out: Path, progress: bool) -> Path:
+    target = load_hf_folder(target_dir)
+    drafter = Eagle3Drafter(Eagle3Config.from_target(target.config, ttt_steps=config.eagle3_ttt_steps),
+                            generator=torch.Generator().manual_seed(config.drafter_train.seed))
+    # its own head starts as the target's (the EAGLE drafter reads the target's head itself)
+    drafter.init_head_from(target)
+    samples = _drafter_samples(target, config, drafter)
+    return _train_and_save(drafter, target, samples, config, out, progress)
 
 
 def drafter_name(target_name: str, config: AssetConfig) -> str:
@@ -118,6 +145,28 @@ def drafter_name(target_name: str, config: AssetConfig) -> str:
                 "max_new": config.drafter_max_new_tokens, "train": asdict(config.drafter_train),
                 "data": [list(d) for d in config.drafter_data], "format": 3})
     return f"drafter-eagle-{key}"
+
+
+def eagle3_drafter_name(target_name: str, config: AssetConfig) -> str:
+    """The cache folder name of the EAGLE-3 drafter trained on the target cached as ``target_name``."""
+    key = _key({"target": target_name, "prompts": config.drafter_prompts,
+                "max_new": config.drafter_max_new_tokens, "train": asdict(config.drafter_train),
+                "data": [list(d) for d in config.drafter_data], "ttt_steps": config.eagle3_ttt_steps, "format": 1})
+    return f"drafter-eagle3-{key}"
+
+
+def prepare_eagle3_drafter(config: AssetConfig = AssetConfig(), cache_dir: str | os.PathLike | None = None,
+                           progress: bool = True) -> Path:
+    """The EAGLE-3 drafter of ``config``'s target from the cache, trained on first use
+    (the target comes from `prepare_assets`)."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target_dir = prepare_assets(config, cache_dir, progress).target_dir
+    target_name = warm_start_name(config.target, config.task, config.sft, config.sft_examples)
+    out = cache / eagle3_drafter_name(target_name, config)
+    if not (out / "drafter.json").is_file():
+        log.info("drafter: training EAGLE-3 on the target's generations")
+        _train_eagle3_on_target(target_dir, config, out, progress)
+    return out
 
 
 def prepare_assets(config: AssetConfig = AssetConfig(), cache_dir: str | os.PathLike | None = None,

@@ -9,10 +9,7 @@ fc, one decoder layer shaped like the target's, and a final norm, about 1/N of a
 target with N layers.
 
 While drafting, deeper tree nodes are fed the drafter's own predicted feature of
-their parent. Tree nodes are written to the drafter's KV cache past the committed
-length and forgotten afterwards; after verification the accepted positions are
-re-fed with the target's true features (catch-up), which also refreshes the
-drafter's cache with exact inputs.
+their parent (tree growth and catch-up: nemo_tlt.drafter.eagle_tree).
 """
 from __future__ import annotations
 
@@ -22,11 +19,12 @@ import torch
 from torch import nn
 
 from nemo_tlt.drafter.base import DraftContext, check_same_dims
+from nemo_tlt.drafter.eagle_tree import catch_up, propose_tree
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.kv_cache import KVCache
-from nemo_tlt.model.layers import DecoderLayer, RMSNorm, padded_causal_mask
+from nemo_tlt.model.layers import DecoderLayer, RMSNorm
 from nemo_tlt.model.lm import DecoderLM
-from nemo_tlt.speculative.tree import DraftTree, grow_tree
+from nemo_tlt.speculative.tree import DraftTree
 from nemo_tlt.speculative.tree_shape import TreeShape
 
 
@@ -106,65 +104,22 @@ class EagleDrafter(nn.Module):
         w = self.fc.weight
         return EagleState(KVCache(1, batch, c.num_kv_heads, capacity, c.head_dim, w.dtype, w.device))
 
-    # ---- drafting ------------------------------------------------------------
+    # ---- drafting (see nemo_tlt.drafter.eagle_tree) --------------------------
+    def feed_committed(self, target: DecoderLM, tokens: torch.Tensor, features: torch.Tensor,
+                       positions: torch.Tensor, cache: KVCache, new_mask: torch.Tensor) -> torch.Tensor:
+        return self(target, tokens, features, positions, cache, new_mask)
+
+    def feed_nodes(self, target: DecoderLM, tokens: torch.Tensor, parent_out: torch.Tensor, cache: KVCache,
+                   cache_mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self(target, tokens, parent_out, None, cache, None, cache_mask, rope)
+
+    def draft_logits(self, target: DecoderLM, out: torch.Tensor) -> torch.Tensor:
+        return target.logits(out)
+
     def catch_up(self, state: EagleState, ctx: DraftContext) -> torch.Tensor:
         """Feed positions [drafter length, L) with the target's true features; return the
         predicted feature at L (the root's), [B, H]."""
-        cache, L = state.cache, ctx.lengths
-        count = L - cache.lengths
-        if bool((count < 1).any()):
-            raise AssertionError("EAGLE catch-up needs at least one new committed position per row")
-        T = int(count.max())
-        offs = torch.arange(T)
-        valid = offs[None, :] < count[:, None]
-        pos = torch.where(valid, cache.lengths[:, None] + offs, (L - 1)[:, None])
-        b_idx = torch.arange(L.shape[0])[:, None]
-        tok = ctx.tokens[b_idx, pos + 1]
-        feat = ctx.features[b_idx, pos]
-        out = self(ctx.target, tok, feat, pos, cache, padded_causal_mask(count, T))
-        cache.advance(count)
-        return out[torch.arange(L.shape[0]), count - 1]
+        return catch_up(self, state.cache, ctx)
 
     def propose(self, state: EagleState, ctx: DraftContext, shape: TreeShape) -> DraftTree:
-        target, cache, L = ctx.target, state.cache, ctx.lengths
-        root_feat = self.catch_up(state, ctx)
-        B, H = root_feat.shape
-        k, n_fed = shape.topk, (shape.depth - 1) * shape.topk
-        first_logp = ctx.score(target.logits(root_feat), 1)
-        if n_fed == 0:
-            return grow_tree(first_logp, _no_expand, shape)
-        # The frontier of expansion d (1-based) is fed at drafter-cache slots
-        # L + (d-1)k + i, past the committed length; those slots are forgotten after
-        # verification. A fed node sees the committed prefix, its fed ancestors and
-        # itself: its parent's visibility row plus its own slot. Every expansion
-        # attends over the same S slots; unwritten ones are masked.
-        S = int(L.max()) + n_fed
-        committed = (torch.arange(S)[None, :] < L[:, None])[:, None, :]                    # [B, 1, S]
-        own_slot = torch.zeros(B, n_fed, S, dtype=torch.bool).scatter_(
-            2, (L[:, None] + torch.arange(n_fed))[..., None], True)                       # [B, n_fed, S]
-        cos, sin = target.rope(L[:, None] + torch.arange(shape.depth - 1))                 # [B, 1, d-1, D]
-        prev: dict[str, torch.Tensor] = {}
-
-        def expand(tokens: torch.Tensor, nodes: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:
-            j0 = (depth - 1) * k
-            if depth == 1:
-                parent_feat, parent_vis = root_feat[:, None, :].expand(B, k, H), committed
-            else:  # position of each parent in the previous frontier
-                pos = (parents[:, :, None] == prev["nodes"][:, None, :]).float().argmax(-1)
-                parent_feat = prev["out"].gather(1, pos[..., None].expand(B, k, H))
-                parent_vis = prev["vis"].gather(1, pos[..., None].expand(B, k, S))
-            vis = parent_vis | own_slot[:, j0:j0 + k]
-            cache.lengths = L + j0
-            rope = (cos[:, :, depth - 1:depth], sin[:, :, depth - 1:depth])
-            out = self(target, tokens, parent_feat, None, cache, None, vis, rope)
-            prev.update(nodes=nodes, out=out, vis=vis)
-            return ctx.score(target.logits(out), depth + 1)
-
-        try:
-            return grow_tree(first_logp, expand, shape)
-        finally:
-            cache.lengths = L.clone()
-
-
-def _no_expand(tokens: torch.Tensor, nodes: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:
-    raise AssertionError("a depth-1 tree needs no expansion")
+        return propose_tree(self, state.cache, ctx, shape)

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from nemo_tlt.atomic import atomic_output_dir
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
+from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.medusa import MedusaConfig, MedusaDrafter
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.lm import DecoderLM
@@ -24,6 +25,8 @@ from nemo_tlt.model.lm import DecoderLM
 def drafter_config_dict(drafter: torch.nn.Module) -> dict:
     if isinstance(drafter, EagleDrafter):
         return {"kind": "eagle", "layer": drafter.config.layer.to_dict()}
+    if isinstance(drafter, Eagle3Drafter):
+        return {"kind": "eagle3", **drafter.config.to_dict()}
     if isinstance(drafter, MedusaDrafter):
         return {"kind": "medusa", **asdict(drafter.config)}
     raise ValueError(f"unsupported drafter type {type(drafter).__name__}")
@@ -33,9 +36,11 @@ def build_drafter(config: dict, source: str = "drafter.json") -> torch.nn.Module
     kind = config.get("kind")
     if kind == "eagle":
         return EagleDrafter(EagleConfig(LMConfig(**config["layer"])))
+    if kind == "eagle3":
+        return Eagle3Drafter(Eagle3Config.from_dict(config))
     if kind == "medusa":
         return MedusaDrafter(MedusaConfig(config["hidden_size"], config["vocab_size"], config["num_heads"]))
-    raise ValueError(f"{source}: unknown drafter kind {kind!r}; expected 'eagle' or 'medusa'")
+    raise ValueError(f"{source}: unknown drafter kind {kind!r}; expected 'eagle', 'eagle3' or 'medusa'")
 
 
 def save_drafter(drafter: torch.nn.Module, path: str | os.PathLike, extra: dict | None = None) -> Path:

@@ -1,7 +1,7 @@
 """Offline drafter training on the target's own generations.
 
-`drafter_loss` is the one loss entry point (EAGLE or Medusa, padded or packed
-batch) that the idle-time spot trainer reuses; `train_drafter` is a minimal AdamW
+`drafter_loss` is the one loss entry point (EAGLE, EAGLE-3 or Medusa, padded or
+packed batch) that the idle-time spot trainer reuses; `train_drafter` is a minimal AdamW
 loop over padded batches for a drafter trained once, e.g. for the benchmark.
 """
 from __future__ import annotations
@@ -15,8 +15,10 @@ from tqdm.auto import tqdm
 from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.drafter.data import DrafterSample, EagleBatch, pad_eagle_batch
 from nemo_tlt.drafter.eagle import EagleDrafter
+from nemo_tlt.drafter.eagle3 import Eagle3Drafter
 from nemo_tlt.drafter.loss import eagle_loss, medusa_loss
 from nemo_tlt.drafter.medusa import MedusaDrafter
+from nemo_tlt.drafter.ttt import eagle3_loss
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.optim import OptimConfig, build_optimizer
 
@@ -54,6 +56,10 @@ def drafter_loss(drafter: nn.Module, target: DecoderLM, batch: EagleBatch, reg_w
     if isinstance(drafter, EagleDrafter):
         pred = drafter(target, batch.next_tokens, feat, batch.positions, None, batch.new_mask)
         return eagle_loss(pred, batch.target_feat, w, batch.mask, reg_weight, ce_weight)
+    if isinstance(drafter, Eagle3Drafter):
+        # CE on the tokens over the drafter's TTT steps; the feature-regression
+        # weights do not apply (EAGLE-3 dropped that loss)
+        return eagle3_loss(drafter, target, batch, feat)
     if isinstance(drafter, MedusaDrafter):
         if batch.new_mask is not None:
             # head k at t is scored against t+k+1, which in a packed row may be the next sample

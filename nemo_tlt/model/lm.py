@@ -4,7 +4,9 @@ Its module tree mirrors HF's `LlamaForCausalLM` / `Qwen2ForCausalLM`, so
 `state_dict()` uses the canonical (HF) names and loads HF weights as they are.
 The model knows nothing about sampling or speculation: it maps tokens at given
 positions, against an optional KV cache and a mask for the new block, to final
-hidden states; `logits()` applies the LM head. Parallelism and checkpoint
+hidden states; `logits()` applies the LM head. `hidden_capture()` also returns the
+outputs of chosen decoder layers from the same forward (an EAGLE-3 drafter fuses
+them), at no extra pass. Parallelism and checkpoint
 conversion live elsewhere (nemo_tlt.weights).
 """
 from __future__ import annotations
@@ -65,8 +67,10 @@ class DecoderLM(nn.Module):
     def run_layers(self, x: torch.Tensor, layers: nn.ModuleList, positions: torch.Tensor | None,
                    cache: KVCache | None, new_mask: torch.Tensor | None,
                    cache_mask: torch.Tensor | None = None,
-                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Run `layers` over embeddings x [B, T, H]. Without a cache the block is fully
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   taps: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """Run `layers` over embeddings x [B, T, H]. `taps` (layer index -> None) is
+        filled with the output of each listed layer (residual stream after the layer). Without a cache the block is fully
         causal at positions 0..T-1 unless `positions`/`new_mask` say otherwise. With a
         cache the block is written at slots lengths[b] + t; `cache_mask` [B, T, S] (see
         `cache_attention_mask`) replaces the default visibility, and `rope` the
@@ -90,6 +94,8 @@ class DecoderLM(nn.Module):
             mask = new_mask[:, None]
         for i, layer in enumerate(layers):
             x = layer(x, cos, sin, cache, i, mask, write_idx)
+            if taps is not None and i in taps:
+                taps[i] = x
         return x
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -98,6 +104,21 @@ class DecoderLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         x = self.run_layers(x, self.model.layers, positions, cache, new_mask)
         return self.model.norm(x)
+
+    def hidden_capture(self, input_ids: torch.Tensor, capture: tuple[int, ...],
+                       positions: torch.Tensor | None = None, cache: KVCache | None = None,
+                       new_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden(...)` [B, T, H] and, from the same forward, the outputs of decoder
+        layers `capture` (0-based, before the final norm) concatenated in that order,
+        [B, T, len(capture) * H]. A layer may be listed more than once."""
+        bad = [i for i in capture if not 0 <= i < self.config.num_layers]
+        if not capture or bad:
+            raise ValueError(f"hidden_capture: capture={tuple(capture)} must list layer indices in "
+                             f"[0, {self.config.num_layers}) (num_layers)")
+        taps: dict[int, torch.Tensor | None] = dict.fromkeys(capture)
+        x = self.run_layers(self.model.embed_tokens(input_ids), self.model.layers, positions, cache, new_mask,
+                            taps=taps)
+        return self.model.norm(x), torch.cat([taps[i] for i in capture], -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head_weight)

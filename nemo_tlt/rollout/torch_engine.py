@@ -16,7 +16,9 @@ start at the longest prompt + `initial_slots` and double only as rows lengthen.
 
 Per row b the engine keeps (see nemo_tlt.drafter.base): committed length L[b]
 (slots in the target KV cache), tokens[b, :L+1] (x_L is the root, produced but not
-yet fed to the target) and features[b, :L].
+yet fed to the target) and features[b, :L]. A feature is the target's final hidden
+state, or, for a drafter that declares `capture_layers` (EAGLE-3), the outputs of
+those target layers concatenated ([k*H]), taken from the same target forward.
 """
 from __future__ import annotations
 
@@ -235,6 +237,21 @@ class TorchRolloutEngine:
                 and L + self._tree_slots(shape) <= batch.max_slots)
 
     # ---- steps ------------------------------------------------------------------
+    def _capture(self) -> tuple[int, ...] | None:
+        return getattr(self.drafter, "capture_layers", None)
+
+    def _feature_width(self) -> int:
+        capture = self._capture()
+        return self.target.config.hidden_size * (len(capture) if capture else 1)
+
+    def _forward(self, tokens, positions, cache, new_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward: (final hidden states, the features kept per position)."""
+        capture = self._capture()
+        if capture:
+            return self.target.hidden_capture(tokens, capture, positions, cache, new_mask)
+        hidden = self.target.hidden(tokens, positions, cache, new_mask)
+        return hidden, hidden
+
     def _prefill(self, requests, sampling, gen, stats) -> _Batch:
         """Prompts are sorted by length (row b holds request rows[b]) and prefilled in
         the chunks of `prefill_chunks`, each padded to its own longest prompt."""
@@ -248,16 +265,16 @@ class TorchRolloutEngine:
         for b, i in enumerate(order):
             tokens[b, : lens[b]] = torch.tensor(requests[i].prompt)
         cache = self.target.new_cache(B, cap)
-        features = torch.zeros(B, cap, self.target.config.hidden_size, dtype=self.target.lm_head_weight.dtype)
-        last = features.new_empty(B, features.shape[-1])
+        features = torch.zeros(B, cap, self._feature_width(), dtype=self.target.lm_head_weight.dtype)
+        last = features.new_empty(B, self.target.config.hidden_size)
         t0 = time.perf_counter()
         for start, stop in prefill_chunks(lens.tolist(), self.prefill_overhead_tokens):
             n, Tc = stop - start, int(lens[stop - 1])
-            hidden = self.target.hidden(tokens[start:stop, :Tc], None, cache.row_range(start, stop),
-                                        padded_causal_mask(lens[start:stop], Tc))
+            hidden, feats = self._forward(tokens[start:stop, :Tc], None, cache.row_range(start, stop),
+                                          padded_causal_mask(lens[start:stop], Tc))
             stats.target_forwards += 1
             stats.prefill_forwards += 1
-            features[start:stop, :Tc] = hidden
+            features[start:stop, :Tc] = feats
             last[start:stop] = hidden[torch.arange(n), lens[start:stop] - 1]
         stats.tokens_generated += B
         cache.advance(lens)
@@ -276,9 +293,10 @@ class TorchRolloutEngine:
         b_idx = torch.arange(B)
         L = batch.lengths
         roots = batch.tokens[b_idx, L]
-        hidden = self.target.hidden(roots[:, None], L[:, None], batch.cache)[:, 0]
+        hidden, feats = self._forward(roots[:, None], L[:, None], batch.cache)
+        hidden = hidden[:, 0]
         stats.target_forwards += 1
-        batch.features[b_idx, L] = hidden
+        batch.features[b_idx, L] = feats[:, 0]
         nxt = draw(self.target.logits(hidden), sampling, batch.seq_ids, L + 1, gen)
         batch.cache.advance(1)
         stats.plain_steps += 1
@@ -301,7 +319,7 @@ class TorchRolloutEngine:
         block = block_tokens(tree, batch.tokens[b_idx, L])
         positions = tree_block_positions(tree, L)
         ancestors = tree_block_mask(tree)
-        hidden = self.target.hidden(block, positions, batch.cache, ancestors)
+        hidden, feats = self._forward(block, positions, batch.cache, ancestors)
         logits = self.target.logits(hidden)
         stats.target_forwards += 1
         n = block.shape[1]
@@ -315,7 +333,7 @@ class TorchRolloutEngine:
             acc = accept_greedy(tree, logits.argmax(-1), ancestors)
         keep = acc.kept_block_offsets()
         counts = acc.num_accepted + 1
-        kept_hidden = hidden.gather(1, keep[..., None].expand(-1, -1, hidden.shape[-1]))
+        kept_hidden = feats.gather(1, keep[..., None].expand(-1, -1, feats.shape[-1]))
         slots = (L[:, None] + torch.arange(keep.shape[1])).clamp(max=batch.features.shape[1] - 1)
         batch.features[b_idx[:, None], slots] = kept_hidden
         batch.cache.compact(keep, counts)

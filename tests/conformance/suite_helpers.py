@@ -4,21 +4,28 @@ from __future__ import annotations
 import torch
 
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
+from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.medusa import MedusaConfig, MedusaDrafter
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.rollout.protocol import GenerateOutput, Request
 from tiny import OracleDrafter
 
-DRAFTERS = ("eagle", "medusa", "oracle", "adversarial")
+DRAFTERS = ("eagle", "eagle3", "medusa", "oracle", "adversarial")
 
 
 def make_drafter(kind: str, cfg: LMConfig):
     """A drafter of each kind the suite drafts with, for a target of config `cfg`:
-    fresh EAGLE and Medusa (accept now and then), the target itself ("oracle",
+    fresh EAGLE, EAGLE-3 (reduced draft vocabulary: 3/4 of the ids, so some target
+    tokens cannot be drafted at all) and Medusa (accept now and then), the target itself ("oracle",
     accepts almost always) and its reverse ("adversarial", almost never). The oracle
     kinds are torch modules that run the engine's own target (tests/tiny.py)."""
     if kind == "eagle":
         return EagleDrafter(EagleConfig.from_target(cfg), generator=torch.Generator().manual_seed(1))
+    if kind == "eagle3":
+        drafter = Eagle3Drafter(Eagle3Config.from_target(cfg, draft_vocab_size=3 * cfg.vocab_size // 4),
+                                generator=torch.Generator().manual_seed(1))
+        drafter.set_draft_vocab(torch.arange(cfg.vocab_size // 4, cfg.vocab_size))
+        return drafter
     if kind == "medusa":
         return MedusaDrafter(MedusaConfig(cfg.hidden_size, cfg.vocab_size, 4))
     if kind in ("oracle", "adversarial"):

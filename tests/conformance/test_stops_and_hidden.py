@@ -1,5 +1,6 @@
 """Stop conditions and hidden states: EOS ends a row (kept as its last token),
-max_new_tokens ends the rest; returned hidden states are the target's own."""
+max_new_tokens ends the rest; returned hidden states are the target's own (its final
+ones, or with an EAGLE-3 drafter the layers that drafter captures)."""
 from __future__ import annotations
 
 import pytest
@@ -73,3 +74,23 @@ def test_plain_greedy_is_the_targets_argmax(engine, reference):
         with torch.no_grad():
             logits = reference(torch.tensor([list(r.prompt) + res.tokens]))[0]
         assert logits[len(r.prompt) - 1: -1].argmax(-1).tolist() == res.tokens
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+def test_with_an_eagle3_drafter_hidden_states_are_the_captured_layers(make_engine, model_dir, reference, policy):
+    """With a drafter that declares capture_layers, each row carries the outputs of
+    those target layers (concatenated), from the rollout's own forwards."""
+    engine = make_engine(model_dir)
+    engine.load_drafter(make_drafter("eagle3", engine.model_config))
+    layers = engine.drafter.capture_layers
+    reqs = requests([4, 1, 7, 3], seed=6)
+    sp = SamplingParams(mode="coupled", temperature=1.2, max_new_tokens=20, seed=5)
+    out = engine.generate(reqs, sp, policy=policy, return_hidden=True)
+    if policy is not None:
+        assert out.stats.sd_steps > 0
+    for r, res in zip(reqs, out.results):
+        seq = torch.tensor([list(r.prompt) + res.tokens])
+        with torch.no_grad():
+            expected = reference.hidden_capture(seq, layers)[1][0, :-1]
+        assert res.hidden_states.shape == (seq.shape[1] - 1, len(layers) * engine.model_config.hidden_size)
+        torch.testing.assert_close(res.hidden_states, expected, atol=1e-4, rtol=1e-4)

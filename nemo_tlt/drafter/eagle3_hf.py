@@ -1,0 +1,101 @@
+"""EAGLE-3 drafters <-> the EAGLE-3 HF checkpoint layout (the deployment export).
+
+The layout is the one of the EAGLE-3 checkpoints SafeAILab publishes and vLLM,
+SGLang and TensorRT-LLM's PyTorch backend load, followed from vLLM's
+``vllm/model_executor/models/llama_eagle3.py`` (``Eagle3LlamaForCausalLM``, the
+``LlamaForCausalLMEagle3`` architecture, 2025-26 main):
+
+* ``config.json``: a Llama config of the draft layer (``num_hidden_layers: 1``,
+  the target's ``vocab_size``) with ``architectures: ["LlamaForCausalLMEagle3"]``,
+  ``draft_vocab_size``, ``target_hidden_size`` and ``eagle_config:
+  {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state: true}``. vLLM numbers an
+  aux layer by the decoder layer whose *input* it is, so a capture of layer i's
+  output (our and TensorRT-LLM's ``eagle3_layers_to_capture`` convention) is written
+  as i + 1. Our own fields (capture layers as we number them, TTT settings) are kept
+  under ``nemo_tlt`` so the folder reads back exactly.
+* ``model.safetensors``: ``fc.weight`` [H, k*H], ``midlayer.{input_layernorm,
+  hidden_norm, post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v}_proj.weight``
+  [*, 2H], ``midlayer.self_attn.o_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``,
+  ``norm.weight``, ``lm_head.weight`` [draft_vocab_size, H], ``d2t`` (int64) and ``t2d``
+  (bool). No ``embed_tokens.weight``: the loaders take the target's embedding when
+  the checkpoint has none, as our drafter does. These are the drafter's own
+  state-dict names, so export is a rename-free write.
+
+Serving engines choose the captured layers themselves: vLLM and SGLang read
+``eagle_aux_hidden_state_layer_ids``; TensorRT-LLM's ``Eagle3DecodingConfig`` takes
+``eagle3_layers_to_capture`` from the user (our numbering; its default equals ours
+for targets deeper than 5 layers). None of these loaders runs here.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
+from nemo_tlt.model.config import LMConfig
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def eagle3_hf_config(drafter: Eagle3Drafter, dtype: torch.dtype) -> dict:
+    c = drafter.config
+    hf = c.layer.to_hf_config()
+    hf.update(architectures=[ARCHITECTURE], num_hidden_layers=1, draft_vocab_size=c.draft_vocab_size,
+              target_hidden_size=c.layer.hidden_size, tie_word_embeddings=False,
+              torch_dtype=str(dtype).removeprefix("torch."),
+              eagle_config={"eagle_aux_hidden_state_layer_ids": [i + 1 for i in c.capture_layers],
+                            "use_aux_hidden_state": True},
+              nemo_tlt={"capture_layers": list(c.capture_layers), "ttt_steps": c.ttt_steps,
+                        "ttt_decay": c.ttt_decay})
+    return hf
+
+
+def write_eagle3_hf(drafter: Eagle3Drafter, folder: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+    """Write `drafter` into the existing `folder`; float weights cast to `dtype` if given."""
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    folder = Path(folder)
+    (folder / "config.json").write_text(json.dumps(eagle3_hf_config(drafter, state["fc.weight"].dtype), indent=2))
+    save_file(state, str(folder / "model.safetensors"))
+
+
+def read_eagle3_hf(folder: str | os.PathLike) -> Eagle3Drafter:
+    """An EAGLE-3 HF folder -> the drafter, every tensor name and shape checked; weights
+    keep the file's dtype. A target embedding in the file is not read (ours is shared)."""
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path}: no config.json in the EAGLE-3 folder")
+    hf = json.loads(cfg_path.read_text())
+    if ARCHITECTURE not in (hf.get("architectures") or []):
+        raise ValueError(f"{cfg_path}: architectures={hf.get('architectures')!r}, expected [{ARCHITECTURE!r}]")
+    layer = LMConfig.from_hf_config({**hf, "architectures": ["LlamaForCausalLM"]}, str(cfg_path))
+    ours = hf.get("nemo_tlt")
+    if ours is not None:
+        capture, ttt = tuple(ours["capture_layers"]), {"ttt_steps": ours["ttt_steps"], "ttt_decay": ours["ttt_decay"]}
+    else:
+        ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if not ids:
+            raise ValueError(f"{cfg_path}: no eagle_config.eagle_aux_hidden_state_layer_ids: the captured target "
+                             "layers are not recorded")
+        capture, ttt = tuple(i - 1 for i in ids), {}
+    config = Eagle3Config(layer, capture, hf.get("draft_vocab_size") or layer.vocab_size, **ttt)
+    state = load_file(str(folder / "model.safetensors"))
+    state.pop("embed_tokens.weight", None)
+    drafter = Eagle3Drafter(config)
+    expected = drafter.state_dict()
+    if set(state) != set(expected):
+        raise ValueError(f"{folder}: weights do not match config.json: missing {sorted(set(expected) - set(state))[:5]}, "
+                         f"unexpected {sorted(set(state) - set(expected))[:5]}")
+    for name, t in state.items():
+        if t.shape != expected[name].shape:
+            raise ValueError(f"{folder}: {name} has shape {tuple(t.shape)}, config.json implies "
+                             f"{tuple(expected[name].shape)}")
+    drafter.to(state["fc.weight"].dtype)
+    drafter.load_state_dict(state)
+    return drafter.eval()

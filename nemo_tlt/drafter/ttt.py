@@ -1,0 +1,101 @@
+"""EAGLE-3 training-time test (TTT): the drafter's own outputs fed back for later steps.
+
+From a batch of chains (`EagleBatch`: row positions t with the token x[t+1] and the
+target's captured features g[t]), step 0 is the ordinary forward: the input at t is
+(x[t+1], fc(g[t])), its output o0[t] predicts x[t+2]. Step j >= 1 feeds, at the same
+chain t, the token x[t+j+1] and the previous step's output o_{j-1}[t] (not a target
+feature: what the drafter sees at tree depth j) at rope position t + j, and predicts
+x[t+j+2]. Attention mirrors drafting exactly: a query of step j at chain t sees the
+step-0 keys of positions <= t in its own sample (the committed prefix, through the
+batch's mask) and the keys of steps 1..j of its own chain t (its tree ancestors and
+itself): a causal block followed by j diagonal blocks.
+
+Loss: cross-entropy of the draft distribution (over the draft vocabulary) against
+the token the target produced, ``sum_j decay^j * mean CE_j`` over labels that exist
+in the same sample and lie in the draft vocabulary (EAGLE-3 masks the others too).
+The harvested features hold only the captured layers, so the target's own
+distribution is represented by its token: its argmax under greedy rollouts, an
+unbiased sample of it otherwise.
+
+Labels are read from the batch: the label of step j at chain t is
+``next_tokens[t + j + 1]``, valid when that slot is a position t + j + 1 of the same
+sample (positions restart at 0 for every packed sample, so this also holds for
+packed rows).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nemo_tlt.drafter.data import EagleBatch
+from nemo_tlt.drafter.draft_vocab import target_to_draft
+from nemo_tlt.drafter.eagle3 import Eagle3Drafter
+from nemo_tlt.drafter.loss import masked_mean
+from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.model.rope import apply_rope
+
+
+def shift_left(x: torch.Tensor, j: int, fill: int | float | bool = 0) -> torch.Tensor:
+    """x[:, t + j] at t (dim 1), `fill` past the end."""
+    if j == 0:
+        return x
+    pad = x.new_full((x.shape[0], j, *x.shape[2:]), fill)
+    return torch.cat((x[:, j:], pad), 1)[:, : x.shape[1]]
+
+
+def ttt_outputs(drafter: Eagle3Drafter, target: DecoderLM, batch: EagleBatch, features: torch.Tensor,
+                steps: int) -> list[torch.Tensor]:
+    """The outputs o_j [B, T, H] of steps j = 0..steps-1 (see module docstring);
+    `features` are the batch's target features g [B, T, k*H] (noised or not)."""
+    B, T = batch.next_tokens.shape
+    layer, attn = drafter.midlayer, drafter.midlayer.self_attn
+    nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    causal = batch.new_mask if batch.new_mask is not None else torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
+    diag = torch.eye(T, dtype=torch.bool).expand(B, T, T)
+    h = drafter.fc(features.to(drafter.fc.weight.dtype))
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    outs = []
+    for j in range(steps):
+        tokens = shift_left(batch.next_tokens, j)
+        emb = target.model.embed_tokens(tokens).detach().to(h.dtype)
+        a, resid = layer.attn_input(torch.cat((emb, h), -1))
+        q = attn.q_proj(a).view(B, T, nh, d).transpose(1, 2)
+        k = attn.k_proj(a).view(B, T, nkv, d).transpose(1, 2)
+        v = attn.v_proj(a).view(B, T, nkv, d).transpose(1, 2)
+        cos, sin = target.rope(batch.positions + j)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys.append(k)
+        values.append(v)
+        mask = torch.cat([causal] + [diag] * j, -1)[:, None]                       # [B, 1, T, (j+1)T]
+        o = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                           enable_gqa=nh != nkv)
+        h = layer.finish(resid, attn.o_proj(o.transpose(1, 2).reshape(B, T, nh * d)))
+        outs.append(h)
+    return outs
+
+
+def eagle3_loss(drafter: Eagle3Drafter, target: DecoderLM, batch: EagleBatch,
+                features: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """TTT loss over `drafter.config.ttt_steps` steps; `features` default to batch.in_feat."""
+    cfg = drafter.config
+    feats = batch.in_feat if features is None else features
+    outs = ttt_outputs(drafter, target, batch, feats, cfg.ttt_steps)
+    total = feats.new_zeros((), dtype=drafter.fc.weight.dtype)
+    stats: dict[str, float] = {}
+    for j, out in enumerate(outs):
+        labels = shift_left(batch.next_tokens, j + 1)
+        same = (shift_left(batch.mask, j + 1, False) & batch.mask
+                & (shift_left(batch.positions, j + 1, -1) == batch.positions + j + 1))
+        idx, kept = target_to_draft(drafter.t2d, labels)
+        valid = same & kept
+        logits = drafter.head(out).float()
+        ce = F.cross_entropy(logits.flatten(0, 1), idx.flatten(), reduction="none").view_as(idx)
+        ce_mean = masked_mean(ce, valid)
+        total = total + cfg.ttt_decay ** j * ce_mean
+        with torch.no_grad():
+            stats[f"ce_step{j}"] = float(ce_mean)
+            stats[f"top1_step{j}"] = float(masked_mean((logits.argmax(-1) == idx).float(), valid))
+    stats["ce"] = stats["ce_step0"]
+    stats["top1"] = stats["top1_step0"]
+    return total, stats

@@ -1,0 +1,99 @@
+"""EAGLE-3 HF export (`nemo-tlt convert --from drafter --to eagle3-hf`): the names,
+shapes and config keys of the layout vLLM / SGLang / TensorRT-LLM load, and a
+bit-exact read back."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nemo_tlt.convert import main
+from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
+from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
+from nemo_tlt.drafter.eagle3_hf import read_eagle3_hf
+from nemo_tlt.drafter.io import load_drafter, save_drafter
+from tiny import tiny_config
+
+
+def _drafter() -> Eagle3Drafter:
+    cfg = tiny_config(num_layers=8, num_heads=4, num_kv_heads=2)  # H 32, head_dim 8, vocab 32
+    d = Eagle3Drafter(Eagle3Config.from_target(cfg, draft_vocab_size=6, ttt_steps=2),
+                      generator=torch.Generator().manual_seed(0))
+    d.set_draft_vocab(torch.tensor([1, 2, 7, 8, 20, 31]))
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() == 1:
+                p.normal_(1.0, 0.1)
+    return d
+
+
+def test_export_layout_and_bit_exact_read_back(tmp_path):
+    drafter = _drafter()
+    save_drafter(drafter, tmp_path / "d")
+    assert main(["--from", "drafter", "--to", "eagle3-hf", "--input", str(tmp_path / "d"),
+                 "--output", str(tmp_path / "hf")]) == 0
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert (cfg["num_hidden_layers"], cfg["draft_vocab_size"], cfg["vocab_size"], cfg["hidden_size"],
+            cfg["target_hidden_size"], cfg["head_dim"]) == (1, 6, 32, 32, 32, 8)
+    assert drafter.capture_layers == (1, 3, 4)  # TensorRT-LLM's default for 8 layers
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM: input of layer i + 1
+    w = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    shapes = {k: tuple(v.shape) for k, v in w.items()}
+    assert shapes == {
+        "fc.weight": (32, 96), "midlayer.input_layernorm.weight": (32,), "midlayer.hidden_norm.weight": (32,),
+        "midlayer.self_attn.q_proj.weight": (32, 64), "midlayer.self_attn.k_proj.weight": (16, 64),
+        "midlayer.self_attn.v_proj.weight": (16, 64), "midlayer.self_attn.o_proj.weight": (32, 32),
+        "midlayer.post_attention_layernorm.weight": (32,), "midlayer.mlp.gate_proj.weight": (64, 32),
+        "midlayer.mlp.up_proj.weight": (64, 32), "midlayer.mlp.down_proj.weight": (32, 64),
+        "norm.weight": (32,), "lm_head.weight": (6, 32), "d2t": (6,), "t2d": (32,)}
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
+    assert (torch.arange(6) + w["d2t"]).tolist() == [1, 2, 7, 8, 20, 31]  # target id = draft id + d2t
+    back = read_eagle3_hf(tmp_path / "hf")
+    assert back.config == drafter.config
+    a, b = drafter.state_dict(), back.state_dict()
+    assert list(a) == list(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    assert main(["--from", "eagle3-hf", "--to", "drafter", "--input", str(tmp_path / "hf"),
+                 "--output", str(tmp_path / "d2")]) == 0
+    again = load_drafter(tmp_path / "d2").state_dict()
+    assert all(torch.equal(a[k], again[k]) for k in a)
+
+
+def test_bf16_export_reads_back_in_bf16(tmp_path):
+    drafter = _drafter()
+    save_drafter(drafter, tmp_path / "d")
+    assert main(["--from", "drafter", "--to", "eagle3-hf", "--input", str(tmp_path / "d"),
+                 "--output", str(tmp_path / "hf"), "--dtype", "bfloat16"]) == 0
+    back = read_eagle3_hf(tmp_path / "hf")
+    assert back.fc.weight.dtype == torch.bfloat16 and back.d2t.dtype == torch.int64
+    assert torch.equal(back.fc.weight, drafter.fc.weight.to(torch.bfloat16))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_third_party_folder_without_our_block_uses_the_aux_layer_ids(tmp_path):
+    drafter = _drafter()
+    save_drafter(drafter, tmp_path / "d")
+    main(["--from", "drafter", "--to", "eagle3-hf", "--input", str(tmp_path / "d"), "--output", str(tmp_path / "hf")])
+    path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(path.read_text())
+    del cfg["nemo_tlt"]
+    path.write_text(json.dumps(cfg))
+    assert read_eagle3_hf(tmp_path / "hf").capture_layers == (1, 3, 4)
+
+
+def test_errors(tmp_path, capsys):
+    save_drafter(EagleDrafter(EagleConfig.from_target(tiny_config())), tmp_path / "e2")
+    assert main(["--from", "drafter", "--to", "eagle3-hf", "--input", str(tmp_path / "e2"),
+                 "--output", str(tmp_path / "out")]) == 2
+    assert "only kind 'eagle3'" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert main(["--from", "drafter", "--to", "trtllm", "--input", str(tmp_path / "e2"),
+                 "--output", str(tmp_path / "out")]) == 2
+    save_drafter(_drafter(), tmp_path / "d")
+    main(["--from", "drafter", "--to", "eagle3-hf", "--input", str(tmp_path / "d"), "--output", str(tmp_path / "hf")])
+    w = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    from safetensors.torch import save_file
+    save_file({k: v for k, v in w.items() if k != "d2t"}, str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing \\['d2t'\\]"):
+        read_eagle3_hf(tmp_path / "hf")
