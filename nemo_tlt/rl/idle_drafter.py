@@ -40,7 +40,9 @@ class IdleDrafter:
     def __init__(self, config: IdleDrafterConfig, drafter_dir: str, view: TargetView, rank: int, seed: int) -> None:
         self.config, self.view = config, view
         self.drafter = load_drafter(drafter_dir, view)
-        self.buffer = HarvestBuffer(HarvestConfig(view.config.hidden_size, max_bytes=config.harvest_max_mb << 20))
+        # features per position: the final hidden state, or (EAGLE-3) the captured layers side by side
+        width = view.config.hidden_size * len(getattr(self.drafter, "capture_layers", None) or (0,))
+        self.buffer = HarvestBuffer(HarvestConfig(width, max_bytes=config.harvest_max_mb << 20))
         self.trainer = SpotTrainer(self.drafter, eagle_loss_fn(view), config.trainer, rank=rank, seed=seed)
         self._thread = ThreadPoolExecutor(1, "tlt-idle", initializer=_init_idle_thread,
                                           initargs=(config.nice, torch.get_num_threads()))

@@ -74,9 +74,11 @@ class RLWorker:
             self.drafter = IdleDrafter(cfg.drafter, spec.drafter_dir, view, comm.rank, cfg.seed)
             self.engine.load_drafter(self.drafter.drafter)
         self.harvest_from = cfg.drafter.harvest_from if self.drafter and cfg.drafter.train_on_idle else None
-        if self.harvest_from == "policy" and not self.policy.captures_hidden:
-            raise ValueError(f"drafter.harvest_from=policy: the {cfg.policy.backend} policy backend cannot hand "
-                             "over hidden states; use drafter.harvest_from=rollout")
+        if self.harvest_from == "policy" and (not self.policy.captures_hidden
+                                              or getattr(self.drafter.drafter, "capture_layers", None)):
+            raise ValueError(f"drafter.harvest_from=policy: the {cfg.policy.backend} policy backend hands over the "
+                             "final hidden states only (an EAGLE-3 drafter needs its captured layers); use "
+                             "drafter.harvest_from=rollout")
         self.coord = WorkerCoordinator(comm.store, comm.rank, comm.world, cfg.drafter.min_idle_workers,
                                        prefix=f"tlt/{spec.mode}", timeout_s=cfg.workers.timeout_s)
         self.ckpt = RunCheckpointer(spec.checkpoint_dir, cfg.checkpoint.keep_last, writer=comm.rank == 0)
