@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
+from nemo_tlt.drafter.io import check_weights
 from nemo_tlt.model.config import LMConfig
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -88,14 +89,7 @@ def read_eagle3_hf(folder: str | os.PathLike) -> Eagle3Drafter:
     state = load_file(str(folder / "model.safetensors"))
     state.pop("embed_tokens.weight", None)
     drafter = Eagle3Drafter(config)
-    expected = drafter.state_dict()
-    if set(state) != set(expected):
-        raise ValueError(f"{folder}: weights do not match config.json: missing {sorted(set(expected) - set(state))[:5]}, "
-                         f"unexpected {sorted(set(state) - set(expected))[:5]}")
-    for name, t in state.items():
-        if t.shape != expected[name].shape:
-            raise ValueError(f"{folder}: {name} has shape {tuple(t.shape)}, config.json implies "
-                             f"{tuple(expected[name].shape)}")
+    check_weights(state, drafter.state_dict(), folder, "config.json")
     drafter.to(state["fc.weight"].dtype)
     drafter.load_state_dict(state)
     return drafter.eval()

@@ -51,6 +51,18 @@ def save_drafter(drafter: torch.nn.Module, path: str | os.PathLike, extra: dict 
     return Path(path)
 
 
+def check_weights(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], folder: os.PathLike,
+                  config_name: str) -> None:
+    """``state`` has exactly ``expected``'s names and shapes; errors name the folder and tensor."""
+    if set(state) != set(expected):
+        raise ValueError(f"{folder}: weights do not match {config_name}: missing "
+                         f"{sorted(set(expected) - set(state))[:5]}, unexpected {sorted(set(state) - set(expected))[:5]}")
+    for name, t in state.items():
+        if t.shape != expected[name].shape:
+            raise ValueError(f"{folder}: {name} has shape {tuple(t.shape)}, {config_name} implies "
+                             f"{tuple(expected[name].shape)}")
+
+
 def load_drafter(path: str | os.PathLike, target: DecoderLM | None = None) -> torch.nn.Module:
     folder = Path(path)
     cfg_path = folder / "drafter.json"
@@ -58,14 +70,7 @@ def load_drafter(path: str | os.PathLike, target: DecoderLM | None = None) -> to
         raise FileNotFoundError(f"{cfg_path}: no drafter.json in the drafter folder")
     drafter = build_drafter(json.loads(cfg_path.read_text()), str(cfg_path))
     state = load_file(str(folder / "drafter.safetensors"))
-    expected = drafter.state_dict()
-    if set(state) != set(expected):
-        raise ValueError(f"{folder}: drafter weights do not match drafter.json: missing "
-                         f"{sorted(set(expected) - set(state))[:5]}, unexpected {sorted(set(state) - set(expected))[:5]}")
-    for name, t in state.items():
-        if t.shape != expected[name].shape:
-            raise ValueError(f"{folder}: {name} has shape {tuple(t.shape)}, drafter.json implies "
-                             f"{tuple(expected[name].shape)}")
+    check_weights(state, drafter.state_dict(), folder, "drafter.json")
     drafter.load_state_dict(state)
     if target is not None:
         drafter.check_target(target)
