@@ -114,6 +114,7 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
         "decode_segments": [[r.rank, round(a - t0, 4), round(b - t0, 4), choice]
                             for r in ranks for a, b, choice in r.segments],
         "t_end": now - t0,
+        "run_started": t0,  # this process's run start: a resumed run's records differ here
     }
 
 

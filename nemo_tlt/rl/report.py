@@ -41,7 +41,8 @@ STATE_COLORS = {"busy": "#4477aa", "idle": "#dddddd", "training": "#ee7733"}
 # decode strips: plain dark, SD shapes in colours the worker states do not use
 PLAIN_COLOR = "#333333"
 SHAPE_COLORS = ("#44bb99", "#aa3377", "#ccbb44", "#99ddff", "#882255", "#bbcc33")
-_SKIP_SCALARS = {"step", "mode", "rewards", "timeline", "decode_segments", "rollout_digest", "rollout_gen_s"}
+_SKIP_SCALARS = {"step", "mode", "rewards", "timeline", "decode_segments", "rollout_digest", "rollout_gen_s",
+                 "run_started"}
 
 
 class MetricsWriter:
@@ -241,19 +242,25 @@ def plot_accept_length(runs: dict[str, list[dict]], path: str | Path) -> Path:
 def process_runs(recs: list[dict]) -> list[tuple[float, list[dict]]]:
     """The records split by the process that produced them, each with the seconds to add
     to its times. A resumed run (after a stop or a requeue) times its steps from its own
-    start, so its first record ends before the record logged before it; its times are
-    shifted to continue where the previous process's last step ended (the time between
-    the two processes is not in the records and is left out)."""
+    start (``run_started`` differs; in records without it, its first step ends before the
+    step logged before it); its times are shifted to continue where the previous
+    process's last step ended (the time between the two processes is left out)."""
     parts: list[tuple[float, list[dict]]] = []
-    offset, prev_end = 0.0, None
+    offset, prev = 0.0, None
     for r in recs:
-        if prev_end is None or r["t_end"] < prev_end:
-            if prev_end is not None:
-                offset += prev_end
+        if prev is None or _new_process(prev, r):
+            if prev is not None:
+                offset += prev["t_end"]
             parts.append((offset, []))
         parts[-1][1].append(r)
-        prev_end = r["t_end"]
+        prev = r
     return parts
+
+
+def _new_process(prev: dict, rec: dict) -> bool:
+    if "run_started" in prev and "run_started" in rec:
+        return rec["run_started"] != prev["run_started"]
+    return rec["t_end"] < prev["t_end"]
 
 
 def resume_times(recs: list[dict]) -> list[float]:

@@ -104,6 +104,11 @@ def test_a_resumed_run_continues_after_the_steps_before_it():
     assert segs[0] == [(0.0, 4.0, "busy"), (4.0, 8.0, "busy"), (9.0, 13.0, "busy")]
     assert decode_strips(recs)[0][-1] == (9.1, 11.0, "plain")
     assert resume_times([_timed(0, 0.0), _timed(1, 4.0)]) == []
+    # the resumed process's first step may end later than the last step before it:
+    # run_started tells the processes apart
+    started = [{**_timed(0, 0.0), "run_started": 100.0}, {**_timed(1, 4.0), "run_started": 100.0},
+               {**_timed(2, 5.0), "run_started": 200.0}]
+    assert resume_times(started) == [8.0]
 
 
 def test_timeline_rows_name_their_node_on_several_nodes(tmp_path):
@@ -127,5 +132,5 @@ def test_the_step_record_maps_ranks_to_nodes():
 
     times = {"step_s": 1.0, "rollout_s": 0.5, "logprob_s": 0.1, "update_s": 0.1, "weight_sync_s": 0.1}
     rec = step_record(0, "tlt", 3, [rank(2, 1), rank(0, 0), rank(1, 0)], times, [], 0.0, 1.0)
-    assert rec["rank_nodes"] == [0, 0, 1]
+    assert rec["rank_nodes"] == [0, 0, 1] and rec["run_started"] == 0.0
     assert rec["idle_s_per_node"] == {"0": 3.0, "1": 3.0}

@@ -21,6 +21,8 @@ from nemo_tlt.spot.checkpoint import CheckpointManager
 from nemo_tlt.train import main
 from rl.test_loop_e2e import tiny_assets, tiny_overrides
 
+from .cluster import FINAL_STATES
+
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "conf" / "demo.yaml"
@@ -109,16 +111,24 @@ def job_field(cluster, job: int, field: str) -> str:
     return m.group(1)
 
 
+def requeued(cluster, job: int, out: Path) -> bool:
+    """The job is back in the queue after its first run (AssertionError if it ended instead)."""
+    state = cluster.state(job)
+    assert state not in FINAL_STATES, f"job {job} ended {state} instead of requeueing:\n{out.read_text()[-3000:]}"
+    return state == "PENDING" and job_field(cluster, job, "Restarts") == "1"
+
+
 def test_usr1_checkpoints_requeues_itself_and_resumes_like_an_uninterrupted_run(cluster, tiny_models, tmp_path):
-    run, out, steps = tmp_path / "pre", tmp_path / "pre.out", 6
+    # 2 nodes x 1 task: the resumed run must also find its rendezvous and nodes again
+    run, out, steps = tmp_path / "pre", tmp_path / "pre.out", 8
     args = tiny_overrides(*tiny_models, run, steps=steps)
-    job = submit(cluster, "tlt_demo.sbatch", out, str(DEMO), *args)
+    job = submit(cluster, "tlt_multinode.sbatch", out, str(DEMO), *args, options=("--nodes=2", "--ntasks-per-node=1"))
     wait_for("the first step record",
              lambda: (run / "tlt" / "metrics.jsonl").is_file() and metrics(run / "tlt")
              or cluster.state(job) not in ("PENDING", "RUNNING"))
     cluster.run(["scancel", "--signal=USR1", "--batch", str(job)])  # what --signal=B:USR1@N does
     # the script requeues the job itself; SLURM holds a requeued job back ~2 min: start it now
-    wait_for("the requeue", lambda: job_field(cluster, job, "Restarts") == "1" and cluster.state(job) == "PENDING")
+    wait_for("the requeue", lambda: requeued(cluster, job, out))
     stopped = metrics(run / "tlt")
     assert 1 <= len(stopped) < steps
     assert json.loads((run / "report.json").read_text())["tlt"]["status"] == "interrupted"
@@ -136,6 +146,7 @@ def test_usr1_checkpoints_requeues_itself_and_resumes_like_an_uninterrupted_run(
     assert a[:len(stopped)] == stopped  # the resumed run kept the steps done before the stop
     assert [r["rollout_digest"] for r in a] == [r["rollout_digest"] for r in b]
     assert [r["rewards"] for r in a] == [r["rewards"] for r in b]
+    assert all(r["rank_nodes"] == [0, 1] for r in a)
     pa, pb = final_policy(run / "tlt"), final_policy(local / "tlt")
     assert pa.keys() == pb.keys() and pa
     for k in pa:
