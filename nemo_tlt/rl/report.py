@@ -338,7 +338,7 @@ def plot_worker_timeline(runs: dict[str, list[dict]], path: str | Path) -> Path:
         labels = worker_labels(recs)
         ax.set_yticks(sorted(segs))
         ax.set_yticklabels([labels.get(k, f"worker {k}") for k in sorted(segs)])
-        note = "; dashed red: stopped, checkpointed, resumed" if resumed else ""
+        note = "; red: resumed" if resumed else ""
         ax.set_title(f"{name}: worker states, lower strip: how the rollout decoded (dotted: end of an RL step"
                      f"{note})", fontsize=9)
         ax.set_xlabel("seconds since the run started")
