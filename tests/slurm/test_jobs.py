@@ -172,7 +172,7 @@ def test_a_two_minute_job_stops_before_its_limit_with_a_checkpoint(cluster, tiny
     # SLURM 22.05 exports no end time: the time keeper asks squeue once. Stop when less
     # than the margin (80 s) plus the next step is left: about 40 s into the job. The
     # script's USR1 warning is replaced by a harmless SIGCONT, so the time keeper alone acts.
-    run, out, steps = tmp_path / "limit", tmp_path / "limit.out", 500
+    run, out, steps = tmp_path / "limit", tmp_path / "limit.out", 5000  # ~0.2 s a step: far more than fit
     job = submit(cluster, "tlt_demo.sbatch", out, str(DEMO), *tiny_overrides(*tiny_models, run, steps=steps),
                  "workers.time_limit_margin_s=80", options=("--time=2", "--signal=B:CONT@1", "--no-requeue"))
     t0 = time.monotonic()
