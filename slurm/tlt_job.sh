@@ -10,7 +10,8 @@
 #   * preemption / time limit: `#SBATCH --signal=B:USR1@N` signals only this batch
 #     shell, so the step runs in the background and the trap forwards USR1 to srun,
 #     which forwards it to every task; the ranks stop at the next step boundary and
-#     rank 0 checkpoints (nemo_tlt.dist.StopFlag).
+#     rank 0 checkpoints (nemo_tlt.dist.StopFlag); then the job requeues itself
+#     (`scontrol requeue`, needs `#SBATCH --requeue`) and its next start resumes.
 # Environment (optional):
 #   TLT_PYTHON      the python that has nemo-tlt installed (default: python)
 #   TLT_SRUN_FLAGS  more srun flags, word-split: container flags, GPU binding, ...
@@ -47,9 +48,25 @@ tlt_train() {
     while kill -0 "$TLT_SRUN_PID" 2>/dev/null; do wait "$TLT_SRUN_PID"; rc=$?; done
     trap - USR1
     if [ "$rc" -eq 130 ] && [ -n "$TLT_SIGNALLED" ]; then
-        # Hook for the preemption handling: the run is checkpointed here; requeueing the
-        # job (scontrol requeue "$SLURM_JOB_ID") resumes it with resume=true.
-        echo "tlt: stopped on USR1 and checkpointed; a requeue of job $SLURM_JOB_ID resumes it" >&2
+        echo "tlt: stopped on USR1 and checkpointed" >&2
+        tlt_requeue
     fi
     return "$rc"
+}
+
+# The run is checkpointed: put the job back in the queue, where it resumes with
+# resume=true. SLURM refuses a job submitted without --requeue (or on a cluster with
+# JobRequeue=0); the job then ends here with 130 and is resumed by resubmitting it with
+# resume=true. After a successful requeue SLURM ends this shell itself.
+tlt_requeue() {
+    local why
+    if why=$(scontrol requeue "$SLURM_JOB_ID" 2>&1); then
+        echo "tlt: requeued job $SLURM_JOB_ID; it resumes with resume=true when it starts again" >&2
+        # SLURM ends this shell with the requeue; wait for it rather than report a failure
+        sleep 60
+        return 0
+    fi
+    echo "tlt: job $SLURM_JOB_ID cannot be requeued (${why:-scontrol requeue failed}; submit with --requeue):" \
+        "resubmit it with resume=true to continue" >&2
+    return 1
 }

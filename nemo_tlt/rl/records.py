@@ -95,6 +95,7 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
         # worker-seconds per node (keys: node ids), where the cluster's gaps were
         "idle_s_per_node": _per_node(ranks, lambda r: r.idle.idle_s),
         "drafter_train_s_per_node": _per_node(ranks, lambda r: r.idle.train_s),
+        "rank_nodes": [r.node for r in sorted(ranks, key=lambda r: r.rank)],  # node of rank 0, 1, ...
         "drafter_sync_s": float(max(r.idle.drafter_sync_s for r in ranks)),
         "drafter_samples": int(sum(r.idle.drafter_samples for r in ranks)),
         "drafter_steps": int(sum(r.idle.drafter_steps for r in ranks)),
@@ -113,6 +114,7 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
         "decode_segments": [[r.rank, round(a - t0, 4), round(b - t0, 4), choice]
                             for r in ranks for a, b, choice in r.segments],
         "t_end": now - t0,
+        "run_started": t0,  # this process's run start: a resumed run's records differ here
     }
 
 

@@ -13,7 +13,9 @@ Contract
   other, with drafter-training worker-seconds beside it), accepted length per step,
   worker timeline (BUSY / IDLE / TRAINING per worker, with a strip inside the BUSY
   rollout time showing where the worker decoded plainly and where with SD, per tree
-  shape, from the records' ``decode_segments``).
+  shape, from the records' ``decode_segments``); rows name their node when the run
+  spanned several (``rank_nodes``); a resumed run's steps follow its predecessor's,
+  with a mark where it took over (``process_runs``).
 * TLT and its baseline run in pairs of alternating order. ``pair_figures`` compares
   the two runs of one pair on means over the steps after the first (the first pays
   one-time warm-up); ``compare_pairs`` gives the ``report.json`` figures as medians
@@ -39,7 +41,8 @@ STATE_COLORS = {"busy": "#4477aa", "idle": "#dddddd", "training": "#ee7733"}
 # decode strips: plain dark, SD shapes in colours the worker states do not use
 PLAIN_COLOR = "#333333"
 SHAPE_COLORS = ("#44bb99", "#aa3377", "#ccbb44", "#99ddff", "#882255", "#bbcc33")
-_SKIP_SCALARS = {"step", "mode", "rewards", "timeline", "decode_segments", "rollout_digest", "rollout_gen_s"}
+_SKIP_SCALARS = {"step", "mode", "rewards", "timeline", "decode_segments", "rollout_digest", "rollout_gen_s",
+                 "run_started"}
 
 
 class MetricsWriter:
@@ -236,17 +239,49 @@ def plot_accept_length(runs: dict[str, list[dict]], path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def timeline_segments(recs: list[dict]) -> dict[int, list[tuple[float, float, str]]]:
-    """Per rank: (start, end, state) segments over the whole run from the step records."""
-    events: dict[int, list[tuple[float, str]]] = {}
+def process_runs(recs: list[dict]) -> list[tuple[float, list[dict]]]:
+    """The records split by the process that produced them, each with the seconds to add
+    to its times. A resumed run (after a stop or a requeue) times its steps from its own
+    start (``run_started`` differs; in records without it, its first step ends before the
+    step logged before it); its times are shifted to continue where the previous
+    process's last step ended (the time between the two processes is left out)."""
+    parts: list[tuple[float, list[dict]]] = []
+    offset, prev = 0.0, None
     for r in recs:
-        for rank, state, t in r["timeline"]:
-            events.setdefault(int(rank), []).append((float(t), state))
-    end = recs[-1]["t_end"] if recs else 0.0
-    out = {}
-    for rank, evs in events.items():
-        evs.sort()
-        out[rank] = [(t, (evs[i + 1][0] if i + 1 < len(evs) else end), s) for i, (t, s) in enumerate(evs)]
+        if prev is None or _new_process(prev, r):
+            if prev is not None:
+                offset += prev["t_end"]
+            parts.append((offset, []))
+        parts[-1][1].append(r)
+        prev = r
+    return parts
+
+
+def _new_process(prev: dict, rec: dict) -> bool:
+    if "run_started" in prev and "run_started" in rec:
+        return rec["run_started"] != prev["run_started"]
+    return rec["t_end"] < prev["t_end"]
+
+
+def resume_times(recs: list[dict]) -> list[float]:
+    """Where, on the shifted time axis of ``process_runs``, a resumed process took over."""
+    return [offset for offset, _ in process_runs(recs)[1:]]
+
+
+def timeline_segments(recs: list[dict]) -> dict[int, list[tuple[float, float, str]]]:
+    """Per rank: (start, end, state) segments over the whole run from the step records
+    (a resumed run's after its predecessor's: ``process_runs``)."""
+    out: dict[int, list[tuple[float, float, str]]] = {}
+    for offset, part in process_runs(recs):
+        events: dict[int, list[tuple[float, str]]] = {}
+        for r in part:
+            for rank, state, t in r["timeline"]:
+                events.setdefault(int(rank), []).append((offset + float(t), state))
+        end = offset + part[-1]["t_end"]
+        for rank, evs in events.items():
+            evs.sort()
+            out.setdefault(rank, []).extend(
+                (t, (evs[i + 1][0] if i + 1 < len(evs) else end), s) for i, (t, s) in enumerate(evs))
     return out
 
 
@@ -254,10 +289,21 @@ def decode_strips(recs: list[dict]) -> dict[int, list[tuple[float, float, str]]]
     """Per rank: (start, end, choice) decode segments over the whole run ("plain" or a
     tree shape's name); records without ``decode_segments`` contribute none."""
     out: dict[int, list[tuple[float, float, str]]] = {}
-    for r in recs:
-        for rank, a, b, choice in r.get("decode_segments", []):
-            out.setdefault(int(rank), []).append((float(a), float(b), str(choice)))
+    for offset, part in process_runs(recs):
+        for r in part:
+            for rank, a, b, choice in r.get("decode_segments", []):
+                out.setdefault(int(rank), []).append((offset + float(a), offset + float(b), str(choice)))
     return out
+
+
+def worker_labels(recs: list[dict]) -> dict[int, str]:
+    """A row label per rank: "worker k", with its node when the run spanned several
+    nodes (the records' ``rank_nodes``)."""
+    ranks = sorted({int(rank) for r in recs for rank, _, _ in r["timeline"]})
+    nodes = next((r["rank_nodes"] for r in reversed(recs) if "rank_nodes" in r), None)
+    if nodes is None or len(set(nodes)) < 2:
+        return {k: f"worker {k}" for k in ranks}
+    return {k: f"worker {k} (node {nodes[k]})" if k < len(nodes) else f"worker {k}" for k in ranks}
 
 
 def decode_colors(runs: dict[str, list[dict]]) -> dict[str, str]:
@@ -283,12 +329,18 @@ def plot_worker_timeline(runs: dict[str, list[dict]], path: str | Path) -> Path:
             for choice, color in colors.items():
                 bars = [(a, b - a) for a, b, c in items if c == choice and b > a]
                 ax.broken_barh(bars, (rank - 0.4, 0.28), color=color, lw=0)
-        for r in recs:
-            ax.axvline(r["t_end"], color="k", lw=0.5, ls=":")
+        for offset, part in process_runs(recs):
+            for r in part:
+                ax.axvline(offset + r["t_end"], color="k", lw=0.5, ls=":")
+        resumed = resume_times(recs)
+        for t in resumed:
+            ax.axvline(t, color="#cc3311", lw=1.5, ls="--")
+        labels = worker_labels(recs)
         ax.set_yticks(sorted(segs))
-        ax.set_yticklabels([f"worker {k}" for k in sorted(segs)])
-        ax.set_title(f"{name}: worker states, lower strip: how the rollout decoded (dotted: end of an RL step)",
-                     fontsize=9)
+        ax.set_yticklabels([labels.get(k, f"worker {k}") for k in sorted(segs)])
+        note = "; red: resumed" if resumed else ""
+        ax.set_title(f"{name}: worker states, lower strip: how the rollout decoded (dotted: end of an RL step"
+                     f"{note})", fontsize=9)
         ax.set_xlabel("seconds since the run started")
     handles = [Patch(color=c, label=s.upper()) for s, c in STATE_COLORS.items()]
     handles += [Patch(color=c, label="decode: plain" if s == "plain" else f"decode: SD {s}")

@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from nemo_tlt.rl.report import (compare_pairs, control_is_noisy, format_pairs, median_over_pairs, pair_figures,
-                                summarize_pairs)
+from nemo_tlt.rl.report import (compare_pairs, control_is_noisy, decode_strips, format_pairs, median_over_pairs,
+                                pair_figures, plot_worker_timeline, process_runs, resume_times, summarize_pairs,
+                                timeline_segments, worker_labels)
 
 
 def records(step_s, update_s=None, rollout_s=None, rewards=None, digest="d"):
@@ -80,3 +81,56 @@ def test_identity_covers_the_runs_of_later_pairs():
     other_tokens = summary(records([1.0, 1.0], digest="e"))
     out = compare_pairs([same, (("baseline", "tlt"), other_tokens, summary(records([1.0, 1.0])))])
     assert out["rewards_identical"] and not out["rollouts_identical"]
+
+
+# ---- the worker timeline of a multi-node, resumed run --------------------------------
+
+def _timed(step, t, nodes=None):
+    rec = {"step": step, "t_end": t + 4.0, "decode_segments": [[0, t + 0.1, t + 2.0, "plain"]],
+           "timeline": [[0, "busy", t], [1, "busy", t], [1, "idle", t + 2.5]]}
+    if nodes is not None:
+        rec["rank_nodes"] = nodes
+    return rec
+
+
+def test_a_resumed_run_continues_after_the_steps_before_it():
+    # steps 0, 1 in the first process; the requeued process times step 2 from its own start
+    recs = [_timed(0, 0.0), _timed(1, 4.0), _timed(2, 1.0)]
+    parts = process_runs(recs)
+    assert [(off, [r["step"] for r in part]) for off, part in parts] == [(0.0, [0, 1]), (8.0, [2])]
+    assert resume_times(recs) == [8.0]
+    segs = timeline_segments(recs)
+    # rank 0's BUSY of step 1 ends with its process (t 8), the resumed step starts at 8 + 1
+    assert segs[0] == [(0.0, 4.0, "busy"), (4.0, 8.0, "busy"), (9.0, 13.0, "busy")]
+    assert decode_strips(recs)[0][-1] == (9.1, 11.0, "plain")
+    assert resume_times([_timed(0, 0.0), _timed(1, 4.0)]) == []
+    # the resumed process's first step may end later than the last step before it:
+    # run_started tells the processes apart
+    started = [{**_timed(0, 0.0), "run_started": 100.0}, {**_timed(1, 4.0), "run_started": 100.0},
+               {**_timed(2, 5.0), "run_started": 200.0}]
+    assert resume_times(started) == [8.0]
+
+
+def test_timeline_rows_name_their_node_on_several_nodes(tmp_path):
+    assert worker_labels([_timed(0, 0.0, nodes=[0, 1])]) == {0: "worker 0 (node 0)", 1: "worker 1 (node 1)"}
+    assert worker_labels([_timed(0, 0.0, nodes=[0, 0])]) == {0: "worker 0", 1: "worker 1"}
+    assert worker_labels([_timed(0, 0.0)]) == {0: "worker 0", 1: "worker 1"}  # records before rank_nodes
+    recs = [_timed(0, 0.0, [0, 1]), _timed(1, 4.0, [0, 1]), _timed(2, 1.0, [0, 1])]
+    out = plot_worker_timeline({"tlt": recs}, tmp_path / "timeline.png")
+    assert out.stat().st_size > 0
+
+
+def test_the_step_record_maps_ranks_to_nodes():
+    from nemo_tlt.rl.records import IdleResult, RankState, RankStep, step_record
+
+    def rank(k, node):
+        return RankStep(rank=k, node=node, ids=[k], tokens=[[1, 2]], rewards=[1.0], gen_s=1.0, sd_steps=0,
+                        plain_steps=2, accept_lengths=[], segments=[], idle=IdleResult(idle_s=k + 1.0),
+                        update={**{u: 0.0 for u in ("loss", "pg_loss", "kl", "clip_frac", "approx_kl")},
+                                "grad_norm": 0.0},
+                        state=RankState(), weights="w")
+
+    times = {"step_s": 1.0, "rollout_s": 0.5, "logprob_s": 0.1, "update_s": 0.1, "weight_sync_s": 0.1}
+    rec = step_record(0, "tlt", 3, [rank(2, 1), rank(0, 0), rank(1, 0)], times, [], 0.0, 1.0)
+    assert rec["rank_nodes"] == [0, 0, 1] and rec["run_started"] == 0.0
+    assert rec["idle_s_per_node"] == {"0": 3.0, "1": 3.0}

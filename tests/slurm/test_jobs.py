@@ -1,11 +1,14 @@
 """The sbatch scripts on a real SLURM cluster (tests/slurm/conftest.py) with a tiny config:
 the demo job completes and writes its report; a run on 2 nodes x 1 task (SLURM launch
 mode) equals the same run launched by the local spawn launcher, bit for bit; USR1 sent
-to the batch shell stops the run at a step boundary with a checkpoint, and a requeue
-resumes it to the end."""
+to the batch shell stops the run at a step boundary with a checkpoint, and a
+requeue by the script itself resumes it to the end, equal to an uninterrupted run; a job
+that cannot be requeued says so; a 2-minute job stops before its time limit with a
+whole checkpoint."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -17,6 +20,8 @@ import torch
 from nemo_tlt.spot.checkpoint import CheckpointManager
 from nemo_tlt.train import main
 from rl.test_loop_e2e import tiny_assets, tiny_overrides
+
+from .cluster import FINAL_STATES
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
@@ -92,23 +97,105 @@ def test_two_nodes_equal_the_spawn_launcher(cluster, tiny_models, tmp_path):
         assert torch.equal(pa[k], pb[k]), k
 
 
-def test_usr1_stops_with_a_checkpoint_and_a_requeue_resumes(cluster, tiny_models, tmp_path):
-    run, out, steps = tmp_path / "pre", tmp_path / "pre.out", 40
-    job = submit(cluster, "tlt_demo.sbatch", out, str(DEMO), *tiny_overrides(*tiny_models, run, steps=steps),
-                 "drafter.train_on_idle=false")
-    deadline = time.monotonic() + 180
-    while not ((run / "tlt" / "metrics.jsonl").is_file() and metrics(run / "tlt")):
-        assert time.monotonic() < deadline and cluster.state(job) in ("PENDING", "RUNNING"), cluster.state(job)
-        time.sleep(0.2)
+def wait_for(what: str, ready, timeout_s: float = 180.0, poll_s: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll_s)
+
+
+def job_field(cluster, job: int, field: str) -> str:
+    info = cluster.run(["scontrol", "show", "job", "-o", str(job)]).stdout
+    m = re.search(rf"\b{field}=(\S+)", info)
+    assert m, f"no {field} in: {info}"
+    return m.group(1)
+
+
+def requeued(cluster, job: int, out: Path) -> bool:
+    """The job is back in the queue after its first run (AssertionError if it ended instead)."""
+    state = cluster.state(job)
+    assert state not in FINAL_STATES, f"job {job} ended {state} instead of requeueing:\n{out.read_text()[-3000:]}"
+    return state == "PENDING" and job_field(cluster, job, "Restarts") == "1"
+
+
+def test_usr1_checkpoints_requeues_itself_and_resumes_like_an_uninterrupted_run(cluster, tiny_models, tmp_path):
+    # 2 nodes x 1 task: the resumed run must also find its rendezvous and nodes again
+    run, out, steps = tmp_path / "pre", tmp_path / "pre.out", 8
+    args = tiny_overrides(*tiny_models, run, steps=steps)
+    job = submit(cluster, "tlt_multinode.sbatch", out, str(DEMO), *args, options=("--nodes=2", "--ntasks-per-node=1"))
+    wait_for("the first step record",
+             lambda: (run / "tlt" / "metrics.jsonl").is_file() and metrics(run / "tlt")
+             or cluster.state(job) not in ("PENDING", "RUNNING"))
     cluster.run(["scancel", "--signal=USR1", "--batch", str(job)])  # what --signal=B:USR1@N does
-    log = finished(cluster, job, out, want="FAILED")  # exit 130: interrupted and checkpointed
+    # the script requeues the job itself; SLURM holds a requeued job back ~2 min: start it now
+    wait_for("the requeue", lambda: requeued(cluster, job, out))
+    stopped = metrics(run / "tlt")
+    assert 1 <= len(stopped) < steps
+    assert json.loads((run / "report.json").read_text())["tlt"]["status"] == "interrupted"
+    cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+
+    local = tmp_path / "local"  # the same run, uninterrupted, by the spawn launcher (meanwhile)
+    assert main([str(DEMO), *tiny_overrides(*tiny_models, local, steps=steps), "workers.launcher=local",
+                 "workers.start_method=spawn"]) == 0
+    log = finished(cluster, job, out)
     assert "forwarding it to the workers" in log and "stopped on USR1 and checkpointed" in log
+    assert f"requeued job {job}" in log and "continuing with resume=true" in log
+    assert "resume: true" in (run / "config.yaml").read_text()  # the requeued job ran with resume=true
+    a, b = metrics(run / "tlt"), metrics(local / "tlt")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(steps))
+    assert a[:len(stopped)] == stopped  # the resumed run kept the steps done before the stop
+    assert [r["rollout_digest"] for r in a] == [r["rollout_digest"] for r in b]
+    assert [r["rewards"] for r in a] == [r["rewards"] for r in b]
+    assert all(r["rank_nodes"] == [0, 1] for r in a)
+    pa, pb = final_policy(run / "tlt"), final_policy(local / "tlt")
+    assert pa.keys() == pb.keys() and pa
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+    save_records(a, "usr1_requeued")
+
+
+def test_usr1_without_requeue_says_so_and_keeps_the_checkpoint(cluster, tiny_models, tmp_path):
+    run, out = tmp_path / "noq", tmp_path / "noq.out"
+    job = submit(cluster, "tlt_demo.sbatch", out, str(DEMO), *tiny_overrides(*tiny_models, run, steps=40),
+                 "drafter.train_on_idle=false", options=("--no-requeue",))
+    wait_for("the first step record",
+             lambda: (run / "tlt" / "metrics.jsonl").is_file() and metrics(run / "tlt")
+             or cluster.state(job) not in ("PENDING", "RUNNING"))
+    cluster.run(["scancel", "--signal=USR1", "--batch", str(job)])
+    log = finished(cluster, job, out, want="FAILED")
+    assert job_field(cluster, job, "ExitCode") == "130:0" and job_field(cluster, job, "Restarts") == "0"
+    assert f"job {job} cannot be requeued" in log and "resubmit it with resume=true" in log
+    assert CheckpointManager(run / "tlt" / "checkpoints").latest() == metrics(run / "tlt")[-1]["step"]
+
+
+def test_a_two_minute_job_stops_before_its_limit_with_a_checkpoint(cluster, tiny_models, tmp_path):
+    # SLURM 22.05 exports no end time: the time keeper asks squeue once. Stop when less
+    # than the margin (80 s) plus the next step is left: about 40 s into the job. The
+    # script's USR1 warning is replaced by a harmless SIGCONT, so the time keeper alone acts.
+    run, out, steps = tmp_path / "limit", tmp_path / "limit.out", 5000  # ~0.2 s a step: far more than fit
+    job = submit(cluster, "tlt_demo.sbatch", out, str(DEMO), *tiny_overrides(*tiny_models, run, steps=steps),
+                 "workers.time_limit_margin_s=80", options=("--time=2", "--signal=B:CONT@1", "--no-requeue"))
+    t0 = time.monotonic()
+    log = finished(cluster, job, out, timeout_s=200, want="FAILED")  # exit 130: stopped, not TIMEOUT
+    assert job_field(cluster, job, "ExitCode") == "130:0"
+    assert "stopped before the job's time limit" in log and "continue with resume=true" in log
+    assert "USR1" not in log
     done = metrics(run / "tlt")
     assert 1 <= len(done) < steps
-    assert json.loads((run / "report.json").read_text())["tlt"]["status"] == "interrupted"
+    assert all(r["time_left_s"] is not None and r["time_left_s"] > 0 for r in done)
+    assert json.loads((run / "report.json").read_text())["tlt"]["status"] == "time_limit"
+    manager = CheckpointManager(run / "tlt" / "checkpoints")
+    try:
+        assert manager.latest() == done[-1]["step"]
+        assert manager.load().tensors  # the last checkpoint is whole
+    finally:
+        manager.close()
+    assert time.monotonic() - t0 < 110  # well before SLURM's limit (120 s)
 
-    cluster.requeue(job)
-    log = finished(cluster, job, out)
-    assert "continuing with resume=true" in log
-    assert "resume: true" in (run / "config.yaml").read_text()  # the requeued job ran with resume=true
-    assert [r["step"] for r in metrics(run / "tlt")] == list(range(steps))
+
+def save_records(records: list[dict], name: str) -> None:
+    """Keep a run's records for the docs' pictures (TLT_KEEP_RECORDS=<folder>)."""
+    folder = os.environ.get("TLT_KEEP_RECORDS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
