@@ -104,10 +104,24 @@ def run_rank(fn: Callable, rdzv: Rendezvous, args: tuple, *, timeout_s: float, t
         value = fn(RankContext(rdzv.rank, rdzv.world, rdzv.local_rank, store, stop, rdzv.node), *args)
         # Only after success: a failing rank reports first and leaves its peers blocked, not
         # reset (a reset would make a peer's error race the real one to the launcher).
-        dist.destroy_process_group()
+        _leave(store, rdzv, timeout_s)
         return value
     finally:
         stop.restore()  # a SLURM task outlives its rank: later signals act as usual again
+
+
+def _leave(store: Any, rdzv: Rendezvous, timeout_s: float) -> None:
+    """Leave together: every rank waits until all have finished (rank 0 may still be
+    writing its final checkpoint), and the rank hosting the store (SLURM mode: rank 0)
+    keeps it up until every other rank has left the group: a peer whose store or group
+    vanishes under it while it tears down can abort the process."""
+    dist.barrier()
+    dist.destroy_process_group()
+    if rdzv.world > 1:
+        store.add("tlt/left", 1)
+        deadline = time.monotonic() + timeout_s
+        while int(store.add("tlt/left", 0)) < rdzv.world and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def _child(rdzv: Rendezvous, fn: Callable, args: tuple, results: Any, timeout_s: float, threads: int,

@@ -47,7 +47,8 @@ def submit(cluster, script: str, out: Path, *args: str, options: tuple[str, ...]
 def finished(cluster, job: int, out: Path, timeout_s: float = 240.0, want: str = "COMPLETED") -> str:
     state = cluster.wait(job, timeout_s)
     log = out.read_text(errors="replace") if out.is_file() else "(no job output)"
-    assert state == want, f"job {job} ended {state}, wanted {want}; its output:\n{log[-4000:]}"
+    info = cluster.run(["scontrol", "show", "job", "-o", str(job)]).stdout if state != want else ""
+    assert state == want, f"job {job} ended {state}, wanted {want}; {info}\nits output:\n{log[-4000:]}"
     return log
 
 
