@@ -19,6 +19,7 @@ import torch
 
 from nemo_tlt.spot.checkpoint import CheckpointManager
 from nemo_tlt.train import main
+from rl.test_loop_e2e import _final_policy as final_policy
 from rl.test_loop_e2e import tiny_assets, tiny_overrides
 
 from .cluster import FINAL_STATES
@@ -56,13 +57,6 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def final_policy(run: Path) -> dict[str, torch.Tensor]:
-    manager = CheckpointManager(run / "checkpoints")
-    try:
-        ck = manager.load()
-    finally:
-        manager.close()
-    return {k: v for k, v in ck.tensors.items() if k.startswith("policy/")}
 
 
 def test_demo_job_writes_its_report(cluster, tiny_models, tmp_path):
