@@ -119,9 +119,10 @@ def _leave(store: Any, rdzv: Rendezvous, timeout_s: float) -> None:
     dist.destroy_process_group()
     if rdzv.world > 1:
         store.add("tlt/left", 1)
-        deadline = time.monotonic() + timeout_s
-        while int(store.add("tlt/left", 0)) < rdzv.world and time.monotonic() < deadline:
-            time.sleep(0.01)
+        if rdzv.host_store:  # the others must not poll: the store ends with the host's launch
+            deadline = time.monotonic() + timeout_s
+            while int(store.add("tlt/left", 0)) < rdzv.world and time.monotonic() < deadline:
+                time.sleep(0.01)
 
 
 def _child(rdzv: Rendezvous, fn: Callable, args: tuple, results: Any, timeout_s: float, threads: int,

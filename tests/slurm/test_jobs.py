@@ -48,7 +48,13 @@ def submit(cluster, script: str, out: Path, *args: str, options: tuple[str, ...]
 def finished(cluster, job: int, out: Path, timeout_s: float = 240.0, want: str = "COMPLETED") -> str:
     state = cluster.wait(job, timeout_s)
     log = out.read_text(errors="replace") if out.is_file() else "(no job output)"
-    info = cluster.run(["scontrol", "show", "job", "-o", str(job)]).stdout if state != want else ""
+    info = ""
+    if state != want:
+        info = cluster.run(["scontrol", "show", "job", "-o", str(job)]).stdout
+        info += "\nslurmctld log:\n" + "\n".join(line for line in cluster.log("slurmctld").splitlines()
+                                                 if f"JobId={job}" in line or f"job {job}" in line.lower())[-3000:]
+        for node in ("node1", "node2"):
+            info += f"\nslurmd log ({node}):\n" + cluster.log(f"slurmd.{node}")[-1500:]
     assert state == want, f"job {job} ended {state}, wanted {want}; {info}\nits output:\n{log[-4000:]}"
     return log
 
@@ -99,6 +105,12 @@ def wait_for(what: str, ready, timeout_s: float = 180.0, poll_s: float = 0.2) ->
         time.sleep(poll_s)
 
 
+def nodes_idle(cluster, job: int) -> bool:
+    """No node runs or completes anything (the requeued job's old steps are gone)."""
+    states = cluster.run(["sinfo", "-h", "-N", "-o", "%T"]).stdout.split()
+    return bool(states) and all(s.rstrip("*") in ("idle", "mixed") and s != "mixed" for s in states)
+
+
 def job_field(cluster, job: int, field: str) -> str:
     info = cluster.run(["scontrol", "show", "job", "-o", str(job)]).stdout
     m = re.search(rf"\b{field}=(\S+)", info)
@@ -127,6 +139,10 @@ def test_usr1_checkpoints_requeues_itself_and_resumes_like_an_uninterrupted_run(
     stopped = metrics(run / "tlt")
     assert 1 <= len(stopped) < steps
     assert json.loads((run / "report.json").read_text())["tlt"]["status"] == "interrupted"
+    # SLURM holds a requeued job back ~2 min, long after its old allocation is cleaned
+    # up; starting it at once must still wait for that cleanup, or the old batch
+    # shell's end can be booked against the new run.
+    wait_for("the old allocation's release", lambda: nodes_idle(cluster, job))
     cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
 
     local = tmp_path / "local"  # the same run, uninterrupted, by the spawn launcher (meanwhile)
