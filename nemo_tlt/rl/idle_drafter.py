@@ -41,7 +41,8 @@ class IdleDrafter:
         self.config, self.view = config, view
         self.drafter = load_drafter(drafter_dir, view)
         # features per position: the final hidden state, or (EAGLE-3) the captured layers side by side
-        width = view.config.hidden_size * len(getattr(self.drafter, "capture_layers", None) or (0,))
+        captured = getattr(self.drafter, "capture_layers", None)
+        width = view.config.hidden_size * (len(captured) if captured else 1)
         self.buffer = HarvestBuffer(HarvestConfig(width, max_bytes=config.harvest_max_mb << 20))
         self.trainer = SpotTrainer(self.drafter, eagle_loss_fn(view), config.trainer, rank=rank, seed=seed)
         self._thread = ThreadPoolExecutor(1, "tlt-idle", initializer=_init_idle_thread,
