@@ -100,7 +100,7 @@ def _key(payload: dict) -> str:
 
 def _drafter_samples(target, config: AssetConfig, drafter=None) -> list[DrafterSample]:
     """The target's generations on the drafter prompts, with the features `drafter`
-    reads (None: the final hidden states; an EAGLE-3 drafter: its captured layers)."""
+    reads (None: the final hidden states; an EAGLE-3 drafter: its captured layers and the final state)."""
     _, reqs = task_requests(config.task, config.drafter_prompts, seed=10_000)
     samples: list[DrafterSample] = []
     engine = TorchRolloutEngine(target, drafter)
@@ -151,7 +151,7 @@ def eagle3_drafter_name(target_name: str, config: AssetConfig) -> str:
     """The cache folder name of the EAGLE-3 drafter trained on the target cached as ``target_name``."""
     key = _key({"target": target_name, "prompts": config.drafter_prompts,
                 "max_new": config.drafter_max_new_tokens, "train": asdict(config.drafter_train),
-                "data": [list(d) for d in config.drafter_data], "ttt_steps": config.eagle3_ttt_steps, "format": 1})
+                "data": [list(d) for d in config.drafter_data], "ttt_steps": config.eagle3_ttt_steps, "format": 2})
     return f"drafter-eagle3-{key}"
 
 

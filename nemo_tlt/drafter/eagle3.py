@@ -20,6 +20,12 @@ of nemo_tlt.drafter.draft_vocab (full vocabulary: d2t = 0, t2d all True).
 Captured layers are indexed like TensorRT-LLM's ``eagle3_layers_to_capture``: the
 output of 0-based decoder layer i. vLLM and SGLang number the same tensor i + 1
 (the input of layer i + 1); the HF export converts.
+
+Features per position (what the engine hands over and the harvest stores),
+``feature_width = (k + 1) * H``: the k captured layer outputs, then the target's
+final hidden state (after its final norm). The drafter's input is the first k*H;
+the final state is for training only: its logits under the target's head are the
+soft labels of EAGLE-3's loss (nemo_tlt.drafter.ttt).
 """
 from __future__ import annotations
 
@@ -151,6 +157,15 @@ class Eagle3Drafter(nn.Module):
         return self.config.capture_layers
 
     @property
+    def feature_width(self) -> int:
+        """Width of one position's features: k captured layers, then the final state."""
+        return (len(self.config.capture_layers) + 1) * self.config.layer.hidden_size
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """h = fc(captured layers) from features [..., k*H] or [..., feature_width]."""
+        return self.fc(features[..., : self.fc.in_features].to(self.fc.weight.dtype))
+
+    @property
     def full_vocab(self) -> bool:
         return self.config.draft_vocab_size == self.config.layer.vocab_size
 
@@ -213,7 +228,7 @@ class Eagle3Drafter(nn.Module):
     # ---- drafting (see nemo_tlt.drafter.eagle_tree) --------------------------
     def feed_committed(self, target: DecoderLM, tokens: torch.Tensor, features: torch.Tensor,
                        positions: torch.Tensor, cache: KVCache, new_mask: torch.Tensor) -> torch.Tensor:
-        return self(target, tokens, self.fc(features.to(self.fc.weight.dtype)), positions, cache, new_mask)
+        return self(target, tokens, self.fuse(features), positions, cache, new_mask)
 
     def feed_nodes(self, target: DecoderLM, tokens: torch.Tensor, parent_out: torch.Tensor, cache: KVCache,
                    cache_mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

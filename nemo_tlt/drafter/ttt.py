@@ -11,15 +11,18 @@ batch's mask) and the keys of steps 1..j of its own chain t (its tree ancestors 
 itself): a causal block followed by j diagonal blocks.
 
 Loss: cross-entropy of the draft distribution (over the draft vocabulary) against
-the token the target produced, ``sum_j decay^j * mean CE_j`` over labels that exist
-in the same sample and lie in the draft vocabulary (EAGLE-3 masks the others too).
-The harvested features hold only the captured layers, so the target's own
-distribution is represented by its token: its argmax under greedy rollouts, an
-unbiased sample of it otherwise.
+the target's own distribution there, as EAGLE-3 trains: the soft label of step j at
+chain t is ``softmax(lm_head(final[t + j + 1]))`` restricted to the draft vocabulary,
+from the final hidden state the features carry after the captured layers (see
+nemo_tlt.drafter.eagle3). ``sum_j decay^j * mean CE_j`` over positions whose label
+exists in the same sample and whose target argmax lies in the draft vocabulary
+(EAGLE-3 masks the others too). A sampled token would be a one-sample estimate of
+that distribution: under sampled rollouts the full distribution is the teacher
+acceptance depends on.
 
-Labels are read from the batch: the label of step j at chain t is
-``next_tokens[t + j + 1]``, valid when that slot is a position t + j + 1 of the same
-sample (positions restart at 0 for every packed sample, so this also holds for
+Labels are read from the batch: the label of step j at chain t comes from
+``target_feat[t + j]`` (the final state at t + j + 1), valid when that slot is a
+position t + j + 1 of the same sample (positions restart at 0 for every packed sample, so this also holds for
 packed rows).
 """
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_tlt.drafter.data import EagleBatch
-from nemo_tlt.drafter.draft_vocab import target_to_draft
+from nemo_tlt.drafter.draft_vocab import draft_ids
 from nemo_tlt.drafter.eagle3 import Eagle3Drafter
 from nemo_tlt.drafter.loss import masked_mean
 from nemo_tlt.model.lm import DecoderLM
@@ -52,7 +55,7 @@ def ttt_outputs(drafter: Eagle3Drafter, target: DecoderLM, batch: EagleBatch, fe
     nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     causal = batch.new_mask if batch.new_mask is not None else torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
     diag = torch.eye(T, dtype=torch.bool).expand(B, T, T)
-    h = drafter.fc(features.to(drafter.fc.weight.dtype))
+    h = drafter.fuse(features)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     outs = []
@@ -77,25 +80,38 @@ def ttt_outputs(drafter: Eagle3Drafter, target: DecoderLM, batch: EagleBatch, fe
 
 def eagle3_loss(drafter: Eagle3Drafter, target: DecoderLM, batch: EagleBatch,
                 features: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """TTT loss over `drafter.config.ttt_steps` steps; `features` default to batch.in_feat."""
+    """TTT loss over `drafter.config.ttt_steps` steps; `features` default to batch.in_feat.
+    The batch's features must have the drafter's `feature_width` (captured layers, then
+    the final state)."""
     cfg = drafter.config
     feats = batch.in_feat if features is None else features
+    if batch.target_feat.shape[-1] != drafter.feature_width:
+        raise ValueError(f"eagle3_loss: features are {batch.target_feat.shape[-1]} wide, the EAGLE-3 drafter "
+                         f"needs {drafter.feature_width} ({len(cfg.capture_layers)} captured layers and the final "
+                         "hidden state, each hidden_size wide)")
     outs = ttt_outputs(drafter, target, batch, feats, cfg.ttt_steps)
+    with torch.no_grad():  # the target's distribution of x[t+2], from its final state at t+1
+        final = batch.target_feat[..., drafter.fc.in_features:]
+        teacher = F.linear(final.to(target.lm_head_weight.dtype), target.lm_head_weight.detach()).float()
+        kept = drafter.t2d[teacher.argmax(-1)]
+        if not drafter.full_vocab:
+            teacher = teacher[..., draft_ids(drafter.d2t)]
+        teacher_p = teacher.softmax(-1)
+        teacher_top = teacher.argmax(-1)
     total = feats.new_zeros((), dtype=drafter.fc.weight.dtype)
     stats: dict[str, float] = {}
     for j, out in enumerate(outs):
-        labels = shift_left(batch.next_tokens, j + 1)
         same = (shift_left(batch.mask, j + 1, False) & batch.mask
                 & (shift_left(batch.positions, j + 1, -1) == batch.positions + j + 1))
-        idx, kept = target_to_draft(drafter.t2d, labels)
-        valid = same & kept
+        valid = same & shift_left(kept, j, False)
         logits = drafter.head(out).float()
-        ce = F.cross_entropy(logits.flatten(0, 1), idx.flatten(), reduction="none").view_as(idx)
+        ce = -(shift_left(teacher_p, j) * logits.log_softmax(-1)).sum(-1)
         ce_mean = masked_mean(ce, valid)
         total = total + cfg.ttt_decay ** j * ce_mean
         with torch.no_grad():
             stats[f"ce_step{j}"] = float(ce_mean)
-            stats[f"top1_step{j}"] = float(masked_mean((logits.argmax(-1) == idx).float(), valid))
+            stats[f"top1_step{j}"] = float(masked_mean((logits.argmax(-1) == shift_left(teacher_top, j)).float(),
+                                                       valid))
     stats["ce"] = stats["ce_step0"]
     stats["top1"] = stats["top1_step0"]
     return total, stats

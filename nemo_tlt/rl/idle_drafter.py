@@ -40,9 +40,8 @@ class IdleDrafter:
     def __init__(self, config: IdleDrafterConfig, drafter_dir: str, view: TargetView, rank: int, seed: int) -> None:
         self.config, self.view = config, view
         self.drafter = load_drafter(drafter_dir, view)
-        # features per position: the final hidden state, or (EAGLE-3) the captured layers side by side
-        captured = getattr(self.drafter, "capture_layers", None)
-        width = view.config.hidden_size * (len(captured) if captured else 1)
+        # features per position: the final hidden state, or (EAGLE-3) the captured layers and the final state
+        width = getattr(self.drafter, "feature_width", view.config.hidden_size)
         self.buffer = HarvestBuffer(HarvestConfig(width, max_bytes=config.harvest_max_mb << 20))
         self.trainer = SpotTrainer(self.drafter, eagle_loss_fn(view), config.trainer, rank=rank, seed=seed)
         self._thread = ThreadPoolExecutor(1, "tlt-idle", initializer=_init_idle_thread,

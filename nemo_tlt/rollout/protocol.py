@@ -38,7 +38,8 @@ class RequestResult:
     stop_reason: str                          # "eos" | "length"
     # [prompt_len + len(tokens) - 1, F]: the drafter feature at t (it predicts t+1): the
     # final hidden state (F = H), or with an EAGLE-3 drafter loaded the outputs of its
-    # capture_layers concatenated (F = k*H), the very rows the drafter trains on
+    # capture_layers concatenated, then the final state (F = (k+1)*H): the very rows
+    # the drafter trains on
     hidden_states: torch.Tensor | None = None
 
 
@@ -161,7 +162,8 @@ class RolloutEngine(Protocol):
         ``return_hidden`` each carries the target's final hidden states
         [prompt_len + len(tokens) - 1, hidden_size] (the state at t predicts token t+1),
         or, when the loaded drafter declares ``capture_layers`` (EAGLE-3), the outputs of
-        those target layers concatenated, [..., len(capture_layers) * hidden_size].
+        those target layers concatenated, then the final hidden state,
+        [..., (len(capture_layers) + 1) * hidden_size].
         Bad input (no requests, an empty prompt, a token id outside the vocabulary, a
         prompt plus max_new_tokens beyond the context, sampling that is not a valid
         SamplingParams) is a ValueError naming the field, raised before any decoding.

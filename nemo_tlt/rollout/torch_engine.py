@@ -18,7 +18,8 @@ Per row b the engine keeps (see nemo_tlt.drafter.base): committed length L[b]
 (slots in the target KV cache), tokens[b, :L+1] (x_L is the root, produced but not
 yet fed to the target) and features[b, :L]. A feature is the target's final hidden
 state, or, for a drafter that declares `capture_layers` (EAGLE-3), the outputs of
-those target layers concatenated ([k*H]), taken from the same target forward.
+those target layers concatenated, then the final state ([(k+1)*H]), all from the same
+target forward.
 """
 from __future__ import annotations
 
@@ -241,14 +242,15 @@ class TorchRolloutEngine:
         return getattr(self.drafter, "capture_layers", None)
 
     def _feature_width(self) -> int:
-        capture = self._capture()
-        return self.target.config.hidden_size * (len(capture) if capture else 1)
+        return getattr(self.drafter, "feature_width", self.target.config.hidden_size)
 
     def _forward(self, tokens, positions, cache, new_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One target forward: (final hidden states, the features kept per position)."""
+        """One target forward: (final hidden states, the features kept per position:
+        the final state, or the captured layers followed by it)."""
         capture = self._capture()
         if capture:
-            return self.target.hidden_capture(tokens, capture, positions, cache, new_mask)
+            hidden, captured = self.target.hidden_capture(tokens, capture, positions, cache, new_mask)
+            return hidden, torch.cat((captured, hidden), -1)
         hidden = self.target.hidden(tokens, positions, cache, new_mask)
         return hidden, hidden
 

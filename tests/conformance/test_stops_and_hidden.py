@@ -79,7 +79,8 @@ def test_plain_greedy_is_the_targets_argmax(engine, reference):
 @pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
 def test_with_an_eagle3_drafter_hidden_states_are_the_captured_layers(make_engine, model_dir, reference, policy):
     """With a drafter that declares capture_layers, each row carries the outputs of
-    those target layers (concatenated), from the rollout's own forwards."""
+    those target layers (concatenated), then the final hidden state, from the
+    rollout's own forwards."""
     engine = make_engine(model_dir)
     engine.load_drafter(make_drafter("eagle3", engine.model_config))
     layers = engine.drafter.capture_layers
@@ -91,6 +92,7 @@ def test_with_an_eagle3_drafter_hidden_states_are_the_captured_layers(make_engin
     for r, res in zip(reqs, out.results):
         seq = torch.tensor([list(r.prompt) + res.tokens])
         with torch.no_grad():
-            expected = reference.hidden_capture(seq, layers)[1][0, :-1]
-        assert res.hidden_states.shape == (seq.shape[1] - 1, len(layers) * engine.model_config.hidden_size)
+            hidden, captured = reference.hidden_capture(seq, layers)
+            expected = torch.cat((captured, hidden), -1)[0, :-1]
+        assert res.hidden_states.shape == (seq.shape[1] - 1, (len(layers) + 1) * engine.model_config.hidden_size)
         torch.testing.assert_close(res.hidden_states, expected, atol=1e-4, rtol=1e-4)
