@@ -177,6 +177,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drafter-steps", type=int, default=None,
                    help="train every drafter for this many steps (default: the demo recipe's; its "
                         "shipped drafter is used then)")
+    p.add_argument("--eagle3-layers", default=None,
+                   help="comma list of the target layers (0-based) the EAGLE-3 drafter fuses "
+                        "(default: TensorRT-LLM's 1, L//2-1, L-4)")
     args = p.parse_args(argv)
     args.drafter_kinds = [d.strip() for d in args.drafters.split(",") if d.strip()]
     unknown = sorted(set(args.drafter_kinds) - {"eagle2", "eagle3"})
@@ -189,6 +192,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.threads < 0:
         p.error(f"--threads must be >= 0, got {args.threads}")
     args.tree_shape = TreeShape.parse(args.shape, field="--shape")
+    if args.eagle3_layers is not None:
+        try:
+            args.eagle3_layers = tuple(int(x) for x in args.eagle3_layers.split(","))
+        except ValueError:
+            p.error(f"--eagle3-layers must be comma-separated layer indices, got {args.eagle3_layers!r}")
+        if "eagle3" not in args.drafter_kinds:
+            p.error("--eagle3-layers needs eagle3 in --drafters")
     return args
 
 
@@ -204,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     config = AssetConfig()
     if args.drafter_steps is not None:
         config = replace(config, drafter_train=replace(config.drafter_train, steps=args.drafter_steps))
+    if args.eagle3_layers is not None:
+        config = replace(config, eagle3_capture_layers=args.eagle3_layers)
     assets = prepare_assets(config, args.cache_dir)
     target, eagle2 = load_assets(assets)
     drafter_dirs = {"eagle2": assets.drafter_dir}
@@ -264,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                           "drafters": {k: drafter_dirs[k].name for k in args.drafter_kinds},
                           "drafter_train": {"steps": config.drafter_train.steps,
                                             "batch_size": config.drafter_train.batch_size,
-                                            "eagle3_ttt_steps": config.eagle3_ttt_steps}}}
+                                            "eagle3_ttt_steps": config.eagle3_ttt_steps},
+                          **({"eagle3_capture_layers": list(drafters["eagle3"].capture_layers)}
+                             if "eagle3" in drafters else {})}}
     write_json_atomic(args.out, payload)
     print(format_table(results, COLUMNS))
     print("ratios: " + ", ".join(f"{k}={v:.2f}x" for k, v in ratios.items()))

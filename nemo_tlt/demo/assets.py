@@ -78,6 +78,8 @@ class AssetConfig:
     # The EAGLE-3 drafter (trained with drafter_train too): draft steps unrolled by
     # training-time test; the demo's character vocabulary is small, so no reduced one.
     eagle3_ttt_steps: int = 3
+    # the target layers the EAGLE-3 drafter fuses (None: TensorRT-LLM's default indices)
+    eagle3_capture_layers: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -131,7 +133,8 @@ def _train_drafter_on_target(target_dir: Path, config: AssetConfig, out: Path, p
 
 def _train_eagle3_on_target(target_dir: Path, config: AssetConfig, out: Path, progress: bool) -> Path:
     target = load_hf_folder(target_dir)
-    drafter = Eagle3Drafter(Eagle3Config.from_target(target.config, ttt_steps=config.eagle3_ttt_steps),
+    drafter = Eagle3Drafter(Eagle3Config.from_target(target.config, config.eagle3_capture_layers,
+                                                     ttt_steps=config.eagle3_ttt_steps),
                             generator=torch.Generator().manual_seed(config.drafter_train.seed))
     # its own head starts as the target's (the EAGLE drafter reads the target's head itself)
     drafter.init_head_from(target)
@@ -151,7 +154,8 @@ def eagle3_drafter_name(target_name: str, config: AssetConfig) -> str:
     """The cache folder name of the EAGLE-3 drafter trained on the target cached as ``target_name``."""
     key = _key({"target": target_name, "prompts": config.drafter_prompts,
                 "max_new": config.drafter_max_new_tokens, "train": asdict(config.drafter_train),
-                "data": [list(d) for d in config.drafter_data], "ttt_steps": config.eagle3_ttt_steps, "format": 2})
+                "data": [list(d) for d in config.drafter_data], "ttt_steps": config.eagle3_ttt_steps, "format": 2,
+                **({"capture": list(config.eagle3_capture_layers)} if config.eagle3_capture_layers else {})})
     return f"drafter-eagle3-{key}"
 
 

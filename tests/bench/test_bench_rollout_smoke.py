@@ -168,6 +168,23 @@ def test_two_drafters_in_one_run_trained_with_the_same_budget(tiny):
     assert payload["config"]["drafter_train"]["steps"] == 2
 
 
+def test_eagle3_layers_choose_the_fused_layers_and_name_their_own_cache(tiny):
+    out = tiny / "r3.json"
+    args = ["--out", str(out), "--num-prompts", "2", "--max-new-tokens", "12", "--shape", "3_2_4", "--cache-dir",
+            str(tiny / "cache"), "--no-hf", "--drafters", "eagle3", "--drafter-steps", "2"]
+    assert rollout.main(args + ["--eagle3-layers", "1,0,1"]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert config["eagle3_capture_layers"] == [1, 0, 1]
+    saved = json.loads((tiny / "cache" / config["drafters"]["eagle3"] / "drafter.json").read_text())
+    assert saved["capture_layers"] == [1, 0, 1]
+    assert rollout.main(args) == 0  # the default layers: another drafter, not the cached one
+    assert json.loads(out.read_text())["config"]["drafters"]["eagle3"] != config["drafters"]["eagle3"]
+    with pytest.raises(SystemExit):
+        rollout.main(["--out", str(out), "--eagle3-layers", "1,2"])  # no eagle3 drafter
+    with pytest.raises(SystemExit):
+        rollout.main(["--out", str(out), "--drafters", "eagle3", "--eagle3-layers", "1;2"])
+
+
 def test_unknown_drafter_is_refused(tiny):
     with pytest.raises(SystemExit):
         rollout.main(["--out", str(tiny / "r.json"), "--drafters", "eagle2,medusa"])
