@@ -13,6 +13,9 @@ Contract
   drafter, weighted by samples trained) runs on a thread of lowered OS priority
   (``drafter.nice``) so a busy worker's tail rollout never waits for an idle
   worker's training where they share CPU cores. It is a collective over all ranks.
+  Given the run's ``NodeGroups`` (``nodes``), the average of a multi-node run goes
+  through the node leaders (``nemo_tlt.spot.averaging``): one buffer per node crosses
+  the network.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import Mapping
 
 import torch
 
+from nemo_tlt.dist import NodeGroups
 from nemo_tlt.drafter.io import load_drafter
 from nemo_tlt.drafter.target_view import TargetView
 from nemo_tlt.rl.records import IdleResult
@@ -37,8 +41,9 @@ log = logging.getLogger(__name__)
 
 
 class IdleDrafter:
-    def __init__(self, config: IdleDrafterConfig, drafter_dir: str, view: TargetView, rank: int, seed: int) -> None:
-        self.config, self.view = config, view
+    def __init__(self, config: IdleDrafterConfig, drafter_dir: str, view: TargetView, rank: int, seed: int,
+                 nodes: NodeGroups | None = None) -> None:
+        self.config, self.view, self.nodes = config, view, nodes
         self.drafter = load_drafter(drafter_dir, view)
         # features per position: the final hidden state, or (EAGLE-3) the captured layers and the final state
         width = getattr(self.drafter, "feature_width", view.config.hidden_size)
@@ -56,12 +61,13 @@ class IdleDrafter:
             self.buffer.add(torch.tensor(tokens), hidden, step)
 
     def idle_time(self, step: int, coord: WorkerCoordinator) -> IdleResult:
-        report = self._thread.submit(train_while_idle, step, coord, self.trainer, self.buffer).result()
+        report = self._thread.submit(train_while_idle, step, coord, self.trainer, self.buffer,
+                                     nodes=self.nodes).result()
         rnd = report.round
         return IdleResult(idle_s=report.idle_seconds, train_s=report.training_seconds, drafter_samples=rnd.samples,
                           drafter_steps=rnd.optimizer_steps,
                           drafter_loss=rnd.mean_loss if rnd.micro_steps else None,
-                          stop_latency_s=report.stop_latency_s)
+                          stop_latency_s=report.stop_latency_s, sync_hierarchical=report.sync.hierarchical)
 
     def restore(self, policy_weights: Mapping[str, torch.Tensor], drafter_weights: Mapping[str, torch.Tensor],
                 trainer_state: dict, generator: list[int], next_step: int) -> None:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
+from nemo_tlt.dist import build_node_groups, gather_topology
 from nemo_tlt.drafter.target_view import TargetView
 from nemo_tlt.model.hf_io import load_hf_folder
 from nemo_tlt.policy.factory import build_policy_backend
@@ -46,6 +47,7 @@ from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.factory import build_rollout_engine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.spot.coordinator import WorkerCoordinator
+from nemo_tlt.spot.device_idle import current_device_utilization
 
 if TYPE_CHECKING:
     from nemo_tlt.dist import Comm, StopFlag
@@ -71,7 +73,9 @@ class RLWorker:
         if spec.tlt:
             self.sd_policy = cfg.rollout.build_policy(np.random.default_rng([cfg.seed, comm.rank, 0xB4]))
             view = TargetView(model_config).load(canonical)
-            self.drafter = IdleDrafter(cfg.drafter, spec.drafter_dir, view, comm.rank, cfg.seed)
+            # collective (every rank builds a TLT worker): the drafter average goes through node leaders
+            nodes = build_node_groups(gather_topology(comm), comm.rank, cfg.workers.timeout_s)
+            self.drafter = IdleDrafter(cfg.drafter, spec.drafter_dir, view, comm.rank, cfg.seed, nodes)
             self.engine.load_drafter(self.drafter.drafter)
         self.harvest_from = cfg.drafter.harvest_from if self.drafter and cfg.drafter.train_on_idle else None
         if self.harvest_from == "policy" and (not self.policy.captures_hidden
@@ -182,9 +186,13 @@ class RLWorker:
     def idle_time(self, step: int, skip: bool = False) -> IdleResult:
         """This rank's share is done: train the drafter until every rank is (TLT), meet.
         ``skip`` (agreed by every rank) only meets."""
+        gpu_util = current_device_utilization()  # recorded beside the loop's own signal, never deciding
         if self.harvest_from is None or skip:
-            return idle_without_training(self.coord, step)
-        return self.drafter.idle_time(step, self.coord)
+            idle = idle_without_training(self.coord, step)
+        else:
+            idle = self.drafter.idle_time(step, self.coord)
+        idle.gpu_util = gpu_util
+        return idle
 
     def score(self, prompts: list, rollout: Rollout) -> list[float]:
         G, task = self.cfg.grpo.group_size, self.task

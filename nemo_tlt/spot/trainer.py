@@ -15,7 +15,8 @@ Contract
 * Only samples whose gradients reached the weights count as "seen"; they are the
   weights of the elastic averaging ``synchronize`` performs when all ranks meet.
 * ``train_while_idle`` is the whole idle-time protocol of one rank for one RL step:
-  mark idle, wait for enough idle workers, train until preempted, meet, average.
+  mark idle, wait for enough idle workers, train until preempted, meet, average
+  (through the node leaders when given a multi-node ``NodeGroups``).
   Every rank calls it once its rollout share is done, whether or not it will train.
 * All randomness (batch sampling) comes from a ``torch.Generator`` seeded by
   ``(seed, rank)``; ``state_dict`` / ``load_state_dict`` cover optimizer,
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nemo_tlt.checks import check_int
+from nemo_tlt.dist import NodeGroups
 from nemo_tlt.optim import OptimConfig, build_optimizer
 from nemo_tlt.spot.averaging import AverageStats, average_replicas
 from nemo_tlt.spot.coordinator import WorkerCoordinator, WorkerState, idle_utilization
@@ -169,9 +171,10 @@ class SpotTrainer:
         stats.extra = dict(extra)
         return loss
 
-    def synchronize(self, group: dist.ProcessGroup | None = None) -> AverageStats:
-        """Collective: average replicas weighted by samples seen since the last sync."""
-        result = average_replicas(self.model, self.optimizer, float(self.samples_since_sync), group)
+    def synchronize(self, group: dist.ProcessGroup | None = None, nodes: NodeGroups | None = None) -> AverageStats:
+        """Collective: average replicas weighted by samples seen since the last sync (over
+        `group`, or over every rank through the node groups `nodes`: ``average_replicas``)."""
+        result = average_replicas(self.model, self.optimizer, float(self.samples_since_sync), group, nodes)
         self.step = max(self.step, int(self._optimizer_step_count()))
         self.samples_since_sync = 0
         return result
@@ -220,12 +223,14 @@ def train_while_idle(
     buffer: HarvestBuffer,
     group: dist.ProcessGroup | None = None,
     wait_timeout_s: float | None = None,
+    nodes: NodeGroups | None = None,
 ) -> IdleRoundReport:
     """One rank's idle-time protocol for RL step `step` (a collective over all ranks).
 
     Call when this rank's rollout share is done. Trains only if the buffer has data and
     enough workers are idle; always meets the others and joins the averaging, so ranks
     that never became idle (they call this last) cannot deadlock the ones that did.
+    The averaging runs over `group`, or over every rank through the node groups `nodes`.
     """
     window_start = coordinator.timeline[-1].time
     coordinator.mark_idle()
@@ -238,7 +243,7 @@ def train_while_idle(
             stop_latency = max(0.0, coordinator.now() - requested_at)
         coordinator.stop_training()
     coordinator.meet(step)
-    sync = trainer.synchronize(group)
+    sync = trainer.synchronize(group, nodes)
     durations = coordinator.durations(window_start)
     return IdleRoundReport(
         step=step,

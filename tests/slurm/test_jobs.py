@@ -1,6 +1,8 @@
 """The sbatch scripts on a real SLURM cluster (tests/slurm/conftest.py) with a tiny config:
 the demo job completes and writes its report; a run on 2 nodes x 1 task (SLURM launch
-mode) equals the same run launched by the local spawn launcher, bit for bit; USR1 sent
+mode) equals the same run launched by the local spawn launcher, bit for bit; on 2 nodes x
+2 tasks the drafter is averaged through the node leaders, with the same rollouts and
+rewards as 4 spawned workers; USR1 sent
 to the batch shell stops the run at a step boundary with a checkpoint, and a
 requeue by the script itself resumes it to the end, equal to an uninterrupted run; a job
 that cannot be requeued says so; a 2-minute job stops before its time limit with a
@@ -96,6 +98,52 @@ def test_two_nodes_equal_the_spawn_launcher(cluster, tiny_models, tmp_path):
     assert pa.keys() == pb.keys() and pa
     for k in pa:
         assert torch.equal(pa[k], pb[k]), k
+
+
+def drafter(run: Path) -> dict[str, torch.Tensor]:
+    manager = CheckpointManager(run / "checkpoints")
+    try:
+        return {k: v for k, v in manager.load().tensors.items() if k.startswith("drafter/")}
+    finally:
+        manager.close()
+
+
+@pytest.mark.timeout(600)
+def test_two_nodes_of_two_average_the_drafter_through_node_leaders(cluster, tiny_models, tmp_path):
+    # 4 ranks as 2 nodes x 2 tasks: the drafter average reduces inside each node, then
+    # among the 2 leaders; rollouts never depend on the drafter (coupled sampling is
+    # lossless), so they equal a 4-worker spawn run's (one node, flat average).
+    slurm_run, local_run = tmp_path / "slurm", tmp_path / "local"
+    job = submit(cluster, "tlt_multinode.sbatch", tmp_path / "multi.out", str(DEMO),
+                 *tiny_overrides(*tiny_models, slurm_run, steps=2, workers=4),
+                 options=("--nodes=2", "--ntasks-per-node=2"))
+    assert main([str(DEMO), *tiny_overrides(*tiny_models, local_run, steps=2, workers=4), "workers.launcher=local",
+                 "workers.start_method=spawn"]) == 0
+    finished(cluster, job, tmp_path / "multi.out", timeout_s=500)
+    info = cluster.run(["scontrol", "show", "job", "-o", str(job)]).stdout
+    assert re.search(r"NumNodes=2 ", info) and re.search(r"NumTasks=4 ", info), info
+    a, b = metrics(slurm_run / "tlt"), metrics(local_run / "tlt")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1]
+    assert [r["rollout_digest"] for r in a] == [r["rollout_digest"] for r in b]
+    assert [r["rewards"] for r in a] == [r["rewards"] for r in b]
+    for r in a:
+        assert r["rank_nodes"] == [0, 0, 1, 1]
+        assert set(r["drafter_samples_per_node"]) == {"0", "1"}
+        assert sum(r["drafter_samples_per_node"].values()) == r["drafter_samples"]
+        assert r["drafter_sync_hierarchical"] and r["replicas_identical"]  # same drafter bits on both nodes
+    for r in b:
+        assert r["rank_nodes"] == [0, 0, 0, 0] and r["drafter_samples_per_node"].keys() == {"0"}
+        assert not r["drafter_sync_hierarchical"] and r["replicas_identical"]
+    assert sum(r["drafter_samples"] for r in a) > 0  # the drafter trained, so the average moved weights
+    pa, pb = final_policy(slurm_run / "tlt"), final_policy(local_run / "tlt")
+    assert pa.keys() == pb.keys() and pa
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+    # How much each rank trains depends on when the last rollout ends (wall clock), so the
+    # two runs' drafters differ beyond rounding; both must still be whole and finite.
+    da, db = drafter(slurm_run / "tlt"), drafter(local_run / "tlt")
+    assert da.keys() == db.keys() and da
+    assert all(torch.isfinite(v).all() for v in da.values())
 
 
 def wait_for(what: str, ready, timeout_s: float = 180.0, poll_s: float = 0.2) -> None:

@@ -62,9 +62,9 @@ def _worker_body(rank: int, port: int) -> dict:
     pre_sync = {}
     original_sync = trainer.synchronize
 
-    def recording_sync(group=None):
+    def recording_sync(*args):
         pre_sync["weights"], pre_sync["samples"] = _flat(trainer.model), trainer.samples_since_sync
-        return original_sync(group)
+        return original_sync(*args)
 
     trainer.synchronize = recording_sync
     report = train_while_idle(0, coord, trainer, buf)
