@@ -24,7 +24,9 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
   DDP wrapper; not used here.
 * ``captures_hidden`` is True: a hook on the final norm (``megatron_patches.hidden_capture``)
   captures the hidden states of the log-prob / update forward on the last stage; with
-  PP > 1 they are broadcast to every stage of the pipeline, so ``on_hidden`` runs on every rank.
+  ``capture_layers`` hooks on those decoder layers capture them on the stages holding them
+  (``nemo_tlt.megatron.forward_features``). With PP > 1 each is broadcast from its stage to
+  every stage of the pipeline, so ``on_hidden`` runs on every rank with the whole feature.
 * Weights out: ``canonical_weights()`` yields the full canonical weights on every rank;
   the reshard (``nemo_tlt.weights.reshard.stream_reshard``) moves them layer by layer,
   but collects them into one dict per rank before the first is yielded, so each rank
@@ -47,7 +49,7 @@ from nemo_tlt.optim import build_optimizer
 from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, padded, scatter
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty
-from nemo_tlt.policy.protocol import STATS, HiddenSink, check_update_args
+from nemo_tlt.policy.protocol import STATS, HiddenSink, check_capture_layers, check_update_args
 from nemo_tlt.weights.layout import ParallelLayout
 from nemo_tlt.weights.megatron_layout import canonical_to_megatron, check_tp
 
@@ -177,24 +179,26 @@ class MegatronPolicy:
         return -vocab_parallel_cross_entropy(scaled, input_ids[:, 1:].contiguous())
 
     def _schedule(self, model: torch.nn.Module, mb: MicroBatch, loss_fn: Callable, forward_only: bool,
-                  batch: Sequence[Sequence2], on_hidden: HiddenSink | None) -> list:
+                  batch: Sequence[Sequence2], on_hidden: HiddenSink | None,
+                  capture_layers: tuple[int, ...] | None = None) -> list:
         """Megatron's own schedule (pipelined for PP > 1) over one micro-batch; hands the final
-        hidden states of this forward to ``on_hidden`` on every rank.
+        hidden states of this forward (or the EAGLE-3 features, with ``capture_layers``) to
+        ``on_hidden`` on every rank.
 
         One schedule call per micro-batch because micro-batches have different lengths
         and the pipeline's point-to-point buffers are shaped per call.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from megatron_patches.hidden_capture import HiddenCapture
+        from nemo_tlt.megatron.forward_features import ForwardFeatures
         from nemo_tlt.megatron.pipeline_forward import causal_attention_mask
 
         ids = mb.input_ids.to(self.device)
         B, T = ids.shape
         positions = torch.arange(T, device=self.device).unsqueeze(0).expand(B, T)
         mask = causal_attention_mask(T, B).to(self.device)
-        captured: list[torch.Tensor] = []
-        capture = HiddenCapture(model, captured.append) if on_hidden is not None else None
+        capture = (ForwardFeatures(model, self.layout, self.model_config.num_layers, capture_layers)
+                   if on_hidden is not None else None)
 
         def forward_step(data_iterator: Iterator, step_model: torch.nn.Module):
             return step_model(next(data_iterator), positions, mask), loss_fn
@@ -205,11 +209,9 @@ class MegatronPolicy:
                 seq_length=T, micro_batch_size=B, forward_only=forward_only, collect_non_loss_data=forward_only)
         finally:
             if capture is not None:
-                capture.remove()
-        if on_hidden is not None:
-            hidden = (captured[-1].float() if self._is_last_stage()
-                      else torch.empty(B, T, self.model_config.hidden_size, device=self.device))
-            hidden = self._from_last_stage(hidden).cpu()
+                capture.close()
+        if capture is not None:
+            hidden = capture.features((B, T, self.model_config.hidden_size), self.device).cpu()
             for row, i in enumerate(mb.index.tolist()):
                 length = len(batch[i][0]) + len(batch[i][1])
                 on_hidden(i, mb.input_ids[row, :length], hidden[row, :length])
@@ -243,12 +245,13 @@ class MegatronPolicy:
 
     # ---- log-probs -----------------------------------------------------------------------
     def _all_logprobs(self, model: torch.nn.Module, batch: Sequence[Sequence2], mbs: list[MicroBatch],
-                      on_hidden: HiddenSink | None) -> list[torch.Tensor]:
+                      on_hidden: HiddenSink | None, capture_layers: tuple[int, ...] | None = None
+                      ) -> list[torch.Tensor]:
         values = []
         for mb in mbs:
             ids = mb.input_ids.to(self.device)
             out = self._schedule(model, mb, lambda o, non_loss_data=True, ids=ids: self._token_logprobs(o, ids),
-                                 True, batch, on_hidden)
+                                 True, batch, on_hidden, capture_layers)
             values.append(out[0] if self._is_last_stage() else None)
         lengths = [len(r) for _, r in batch]
         flat = (torch.cat(scatter([v.float().cpu() for v in values], mbs, len(batch))).to(self.device)
@@ -256,8 +259,11 @@ class MegatronPolicy:
         return list(self._from_last_stage(flat).split(lengths))
 
     @torch.no_grad()
-    def logprobs(self, batch: Sequence[Sequence2], current: bool = True, *, on_hidden: HiddenSink | None = None
+    def logprobs(self, batch: Sequence[Sequence2], current: bool = True, *, on_hidden: HiddenSink | None = None,
+                 capture_layers: tuple[int, ...] | None = None
                  ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        capture_layers = check_capture_layers("MegatronPolicy.logprobs", capture_layers,
+                                              self.model_config.num_layers)
         if not current and self.reference is None:  # nothing to compute: no batch check (a collective)
             return None, None
         mbs = micro_batches(batch, self.config.micro_batch)
@@ -266,7 +272,7 @@ class MegatronPolicy:
             old = None
             if current:
                 self.model.eval()
-                old = self._all_logprobs(self.model, batch, mbs, on_hidden)
+                old = self._all_logprobs(self.model, batch, mbs, on_hidden, capture_layers)
                 self.model.train()
             ref = None
             if self.reference is not None:
@@ -275,11 +281,12 @@ class MegatronPolicy:
 
     # ---- update --------------------------------------------------------------------------
     def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
-               logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None
-               ) -> dict[str, float]:
+               logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None,
+               capture_layers: tuple[int, ...] | None = None) -> dict[str, float]:
         from megatron.core import parallel_state
 
         check_update_args("MegatronPolicy", batch, advantages, global_tokens)
+        capture_layers = check_capture_layers("MegatronPolicy.update", capture_layers, self.model_config.num_layers)
         with self._device_context():
             self._check_same_batch(batch)
             self.optimizer.zero_grad(set_to_none=False)
@@ -289,7 +296,7 @@ class MegatronPolicy:
             totals = torch.zeros(len(STATS), dtype=torch.float64, device=self.device)
             for mb in micro_batches(batch, self.config.micro_batch):
                 self._schedule(self.model, mb, self._loss_fn(mb, advantages, logp_old, logp_ref, global_tokens,
-                                                             totals), False, batch, on_hidden)
+                                                             totals), False, batch, on_hidden, capture_layers)
             self._from_last_stage(totals)
             self._allreduce_tied_embedding_grads()
             allreduce_flat([p.grad for p in self.params], group=parallel_state.get_data_parallel_group())

@@ -20,6 +20,13 @@ Contract (every implementation)
   hidden states (after the final norm, detached, float) of the same forward that
   computed the log-probs; ``index`` is the sequence's position in ``batch`` and
   ``hidden[t]`` is the feature that predicts ``tokens[t + 1]``.
+* ``capture_layers`` (with ``on_hidden``; an EAGLE-3 drafter's k target layers, 0-based,
+  in its order, repeats allowed) asks for the EAGLE-3 features instead: ``hidden`` is
+  ``[L, (k + 1) * H]``, the outputs of those decoder layers (before the final norm) in
+  that order, then the final hidden state: the layout the torch rollout engine keeps
+  for such a drafter. Still the same forward, no extra pass. Indices outside
+  ``[0, num_layers)`` (or an empty tuple) raise a ValueError naming ``capture_layers``
+  and ``num_layers``, before any collective.
 * ``canonical_weights()`` yields the full canonical (HF-named) weights, tensor by
   tensor, on every rank; for a model-parallel backend it is a collective: every rank
   iterates it to the end. A consumer must not assume the backend holds no full copy.
@@ -39,7 +46,8 @@ import torch
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.policy.batching import Sequence2
 
-HiddenSink = Callable[[int, torch.Tensor, torch.Tensor], None]  # (batch index, tokens [L], hidden [L, H])
+# (batch index, tokens [L], hidden [L, H], or [L, (k + 1) * H] with capture_layers)
+HiddenSink = Callable[[int, torch.Tensor, torch.Tensor], None]
 STATS = ("loss", "pg_loss", "kl", "clip_frac", "approx_kl")
 
 
@@ -57,12 +65,13 @@ class PolicyBackend(Protocol):
     @property
     def captures_hidden(self) -> bool: ...
 
-    def logprobs(self, batch: Sequence[Sequence2], current: bool = True, *, on_hidden: HiddenSink | None = None
+    def logprobs(self, batch: Sequence[Sequence2], current: bool = True, *, on_hidden: HiddenSink | None = None,
+                 capture_layers: tuple[int, ...] | None = None
                  ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]: ...
 
     def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
-               logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None
-               ) -> dict[str, float]: ...
+               logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None,
+               capture_layers: tuple[int, ...] | None = None) -> dict[str, float]: ...
 
     def canonical_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
@@ -78,3 +87,15 @@ def check_update_args(owner: str, batch: Sequence[Sequence2], advantages: torch.
         raise ValueError(f"{owner}.update: advantages must be [{len(batch)}], got {tuple(advantages.shape)}")
     if global_tokens < 1:
         raise ValueError(f"{owner}.update: global_tokens must be >= 1, got {global_tokens}")
+
+
+def check_capture_layers(owner: str, capture_layers: Sequence[int] | None, num_layers: int
+                         ) -> tuple[int, ...] | None:
+    """``capture_layers`` as a tuple (None stays None), or a ValueError naming it and ``num_layers``."""
+    if capture_layers is None:
+        return None
+    layers = tuple(capture_layers)
+    if not layers or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in layers):
+        raise ValueError(f"{owner}: capture_layers={layers} must list decoder layer indices in [0, {num_layers}) "
+                         f"(num_layers={num_layers}, 0-based), or be None for the final hidden state alone")
+    return layers

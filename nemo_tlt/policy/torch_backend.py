@@ -5,7 +5,8 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
   process group (if one is initialised) through one flat float32 buffer before the clip,
   so the replicas take bit-identical steps. A single rank needs no process group.
 * ``captures_hidden`` is True: the log-prob forward is ``logits(hidden(ids))``, so the
-  final hidden states come for free.
+  final hidden states come for free; with ``capture_layers`` it is
+  ``DecoderLM.hidden_capture``, which taps those layers in the same forward.
 * ``canonical_weights`` streams the replica's own weights (no communication).
 * With ``kl_coef > 0`` a frozen copy of the initial policy is the KL reference.
 * Nothing here is random: the model is built under a forked RNG, so building a backend
@@ -26,7 +27,7 @@ from nemo_tlt.optim import build_optimizer
 from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, padded, scatter
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty, token_logprobs
-from nemo_tlt.policy.protocol import STATS, HiddenSink, check_update_args
+from nemo_tlt.policy.protocol import STATS, HiddenSink, check_capture_layers, check_update_args
 
 
 def build_decoder(canonical: Mapping[str, torch.Tensor], model_config: LMConfig) -> DecoderLM:
@@ -74,24 +75,32 @@ class TorchPolicy:
 
     # ---- forward ------------------------------------------------------------------
     def _token_logprobs(self, model: DecoderLM, mb: MicroBatch, batch: Sequence[Sequence2],
-                        on_hidden: HiddenSink | None) -> torch.Tensor:
-        hidden = model.hidden(mb.input_ids)
-        if on_hidden is not None:
-            _emit_hidden(on_hidden, hidden, mb, batch)
+                        on_hidden: HiddenSink | None, capture_layers: tuple[int, ...] | None = None
+                        ) -> torch.Tensor:
+        if on_hidden is not None and capture_layers:
+            hidden, captured = model.hidden_capture(mb.input_ids, capture_layers)
+            _emit_hidden(on_hidden, torch.cat((captured, hidden), -1), mb, batch)
+        else:
+            hidden = model.hidden(mb.input_ids)
+            if on_hidden is not None:
+                _emit_hidden(on_hidden, hidden, mb, batch)
         logits = model.logits(hidden)[:, :-1] / self.temperature
         if mb.input_ids.shape[1] == 1:  # a lone token has no target; keep shapes aligned
             return logits.new_zeros(mb.mask.shape)
         return token_logprobs(logits, mb.input_ids[:, 1:])
 
     @torch.no_grad()
-    def logprobs(self, batch: Sequence[Sequence2], current: bool = True, *, on_hidden: HiddenSink | None = None
+    def logprobs(self, batch: Sequence[Sequence2], current: bool = True, *, on_hidden: HiddenSink | None = None,
+                 capture_layers: tuple[int, ...] | None = None
                  ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        capture_layers = check_capture_layers("TorchPolicy.logprobs", capture_layers, self.model_config.num_layers)
         if not current and self.reference is None:
             return None, None
         mbs = micro_batches(batch, self.config.micro_batch)
         old = None
         if current:
-            old = scatter([self._token_logprobs(self.model, mb, batch, on_hidden) for mb in mbs], mbs, len(batch))
+            old = scatter([self._token_logprobs(self.model, mb, batch, on_hidden, capture_layers) for mb in mbs],
+                          mbs, len(batch))
         ref = None
         if self.reference is not None:
             ref = scatter([self._token_logprobs(self.reference, mb, batch, None) for mb in mbs], mbs, len(batch))
@@ -99,14 +108,15 @@ class TorchPolicy:
 
     # ---- update -------------------------------------------------------------------
     def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
-               logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None
-               ) -> dict[str, float]:
+               logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None,
+               capture_layers: tuple[int, ...] | None = None) -> dict[str, float]:
         check_update_args("TorchPolicy", batch, advantages, global_tokens)
+        capture_layers = check_capture_layers("TorchPolicy.update", capture_layers, self.model_config.num_layers)
         self.optimizer.zero_grad(set_to_none=False)
         totals = dict.fromkeys(STATS, 0.0)
         for mb in micro_batches(batch, self.config.micro_batch):
             idx = mb.index.tolist()
-            new = self._token_logprobs(self.model, mb, batch, on_hidden)
+            new = self._token_logprobs(self.model, mb, batch, on_hidden, capture_layers)
             old = new.detach() if logp_old is None else padded([logp_old[i] for i in idx], mb.mask)
             pg, stats = clipped_pg_loss(new, old, advantages[mb.index], mb.mask, self.config.clip_eps)
             n_local = float(mb.mask.sum())

@@ -78,11 +78,12 @@ class RLWorker:
             self.drafter = IdleDrafter(cfg.drafter, spec.drafter_dir, view, comm.rank, cfg.seed, nodes)
             self.engine.load_drafter(self.drafter.drafter)
         self.harvest_from = cfg.drafter.harvest_from if self.drafter and cfg.drafter.train_on_idle else None
-        if self.harvest_from == "policy" and (not self.policy.captures_hidden
-                                              or getattr(self.drafter.drafter, "capture_layers", None)):
-            raise ValueError(f"drafter.harvest_from=policy: the {cfg.policy.backend} policy backend hands over the "
-                             "final hidden states only (an EAGLE-3 drafter needs its captured layers); use "
-                             "drafter.harvest_from=rollout")
+        if self.harvest_from == "policy" and not self.policy.captures_hidden:
+            raise ValueError(f"drafter.harvest_from=policy: the {cfg.policy.backend} policy backend hands over no "
+                             "hidden states; use drafter.harvest_from=rollout")
+        # an EAGLE-3 drafter trains on its captured target layers and the final state, which the
+        # policy's forward hands over in the rollout engine's layout when asked for them
+        self.capture_layers = getattr(self.drafter.drafter, "capture_layers", None) if self.drafter else None
         self.coord = WorkerCoordinator(comm.store, comm.rank, comm.world, cfg.drafter.min_idle_workers,
                                        prefix=f"tlt/{spec.mode}", timeout_s=cfg.workers.timeout_s)
         self.ckpt = RunCheckpointer(spec.checkpoint_dir, cfg.checkpoint.keep_last, writer=comm.rank == 0)
@@ -216,7 +217,8 @@ class RLWorker:
         logp_old, logp_ref = self.policy.logprobs(batch, self.cfg.policy.separate_logprob_pass)
         t_logprob, t0 = time.perf_counter() - t0, time.perf_counter()
         advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), self.cfg.grpo.group_size)
-        update = self.policy.update(batch, advantages, logp_old, logp_ref, global_tokens, on_hidden=on_hidden)
+        update = self.policy.update(batch, advantages, logp_old, logp_ref, global_tokens, on_hidden=on_hidden,
+                                    capture_layers=self.capture_layers if on_hidden is not None else None)
         return update, t_logprob, time.perf_counter() - t0
 
     def _harvest_sink(self, step: int, own: range) -> Callable:

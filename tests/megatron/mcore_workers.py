@@ -53,7 +53,7 @@ def run_case(case: Case, tokens: torch.Tensor, world: int) -> dict | None:
     from megatron.core import parallel_state
     from nemo_tlt.megatron.parallel import init_model_parallel
     from nemo_tlt.megatron.gpt_builder import build_gpt_model
-    from megatron_patches.hidden_capture import HiddenCapture
+    from megatron_patches.hidden_capture import HiddenCapture, LayerCapture
     from nemo_tlt.megatron.pipeline_forward import forward_logits
     from nemo_tlt.megatron.live import gather_canonical, local_shard, rank_coords
     from nemo_tlt.weights.reshard import ReshardPlan, gather_reshard, groups_created, stream_reshard
@@ -64,9 +64,12 @@ def run_case(case: Case, tokens: torch.Tensor, world: int) -> dict | None:
     model = build_gpt_model(case.cfg, case.layout)
     perturb_norms(model, case.cfg, case.layout)
     captured: list[torch.Tensor] = []
-    with HiddenCapture(model, captured.append) as cap:
+    layer_outputs: dict[int, torch.Tensor] = {}
+    with HiddenCapture(model, captured.append) as cap, \
+            LayerCapture(model, range(case.cfg.num_layers), layer_outputs.__setitem__) as taps:
         logits = forward_logits(model, tokens)
         active = cap.active
+    layers = _to_rank0((rank_coords(), taps.owned, layer_outputs), world)
     canonical = gather_canonical(model, case.cfg, case.layout)
     shards = _to_rank0((rank_coords(), local_shard(model)), world)
     reshard = {}
@@ -86,7 +89,7 @@ def run_case(case: Case, tokens: torch.Tensor, world: int) -> dict | None:
         return None
     last = [b for b in box if b[0] is not None]
     return {"logits": last[0][0], "hidden": last[0][1], "active": [b[2] for b in box],
-            "canonical": canonical, "reshard": reshard, "shards": dict(shards)}
+            "canonical": canonical, "reshard": reshard, "shards": dict(shards), "layers": layers}
 
 
 def session(ctx: RankContext, cases: list[Case], tokens: torch.Tensor) -> dict | None:

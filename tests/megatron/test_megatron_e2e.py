@@ -123,6 +123,28 @@ def test_hidden_capture_equals_reference_hidden(results, case):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_layer_capture_equals_reference_layer_outputs_on_the_stage_holding_each(results, case):
+    """LayerCapture sees exactly the layers of its stage (global 0-based indices, uneven
+    stages included), each equal to that DecoderLM layer's output on every TP rank."""
+    model = _decoder(case, results[case.name]["canonical"])
+    want: dict[int, torch.Tensor] = {}
+    handles = [layer.register_forward_hook(lambda m, a, out, i=i: want.__setitem__(i, out))
+               for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model.hidden(_tokens(case))
+    for h in handles:
+        h.remove()
+    offsets = case.layout.stage_layer_offsets(case.cfg.num_layers)
+    counts = case.layout.stage_layer_counts(case.cfg.num_layers)
+    for (stage, tp_rank), owned, outputs in results[case.name]["layers"]:
+        assert owned == tuple(range(offsets[stage], offsets[stage] + counts[stage])), (stage, tp_rank)
+        assert sorted(outputs) == list(owned)
+        for i, hidden in outputs.items():
+            torch.testing.assert_close(hidden, want[i], rtol=1e-5, atol=1e-5, msg=f"{(stage, tp_rank)} layer {i}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_streaming_reshard_bit_exact(results, case):
     res = results[case.name]
     for rtp in case.rollout_tps:

@@ -27,6 +27,9 @@ class PolicyCase:
     # data-parallel split: rank r of the DP group takes batch[i] for i in shards[r]; () = whole batch
     shards: tuple[tuple[int, ...], ...] = field(default=())
     engine_hidden: list | None = None  # the torch rollout engine's harvested hidden states of `batch`
+    # an EAGLE-3 drafter's layers: the first update's forward hands on_hidden their features
+    capture_layers: tuple[int, ...] | None = None
+    engine_features: list | None = None  # the engine's harvest of `batch` with that drafter loaded
 
 
 def _gather(value, world: int):
@@ -45,14 +48,17 @@ def run_case(case: PolicyCase, world: int) -> dict | None:
     hidden: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     old, ref = trainer.logprobs(batch, on_hidden=lambda i, tok, h: hidden.__setitem__(mine[i], (tok, h)))
     global_tokens = sum(len(r) for _, r in case.batch)
-    stats = trainer.update(batch, case.advantages[list(mine)], old, ref, global_tokens)
+    features: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    stats = trainer.update(batch, case.advantages[list(mine)], old, ref, global_tokens,
+                           on_hidden=(lambda i, tok, h: features.__setitem__(mine[i], (tok, h)))
+                           if case.capture_layers else None, capture_layers=case.capture_layers)
     canonical = trainer.canonical_state_dict()
     rollout = dict(trainer.canonical_weights())
     # a second step with the old log-probs taken from the loss forward itself (logp_old=None)
     trainer.update(batch, case.advantages[list(mine)], None, ref, global_tokens)
     canonical_on_policy = trainer.canonical_state_dict()
     local = {"coords": trainer.coords, "dp": dp_rank, "ids": mine, "old": old, "ref": ref, "stats": stats,
-             "hidden": hidden, "rollout": rollout,
+             "hidden": hidden, "features": features, "rollout": rollout,
              "norms": {k: v.clone() for k, v in trainer.model.state_dict().items() if "layernorm.weight" in k},
              "opt_state_keys": sorted(trainer.state_dict()),
              "train_ranks": trainer.train_ranks, "sharded_state": trainer.sharded_state}

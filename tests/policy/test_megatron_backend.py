@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from megatron_backend_workers import PolicyCase, session  # noqa: E402
 
 from nemo_tlt.dist import launch_local  # noqa: E402
+from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from nemo_tlt.model.config import LMConfig  # noqa: E402
 from nemo_tlt.model.lm import DecoderLM  # noqa: E402
 from nemo_tlt.policy import PolicyConfig, PolicyOptimConfig  # noqa: E402
@@ -68,30 +69,40 @@ def _batch(seed: int, n: int = 5) -> tuple[list, torch.Tensor]:
     return batch, torch.randn(n, generator=g)
 
 
-def _rollout(cfg: LMConfig, weights: dict, seed: int, n: int = 5) -> tuple[list, torch.Tensor, list]:
+def _rollout(cfg: LMConfig, weights: dict, seed: int, n: int = 5, capture_layers: tuple[int, ...] | None = None
+             ) -> tuple[list, torch.Tensor, list]:
     """A batch the torch rollout engine generated (sampled, so lengths differ), with the
-    hidden states it harvests: ``[prompt_len + len(tokens) - 1, H]`` per sequence."""
+    hidden states it harvests: ``[prompt_len + len(tokens) - 1, H]`` per sequence; with
+    ``capture_layers`` an EAGLE-3 drafter capturing them is loaded (the rollout stays
+    plain), so it harvests ``[prompt_len + len(tokens) - 1, (k + 1) * H]``."""
     batch, adv = _batch(seed, n)
     engine = TorchRolloutEngine(build_decoder(weights, cfg).eval())
+    if capture_layers is not None:
+        engine.load_drafter(Eagle3Drafter(Eagle3Config.from_target(cfg, capture_layers=capture_layers)))
     out = engine.generate([Request(p, seq_id=i) for i, (p, _) in enumerate(batch)],
                           SamplingParams("coupled", max_new_tokens=6, seed=seed, stop_on_eos=False),
                           return_hidden=True)
     return [(p, r.tokens) for (p, _), r in zip(batch, out.results)], adv, [r.hidden_states for r in out.results]
 
 
-def _case(name: str, cfg: LMConfig, policy: PolicyConfig, seed: int, shards=(), rollout: bool = False) -> PolicyCase:
+def _case(name: str, cfg: LMConfig, policy: PolicyConfig, seed: int, shards=(), rollout: bool = False,
+          capture_layers: tuple[int, ...] | None = None) -> PolicyCase:
     weights = _weights(cfg, seed)
     batch, adv = _batch(seed)
-    engine_hidden = None
+    engine_hidden = engine_features = None
     if rollout:
         batch, adv, engine_hidden = _rollout(cfg, weights, seed)
-    return PolicyCase(name, cfg, weights, policy, batch, adv, shards, engine_hidden)
+        if capture_layers is not None:
+            again, _, engine_features = _rollout(cfg, weights, seed, capture_layers=capture_layers)
+            assert again == batch  # the drafter only adds features; the rollout is the same
+    return PolicyCase(name, cfg, weights, policy, batch, adv, shards, engine_hidden, capture_layers, engine_features)
 
 
 CASES_1 = [_case("tp1", LLAMA, _policy(), 0)]
 CASES_2 = [
-    _case("tp2", LLAMA, _policy(tp=2), 1, rollout=True),
-    _case("pp2_qwen_tied", QWEN_TIED, _policy(pp=2), 2),
+    # EAGLE-3 features: layers out of order (tp2), on both pipeline stages and repeated (pp2)
+    _case("tp2", LLAMA, _policy(tp=2), 1, rollout=True, capture_layers=(1, 0)),
+    _case("pp2_qwen_tied", QWEN_TIED, _policy(pp=2), 2, capture_layers=(1, 0, 1)),
     _case("dp2", LLAMA, _policy(), 3, shards=((0, 2, 4), (1, 3))),
 ]
 CASES = CASES_1 + CASES_2
@@ -246,6 +257,40 @@ def test_megatron_drafter_data_equals_the_torch_engines_harvest(results):
             engine = case.engine_hidden[i]
             assert engine.shape == (len(tokens) - 1, case.cfg.hidden_size)
             torch.testing.assert_close(hidden[:-1], engine.float(), rtol=0, atol=5e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", [c for c in CASES if c.capture_layers], ids=lambda c: c.name)
+def test_eagle3_features_of_the_update_forward_equal_the_torch_backend_on_every_rank(results, case):
+    """With an EAGLE-3 drafter's capture_layers the update forward hands on_hidden, on every
+    rank (every stage: each layer broadcast from the stage holding it), the captured layers in
+    order and then the final state: what the torch backend captures from the same weights."""
+    torch_features = {}
+    _torch_policy(case).logprobs(case.batch, on_hidden=lambda i, t, h: torch_features.__setitem__(i, h),
+                                 capture_layers=case.capture_layers)
+    width = (len(case.capture_layers) + 1) * case.cfg.hidden_size
+    for rank in results[case.name]["ranks"]:
+        assert sorted(rank["features"]) == sorted(rank["ids"]), rank["coords"]
+        for i, (tokens, features) in rank["features"].items():
+            assert tokens.tolist() == case.batch[i][0] + case.batch[i][1]
+            assert features.dtype == torch.float32 and features.shape == (len(tokens), width)
+            torch.testing.assert_close(features, torch_features[i], rtol=0, atol=2e-5, msg=f"{rank['coords']} {i}")
+            if case.engine_features is not None:  # drafter data "for free" is the rollout's data
+                engine = case.engine_features[i].float()
+                assert engine.shape == (len(tokens) - 1, width)
+                torch.testing.assert_close(features[:-1], engine, rtol=0, atol=5e-5, msg=f"{rank['coords']} {i}")
+
+
+@pytest.mark.timeout(300)
+def test_capture_layers_outside_the_model_are_refused_before_any_collective():
+    """Validated first: no process group is needed to see the error (a collective would hang here)."""
+    policy = MegatronPolicy.__new__(MegatronPolicy)
+    policy._model_config = LLAMA
+    batch, adv = _batch(4)
+    with pytest.raises(ValueError, match=r"capture_layers=\(2,\).*num_layers=2"):
+        policy.logprobs(batch, on_hidden=lambda *a: None, capture_layers=(2,))
+    with pytest.raises(ValueError, match=r"capture_layers=\(0, -1\).*num_layers=2"):
+        policy.update(batch, adv, None, None, 10, on_hidden=lambda *a: None, capture_layers=(0, -1))
 
 
 @pytest.mark.timeout(300)

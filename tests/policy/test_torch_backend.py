@@ -134,3 +134,75 @@ def test_policy_config_errors_name_the_yaml_key():
         PolicyConfig(backend="jax")
     with pytest.raises(ValueError, match=r"policy\.dtype must be one of"):
         PolicyConfig(dtype="float16")
+
+
+CAPTURE = (2, 0, 2)  # out of order and repeated: the features follow the drafter's order
+
+
+def _layer_outputs(model: DecoderLM, ids: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """Every decoder layer's output (forward hooks, not hidden_capture's taps) and the final state."""
+    outs: dict[int, torch.Tensor] = {}
+    handles = [layer.register_forward_hook(lambda m, a, out, i=i: outs.__setitem__(i, out))
+               for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            return outs, model.hidden(ids)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_eagle3_features_are_the_captured_layers_then_the_final_state_of_the_same_forward():
+    """With capture_layers, on_hidden gets [L, (k + 1) * H]: those layers' outputs (before the
+    final norm) in the drafter's order, then the final hidden state, from the log-prob and
+    from the update forward; and the same features the torch rollout engine keeps for an
+    EAGLE-3 drafter with those layers."""
+    from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
+    from nemo_tlt.rollout.protocol import Request
+    from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
+    from nemo_tlt.speculative.sampling import SamplingParams
+
+    cfg = tiny_config(num_layers=3)
+    weights = DecoderLM(cfg).init_weights_(torch.Generator().manual_seed(7)).state_dict()
+    prompts, adv = _batch(8)
+    engine = TorchRolloutEngine(build_decoder(weights, cfg).eval())
+    engine.load_drafter(Eagle3Drafter(Eagle3Config.from_target(cfg, capture_layers=CAPTURE)))
+    out = engine.generate([Request(p, seq_id=i) for i, (p, _) in enumerate(prompts)],
+                          SamplingParams("coupled", max_new_tokens=7, seed=8, stop_on_eos=False), return_hidden=True)
+    batch = [(p, r.tokens) for (p, _), r in zip(prompts, out.results)]
+    H = cfg.hidden_size
+    want = {}
+    for i, (p, r) in enumerate(batch):
+        outs, final = _layer_outputs(build_decoder(weights, cfg), torch.tensor([p + r]))
+        want[i] = torch.cat([outs[j] for j in CAPTURE] + [final], -1)[0]
+    for call in ("logprobs", "update"):
+        policy = TorchPolicy(build_decoder(weights, cfg), PolicyConfig(micro_batch=4), temperature=0.8)
+        seen = {}
+        sink = lambda i, tokens, hidden: seen.__setitem__(i, (tokens, hidden))  # noqa: E731
+        if call == "logprobs":
+            policy.logprobs(batch, on_hidden=sink, capture_layers=CAPTURE)
+        else:
+            policy.update(batch, adv, None, None, sum(len(r) for _, r in batch), on_hidden=sink,
+                          capture_layers=CAPTURE)
+        assert sorted(seen) == list(range(len(batch))), call
+        for i, (tokens, features) in seen.items():
+            assert tokens.tolist() == batch[i][0] + batch[i][1]
+            assert features.shape == (len(tokens), (len(CAPTURE) + 1) * H)
+            assert features.dtype == torch.float32 and not features.requires_grad
+            torch.testing.assert_close(features, want[i], rtol=0, atol=1e-6, msg=f"{call} {i}")
+            # the engine's rows cover every fed token (the last is never fed); prefill and
+            # decode steps through the KV cache round differently from one full forward
+            engine_features = out.results[i].hidden_states.float()
+            assert engine_features.shape == (len(tokens) - 1, features.shape[1])
+            torch.testing.assert_close(features[:-1], engine_features, rtol=0, atol=5e-5, msg=f"{call} {i}")
+
+
+@pytest.mark.parametrize("layers", [(), (0, 3), (-1,)])
+def test_capture_layers_outside_the_model_are_refused(layers):
+    policy = TorchPolicy(DecoderLM(tiny_config(num_layers=3)), PolicyConfig(), temperature=1.0)
+    batch, adv = _batch(9)
+    sink = lambda i, tokens, hidden: None  # noqa: E731
+    with pytest.raises(ValueError, match=r"capture_layers=.*num_layers=3"):
+        policy.logprobs(batch, on_hidden=sink, capture_layers=layers)
+    with pytest.raises(ValueError, match=r"capture_layers=.*num_layers=3"):
+        policy.update(batch, adv, None, None, 10, on_hidden=sink, capture_layers=layers)

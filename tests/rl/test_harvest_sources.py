@@ -1,7 +1,8 @@
 """Drafter data "for free" from the policy's own forward: with `drafter.harvest_from=policy`
 a megatron-core (TP=2) run fills the harvest buffer from its log-prob / update pass
 through the hidden-state capture, and holds the same (tokens, hidden states) as a torch
-run that harvests from the rollout engine, on the same rollout."""
+run that harvests from the rollout engine, on the same rollout: the final hidden states
+for an EAGLE-2 drafter, the captured layers and the final state for an EAGLE-3 one."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,6 +11,9 @@ import pytest
 import torch
 
 from nemo_tlt.config import load_config
+from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
+from nemo_tlt.drafter.io import save_drafter
+from nemo_tlt.model.hf_io import load_hf_folder
 from nemo_tlt.rl.loop import RLWorker
 from nemo_tlt.rl.run import RunSpec, prepare_run_dir
 from nemo_tlt.rl.workers import launch
@@ -47,8 +51,18 @@ def _harvest(tmp_path: Path, target: Path, drafter: Path, name: str, extra: list
     return launch(spec, first_step_harvest)
 
 
-def test_megatron_logprob_pass_feeds_the_buffer_like_the_torch_rollout(tiny_models, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_eagle3(tiny_models):
+    """A randomly initialised EAGLE-3 drafter for the tiny target (2 layers: captures 0, 0, 1)."""
     target, drafter = tiny_models
+    folder = drafter.parent / "drafter_eagle3"
+    if not (folder / "drafter.json").is_file():
+        torch.manual_seed(0)
+        save_drafter(Eagle3Drafter(Eagle3Config.from_target(load_hf_folder(target).config)), folder)
+    return target, folder
+
+
+def _same_harvest(tmp_path: Path, target: Path, drafter: Path, width: int) -> None:
     from_rollout = _harvest(tmp_path, target, drafter, "torch", [])
     from_policy = _harvest(tmp_path, target, drafter, "megatron", [
         "policy.backend=megatron", "policy.tensor_parallel=2", "drafter.harvest_from=policy"])
@@ -61,6 +75,19 @@ def test_megatron_logprob_pass_feeds_the_buffer_like_the_torch_rollout(tiny_mode
         policy = sorted(zip(mine_p["tokens"], mine_p["hidden"]), key=lambda x: x[0])
         assert rollout and [t for t, _ in policy] == [t for t, _ in rollout], f"rank {rank}"
         for (_, a), (_, b) in zip(policy, rollout):
-            assert a.shape == b.shape
+            assert a.shape == b.shape and a.shape[-1] == width
             # both stored in the buffer's bfloat16: equal up to one rounding step
             torch.testing.assert_close(a, b, atol=2e-2, rtol=1e-2)
+
+
+def test_megatron_logprob_pass_feeds_the_buffer_like_the_torch_rollout(tiny_models, tmp_path):
+    target, drafter = tiny_models
+    _same_harvest(tmp_path, target, drafter, load_hf_folder(target).config.hidden_size)
+
+
+def test_megatron_update_pass_feeds_an_eagle3_drafter_like_the_torch_rollout(tiny_eagle3, tmp_path):
+    """The EAGLE-3 features (captured layers, then the final state) from the megatron policy's
+    forward equal the torch rollout engine's, on every rank."""
+    target, drafter = tiny_eagle3
+    config = Eagle3Config.from_target(load_hf_folder(target).config)
+    _same_harvest(tmp_path, target, drafter, (len(config.capture_layers) + 1) * config.layer.hidden_size)
