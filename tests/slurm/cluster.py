@@ -148,10 +148,14 @@ class SlurmCluster:
         self.run(["scancel", str(job)], check=False)
         raise TimeoutError(f"job {job} did not end within {timeout_s:.0f}s (state {self.state(job)})")
 
-    def log(self, name: str) -> str:
-        """A daemon's log (munged, slurmctld, slurmd.node1, ...), for failure messages."""
+    def log(self, name: str, tail: int | None = 4000) -> str:
+        """A daemon's log (munged, slurmctld, slurmd.node1, ...): its last `tail` characters
+        (for failure messages), or all of it (``tail=None``)."""
         path = self.root / "log" / f"{name}.log"
-        return path.read_text(errors="replace")[-4000:] if path.is_file() else f"(no {path.name})"
+        if not path.is_file():
+            return f"(no {path.name})"
+        text = path.read_text(errors="replace")
+        return text if tail is None else text[-tail:]
 
     # ---- internals -------------------------------------------------------------
     def _write_config(self) -> None:

@@ -153,10 +153,14 @@ def wait_for(what: str, ready, timeout_s: float = 180.0, poll_s: float = 0.2) ->
         time.sleep(poll_s)
 
 
-def nodes_idle(cluster, job: int) -> bool:
-    """No node runs or completes anything (the requeued job's old steps are gone)."""
-    states = cluster.run(["sinfo", "-h", "-N", "-o", "%T"]).stdout.split()
-    return bool(states) and all(s.rstrip("*") in ("idle", "mixed") and s != "mixed" for s in states)
+def old_run_gone(cluster, job: int, nodes: tuple[str, ...] = ("node1", "node2")) -> bool:
+    """The requeued job's first run has ended on every node it ran on: each slurmd logged
+    its step 0, and the batch host its batch step, as done. (slurmctld's node states turn
+    idle at the requeue, before the slurmds have finished; a start then finds the job's
+    credential revoked and fails.)"""
+    logs = {node: cluster.log(f"slurmd.{node}", tail=None) for node in nodes}
+    return (f"[{job}.batch] done with job" in logs[nodes[0]]
+            and all(f"[{job}.0] done with job" in text for text in logs.values()))
 
 
 def job_field(cluster, job: int, field: str) -> str:
@@ -190,7 +194,7 @@ def test_usr1_checkpoints_requeues_itself_and_resumes_like_an_uninterrupted_run(
     # SLURM holds a requeued job back ~2 min, long after its old allocation is cleaned
     # up; starting it at once must still wait for that cleanup, or the old batch
     # shell's end can be booked against the new run.
-    wait_for("the old allocation's release", lambda: nodes_idle(cluster, job))
+    wait_for("the old run's end on both nodes", lambda: old_run_gone(cluster, job))
     cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
 
     local = tmp_path / "local"  # the same run, uninterrupted, by the spawn launcher (meanwhile)
