@@ -180,6 +180,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eagle3-layers", default=None,
                    help="comma list of the target layers (0-based) the EAGLE-3 drafter fuses "
                         "(default: TensorRT-LLM's 1, L//2-1, L-4)")
+    p.add_argument("--eagle3-ttt-steps", type=int, default=None,
+                   help="draft steps the EAGLE-3 drafter unrolls in training (default: the demo recipe's)")
     args = p.parse_args(argv)
     args.drafter_kinds = [d.strip() for d in args.drafters.split(",") if d.strip()]
     unknown = sorted(set(args.drafter_kinds) - {"eagle2", "eagle3"})
@@ -199,6 +201,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--eagle3-layers must be comma-separated layer indices, got {args.eagle3_layers!r}")
         if "eagle3" not in args.drafter_kinds:
             p.error("--eagle3-layers needs eagle3 in --drafters")
+    if args.eagle3_ttt_steps is not None and (args.eagle3_ttt_steps < 1 or "eagle3" not in args.drafter_kinds):
+        p.error(f"--eagle3-ttt-steps must be >= 1 and needs eagle3 in --drafters, got {args.eagle3_ttt_steps}")
     return args
 
 
@@ -216,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         config = replace(config, drafter_train=replace(config.drafter_train, steps=args.drafter_steps))
     if args.eagle3_layers is not None:
         config = replace(config, eagle3_capture_layers=args.eagle3_layers)
+    if args.eagle3_ttt_steps is not None:
+        config = replace(config, eagle3_ttt_steps=args.eagle3_ttt_steps)
     assets = prepare_assets(config, args.cache_dir)
     target, eagle2 = load_assets(assets)
     drafter_dirs = {"eagle2": assets.drafter_dir}

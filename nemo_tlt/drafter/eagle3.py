@@ -29,6 +29,7 @@ soft labels of EAGLE-3's loss (nemo_tlt.drafter.ttt).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -45,6 +46,8 @@ from nemo_tlt.model.layers import MLP, Attention, RMSNorm
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.speculative.tree import DraftTree
 from nemo_tlt.speculative.tree_shape import TreeShape
+
+log = logging.getLogger(__name__)
 
 
 def default_capture_layers(num_layers: int) -> tuple[int, ...]:
@@ -140,6 +143,7 @@ class Eagle3Drafter(nn.Module):
         super().__init__()
         c = config.layer
         self.config = config
+        self._warned_depths: set[int] = set()
         self.fc = nn.Linear(len(config.capture_layers) * c.hidden_size, c.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -198,9 +202,17 @@ class Eagle3Drafter(nn.Module):
                              f"target does not have (num_layers={t.num_layers})")
 
     def check_shape(self, shape: TreeShape) -> None:
+        """A tree wider than the draft vocabulary is refused; one deeper than the training-
+        time test unrolled (``ttt_steps``) drafts from inputs the drafter never trained on
+        (its acceptance falls past that depth): warned once per depth."""
         if shape.topk > self.config.draft_vocab_size:
             raise ValueError(f"TreeShape.topk={shape.topk} exceeds the draft vocabulary size "
                              f"{self.config.draft_vocab_size}")
+        if shape.depth > self.config.ttt_steps and shape.depth not in self._warned_depths:
+            self._warned_depths.add(shape.depth)
+            log.warning("EAGLE-3 drafter: tree %s drafts %d tokens deep, but training-time test unrolled only "
+                        "ttt_steps=%d; tokens past that depth are rarely accepted (train with ttt_steps >= the "
+                        "deepest tree)", shape.name, shape.depth, self.config.ttt_steps)
 
     def forwards_per_draft(self, shape: TreeShape) -> int:
         return shape.depth  # one catch-up, then depth-1 expansions

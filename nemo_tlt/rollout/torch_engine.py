@@ -203,6 +203,8 @@ class TorchRolloutEngine:
         if shape is not None and self.drafter is None:
             raise ValueError(f"generate: the policy chose tree shape {shape.name} but no drafter is loaded "
                              "(load_drafter(...) first, or pass policy=None for plain decoding)")
+        if shape is not None:
+            self.drafter.check_shape(shape)
         return shape
 
     # ---- validation ---------------------------------------------------------

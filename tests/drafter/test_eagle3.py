@@ -202,3 +202,20 @@ def test_ttt_loss_is_cross_entropy_against_the_targets_distribution(vocab):
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="needs 128"):
         drafter_loss(drafter, target, pad_eagle_batch([DrafterSample(ids, captured[0, :-1])]))
+
+
+def test_engine_checks_the_tree_against_the_drafter(caplog):
+    """A tree wider than the draft vocabulary is refused by name before it drafts; one
+    deeper than the training-time test is drafted, with one warning per depth."""
+    target = tiny_target(seed=3, scale=5.0)
+    drafter = _drafter(target.config, draft_vocab_size=4, ttt_steps=2)
+    engine = TorchRolloutEngine(target, drafter)
+    sp = SamplingParams("greedy", max_new_tokens=8, stop_on_eos=False)
+    with pytest.raises(ValueError, match="topk=5 exceeds the draft vocabulary size 4"):
+        engine.generate([Request([5, 6, 7])], sp, policy=FixedSDPolicy(TreeShape(3, 5, 6)))
+    with caplog.at_level("WARNING", logger="nemo_tlt.drafter.eagle3"):
+        engine.generate([Request([5, 6, 7])], sp, policy=FixedSDPolicy(TreeShape(2, 2, 3)))
+        assert not caplog.records
+        engine.generate([Request([5, 6, 7])], sp, policy=FixedSDPolicy(TreeShape(4, 2, 6)))
+        engine.generate([Request([5, 6, 7])], sp, policy=FixedSDPolicy(TreeShape(4, 2, 6)))
+    assert len(caplog.records) == 1 and "ttt_steps=2" in caplog.records[0].getMessage()
