@@ -76,8 +76,10 @@ class AssetConfig:
     drafter_train: DrafterTrainConfig = field(default_factory=lambda: DrafterTrainConfig(
         steps=2400, batch_size=16, lr=3e-3, warmup_steps=40))
     # The EAGLE-3 drafter (trained with drafter_train too): draft steps unrolled by
-    # training-time test; the demo's character vocabulary is small, so no reduced one.
-    eagle3_ttt_steps: int = 3
+    # training-time test, as deep as the deepest tree the demo drafts (8_2_16): past
+    # its TTT depth a drafter feeds itself inputs it never trained on (docs/benchmarks.md);
+    # the demo's character vocabulary is small, so no reduced one.
+    eagle3_ttt_steps: int = 8
     # the target layers the EAGLE-3 drafter fuses (None: TensorRT-LLM's default indices)
     eagle3_capture_layers: tuple[int, ...] | None = None
 
