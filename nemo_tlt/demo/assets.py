@@ -29,7 +29,7 @@ import torch
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.drafter.data import DrafterSample
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
-from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
+from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter, default_capture_layers
 from nemo_tlt.drafter.io import load_drafter, save_drafter
 from nemo_tlt.drafter.train import DrafterTrainConfig, train_drafter
 from nemo_tlt.model.config import LMConfig
@@ -156,8 +156,10 @@ def eagle3_drafter_name(target_name: str, config: AssetConfig) -> str:
     """The cache folder name of the EAGLE-3 drafter trained on the target cached as ``target_name``."""
     key = _key({"target": target_name, "prompts": config.drafter_prompts,
                 "max_new": config.drafter_max_new_tokens, "train": asdict(config.drafter_train),
-                "data": [list(d) for d in config.drafter_data], "ttt_steps": config.eagle3_ttt_steps, "format": 2,
-                **({"capture": list(config.eagle3_capture_layers)} if config.eagle3_capture_layers else {})})
+                "data": [list(d) for d in config.drafter_data], "ttt_steps": config.eagle3_ttt_steps, "format": 3,
+                **({"capture": list(config.eagle3_capture_layers)}
+                   if config.eagle3_capture_layers not in (None, default_capture_layers(config.target.num_layers))
+                   else {})})
     return f"drafter-eagle3-{key}"
 
 

@@ -52,13 +52,16 @@ def drafter_loss(drafter: nn.Module, target: DecoderLM, batch: EagleBatch, reg_w
     w = target.lm_head_weight.detach()
     feat = batch.in_feat
     if noise > 0:
-        feat = feat + (torch.rand(feat.shape, generator=generator) * 2 - 1).to(feat.dtype) * noise
+        # EAGLE-3 features end with the final state, a training label only: noise the drafter's input part
+        width = drafter.fc.in_features if isinstance(drafter, Eagle3Drafter) else feat.shape[-1]
+        jitter = (torch.rand((*feat.shape[:-1], width), generator=generator) * 2 - 1).to(feat.dtype) * noise
+        feat = torch.cat((feat[..., :width] + jitter, feat[..., width:]), -1)
     if isinstance(drafter, EagleDrafter):
         pred = drafter(target, batch.next_tokens, feat, batch.positions, None, batch.new_mask)
         return eagle_loss(pred, batch.target_feat, w, batch.mask, reg_weight, ce_weight)
     if isinstance(drafter, Eagle3Drafter):
-        # CE on the tokens over the drafter's TTT steps; the feature-regression
-        # weights do not apply (EAGLE-3 dropped that loss)
+        # cross-entropy against the target's distribution over the drafter's TTT steps;
+        # the feature-regression weights do not apply (EAGLE-3 dropped that loss)
         return eagle3_loss(drafter, target, batch, feat)
     if isinstance(drafter, MedusaDrafter):
         if batch.new_mask is not None:

@@ -21,9 +21,12 @@ that distribution: under sampled rollouts the full distribution is the teacher
 acceptance depends on.
 
 Labels are read from the batch: the label of step j at chain t comes from
-``target_feat[t + j]`` (the final state at t + j + 1), valid when that slot is a
-position t + j + 1 of the same sample (positions restart at 0 for every packed sample, so this also holds for
-packed rows).
+``target_feat[t + j]`` (the final state at t + j + 1), valid when slot t + j holds
+position t + j of the same sample (positions restart at 0 for every packed sample,
+so this also holds for packed rows). Step j is scored on the chains t < T - j by
+slicing, not on padded copies; the target's logits are taken over the draft
+vocabulary only, and its full-vocabulary argmax (for the mask) in row chunks, so no
+[B, T, vocab] tensor is kept.
 """
 from __future__ import annotations
 
@@ -91,27 +94,38 @@ def eagle3_loss(drafter: Eagle3Drafter, target: DecoderLM, batch: EagleBatch,
                          "hidden state, each hidden_size wide)")
     outs = ttt_outputs(drafter, target, batch, feats, cfg.ttt_steps)
     with torch.no_grad():  # the target's distribution of x[t+2], from its final state at t+1
-        final = batch.target_feat[..., drafter.fc.in_features:]
-        teacher = F.linear(final.to(target.lm_head_weight.dtype), target.lm_head_weight.detach()).float()
-        kept = drafter.t2d[teacher.argmax(-1)]
-        if not drafter.full_vocab:
-            teacher = teacher[..., draft_ids(drafter.d2t)]
+        weight = target.lm_head_weight.detach()
+        final = batch.target_feat[..., drafter.fc.in_features:].to(weight.dtype)
+        if drafter.full_vocab:
+            teacher = F.linear(final, weight).float()
+            kept = torch.ones(teacher.shape[:-1], dtype=torch.bool, device=teacher.device)
+        else:  # EAGLE-3 masks positions whose target argmax lies outside the draft vocabulary
+            kept = drafter.t2d[argmax_logits(final, weight)]
+            teacher = F.linear(final, weight[draft_ids(drafter.d2t)]).float()
         teacher_p = teacher.softmax(-1)
         teacher_top = teacher.argmax(-1)
+    T = batch.mask.shape[1]
     total = feats.new_zeros((), dtype=drafter.fc.weight.dtype)
     stats: dict[str, float] = {}
     for j, out in enumerate(outs):
-        same = (shift_left(batch.mask, j + 1, False) & batch.mask
-                & (shift_left(batch.positions, j + 1, -1) == batch.positions + j + 1))
-        valid = same & shift_left(kept, j, False)
-        logits = drafter.head(out).float()
-        ce = -(shift_left(teacher_p, j) * logits.log_softmax(-1)).sum(-1)
+        n = T - j  # chains t < n have slot t + j
+        valid = (batch.mask[:, :n] & batch.mask[:, j:] & (batch.positions[:, j:] == batch.positions[:, :n] + j)
+                 & kept[:, j:])
+        logits = drafter.head(out[:, :n]).float()
+        ce = -(teacher_p[:, j:] * logits.log_softmax(-1)).sum(-1)
         ce_mean = masked_mean(ce, valid)
         total = total + cfg.ttt_decay ** j * ce_mean
         with torch.no_grad():
             stats[f"ce_step{j}"] = float(ce_mean)
-            stats[f"top1_step{j}"] = float(masked_mean((logits.argmax(-1) == shift_left(teacher_top, j)).float(),
-                                                       valid))
+            stats[f"top1_step{j}"] = float(masked_mean((logits.argmax(-1) == teacher_top[:, j:]).float(), valid))
     stats["ce"] = stats["ce_step0"]
     stats["top1"] = stats["top1_step0"]
     return total, stats
+
+
+def argmax_logits(hidden: torch.Tensor, weight: torch.Tensor, rows: int = 4096) -> torch.Tensor:
+    """argmax of ``hidden @ weight.T`` over the last dim, [...], computed ``rows`` rows at a time."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = torch.cat([F.linear(flat[i: i + rows], weight).argmax(-1) for i in range(0, flat.shape[0], rows)]
+                    ) if flat.shape[0] else torch.zeros(0, dtype=torch.long, device=hidden.device)
+    return out.view(hidden.shape[:-1])

@@ -191,7 +191,7 @@ def test_ttt_loss_is_cross_entropy_against_the_targets_distribution(vocab):
         n = batch.next_tokens.shape[1]
         for j in range(2):
             ces = []
-            for t in range(n - j - 1):                                  # label x[t+j+2] from the state at t+j+1
+            for t in range(n - j):                                      # label x[t+j+2] from the state at t+j+1
                 row = logits_t[t + j + 1]
                 if vocab and not 6 <= int(row.argmax()) < 26:
                     continue
