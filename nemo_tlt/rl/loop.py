@@ -47,7 +47,6 @@ from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.factory import build_rollout_engine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.spot.coordinator import WorkerCoordinator
-from nemo_tlt.spot.device_idle import current_device_utilization
 
 if TYPE_CHECKING:
     from nemo_tlt.dist import Comm, StopFlag
@@ -187,13 +186,9 @@ class RLWorker:
     def idle_time(self, step: int, skip: bool = False) -> IdleResult:
         """This rank's share is done: train the drafter until every rank is (TLT), meet.
         ``skip`` (agreed by every rank) only meets."""
-        gpu_util = current_device_utilization()  # recorded beside the loop's own signal, never deciding
         if self.harvest_from is None or skip:
-            idle = idle_without_training(self.coord, step)
-        else:
-            idle = self.drafter.idle_time(step, self.coord)
-        idle.gpu_util = gpu_util
-        return idle
+            return idle_without_training(self.coord, step)
+        return self.drafter.idle_time(step, self.coord)
 
     def score(self, prompts: list, rollout: Rollout) -> list[float]:
         G, task = self.cfg.grpo.group_size, self.task

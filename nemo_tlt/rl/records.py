@@ -41,7 +41,6 @@ class IdleResult:
     stop_latency_s: float | None = None  # preemption requested -> trainer stopped
     drafter_sync_s: float = 0.0
     sync_hierarchical: bool = False  # the drafter average went through the node leaders
-    gpu_util: float | None = None  # the device's utilisation (NVML) as the share ended; a confirmation only
 
 
 @dataclass
@@ -119,14 +118,7 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
                             for r in ranks for a, b, choice in r.segments],
         "t_end": now - t0,
         "run_started": t0,  # this process's run start: a resumed run's records differ here
-        **_gpu_util(ranks),
     }
-
-
-def _gpu_util(ranks: list[RankStep]) -> dict[str, Any]:
-    """``gpu_util_at_idle``: {rank: NVML utilisation in [0, 1]} of the ranks that read one (none on CPU)."""
-    read = {str(r.rank): r.idle.gpu_util for r in sorted(ranks, key=lambda r: r.rank) if r.idle.gpu_util is not None}
-    return {"gpu_util_at_idle": read} if read else {}
 
 
 def _per_node(ranks: list[RankStep], value) -> dict[str, float]:

@@ -8,5 +8,4 @@ losses       -- trainer loss adapters over the drafter's own losses
 checkpoint   -- `CheckpointManager`: asynchronous, atomic, validated checkpoints
 time_keeper  -- the job's time limit (SLURM), read rarely: whether a step and its checkpoint still fit
 config       -- `IdleDrafterConfig` and the trainer's config
-device_idle  -- NVML device utilisation, where available: a confirmation of idleness, never the signal
 """

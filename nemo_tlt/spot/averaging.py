@@ -82,7 +82,9 @@ def average_replicas(
     # Layout: [w * params..., w * moments..., w, (w > 0)]
     pieces = [p.detach().float().reshape(-1) * weight for p in params]
     pieces += [m.float().reshape(-1) * weight for m in moments]
-    pieces.append(torch.tensor([weight, float(weight > 0)], dtype=torch.float32))
+    # on the parameters' device: NCCL reduces only device tensors, and the buffer is one
+    device = params[0].device if params else torch.device("cpu")
+    pieces.append(torch.tensor([weight, float(weight > 0)], dtype=torch.float32, device=device))
     flat = _all_reduce(torch.cat(pieces), dist.ReduceOp.SUM, group, nodes)
     total, contributors = float(flat[-2]), int(round(float(flat[-1])))
     step = _max_step(optimizer, params, group, nodes)
@@ -135,7 +137,8 @@ def _max_step(optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter
     if optimizer is None:
         return 0.0
     steps = [float(optimizer.state[p]["step"]) for p in params if "step" in optimizer.state.get(p, {})]
-    local = torch.tensor([max(steps, default=0.0)], dtype=torch.float64)
+    device = params[0].device if params else torch.device("cpu")
+    local = torch.tensor([max(steps, default=0.0)], dtype=torch.float64, device=device)
     return float(_all_reduce(local, dist.ReduceOp.MAX, group, nodes)[0])
 
 

@@ -1,5 +1,5 @@
 """The step record's per-node drafter fields: samples trained per node beside the seconds,
-whether the average went through the node leaders, and NVML readings only where read."""
+and whether the average went through the node leaders."""
 from __future__ import annotations
 
 from nemo_tlt.rl.records import IdleResult, RankState, RankStep, step_record
@@ -14,21 +14,19 @@ def _rank(k: int, node: int, idle: IdleResult) -> RankStep:
                     state=RankState(), weights="w")
 
 
-def test_samples_per_node_hierarchy_and_gpu_readings():
+def test_samples_per_node_and_hierarchy():
     ranks = [_rank(0, 0, IdleResult(train_s=1.0, drafter_samples=8, sync_hierarchical=True)),
-             _rank(3, 1, IdleResult(train_s=0.5, drafter_samples=0, sync_hierarchical=True, gpu_util=0.25)),
+             _rank(3, 1, IdleResult(train_s=0.5, drafter_samples=0, sync_hierarchical=True)),
              _rank(1, 0, IdleResult(train_s=2.0, drafter_samples=16, sync_hierarchical=True)),
-             _rank(2, 1, IdleResult(train_s=0.5, drafter_samples=4, sync_hierarchical=True, gpu_util=0.0))]
+             _rank(2, 1, IdleResult(train_s=0.5, drafter_samples=4, sync_hierarchical=True))]
     rec = step_record(0, "tlt", 4, ranks, TIMES, [], 0.0, 1.0)
     assert rec["drafter_samples_per_node"] == {"0": 24, "1": 4}
     assert all(isinstance(v, int) for v in rec["drafter_samples_per_node"].values())
     assert rec["drafter_train_s_per_node"] == {"0": 3.0, "1": 1.0}
     assert rec["drafter_sync_hierarchical"] is True
-    assert rec["gpu_util_at_idle"] == {"2": 0.0, "3": 0.25}
 
 
-def test_no_gpu_reading_no_key_and_a_flat_average_says_so():
+def test_a_flat_average_says_so():
     rec = step_record(0, "tlt", 2, [_rank(0, 0, IdleResult(drafter_samples=3)), _rank(1, 0, IdleResult())],
                       TIMES, [], 0.0, 1.0)
-    assert "gpu_util_at_idle" not in rec
     assert rec["drafter_sync_hierarchical"] is False and rec["drafter_samples_per_node"] == {"0": 3}
