@@ -61,11 +61,19 @@ class ForwardFeatures:
 
         group = parallel_state.get_pipeline_model_parallel_group()
         ranks = dist.get_process_group_ranks(group) if self.layout.pp > 1 else None
+        # every stage agrees first that each owner captured its part, so a missing capture
+        # raises on every rank instead of leaving the others waiting in a broadcast
+        missing = [what for stage, mine, what in self._owned_parts() if stage == self._stage and mine is None]
+        if ranks is not None:
+            flag = torch.tensor([float(bool(missing))], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            if flag.item() > 0 and not missing:
+                raise RuntimeError("ForwardFeatures: another pipeline stage ran no forward through its captures")
+        if missing:
+            raise RuntimeError(f"ForwardFeatures: stage {self._stage} ran no forward through {missing[0]}")
 
-        def from_stage(stage: int, mine: torch.Tensor | None, what: str) -> torch.Tensor:
+        def from_stage(stage: int, mine: torch.Tensor | None) -> torch.Tensor:
             if stage == self._stage:
-                if mine is None:
-                    raise RuntimeError(f"ForwardFeatures: stage {stage} ran no forward through {what}")
                 tensor = mine.float().contiguous()
             else:
                 tensor = torch.empty(shape, dtype=torch.float32, device=device)
@@ -73,12 +81,18 @@ class ForwardFeatures:
                 dist.broadcast(tensor, src=ranks[stage], group=group)
             return tensor
 
-        final = from_stage(self.layout.pp - 1, self._final, "the final norm")
-        layers = {i: from_stage(self._stage_of[i], self._layers.get(i), f"decoder layer {i}")
-                  for i in sorted(set(self.capture_layers))}  # every rank visits them in one order
+        # every rank visits the parts in one order: the final state, then the layers sorted
+        final, *captured = [from_stage(stage, mine) for stage, mine, _ in self._owned_parts()]
         if not self.capture_layers:
             return final
+        layers = dict(zip(sorted(set(self.capture_layers)), captured))
         return torch.cat([layers[i] for i in self.capture_layers] + [final], -1)
+
+    def _owned_parts(self) -> list[tuple[int, torch.Tensor | None, str]]:
+        """(owning stage, this rank's capture or None, name) of the final state and each captured layer."""
+        parts = [(self.layout.pp - 1, self._final, "the final norm")]
+        return parts + [(self._stage_of[i], self._layers.get(i), f"decoder layer {i}")
+                        for i in sorted(set(self.capture_layers))]
 
     def close(self) -> None:
         self._norm.remove()
