@@ -77,10 +77,6 @@ class NodeTopology:
             raise ValueError(f"NodeTopology: rank must be in [0, {self.world}), got {rank!r}")
         return self.rank_nodes[rank]
 
-    def local_index(self, rank: int) -> int:
-        """Position of `rank` among its node's ranks (the local rank of a block distribution)."""
-        return self.ranks_on(self.node_of(rank)).index(rank)
-
     @property
     def multi_node(self) -> bool:
         return len(self.nodes) > 1

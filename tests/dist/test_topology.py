@@ -17,7 +17,6 @@ def test_nodes_ranks_leaders_and_local_indices():
     assert t.ranks_on(0) == (2, 3, 4) and t.ranks_on(1) == (0, 1)
     assert t.leader(0) == 2 and t.leader(1) == 0 and t.leaders == (2, 0)
     assert [t.node_of(r) for r in range(5)] == [1, 1, 0, 0, 0]
-    assert [t.local_index(r) for r in range(5)] == [0, 1, 0, 1, 2]
     assert t.multi_node and t.max_ranks_per_node == 3 and t.hierarchical
 
 

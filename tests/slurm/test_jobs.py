@@ -81,15 +81,20 @@ def test_demo_job_writes_its_report(cluster, tiny_models, tmp_path):
     assert "launcher: slurm" in (run / "config.yaml").read_text()
 
 
-def test_two_nodes_equal_the_spawn_launcher(cluster, tiny_models, tmp_path):
-    slurm_run, local_run = tmp_path / "slurm", tmp_path / "local"
+def slurm_and_spawn(cluster, tiny_models, tmp_path, nodes: int, tasks_per_node: int, timeout_s: float = 240.0):
+    """The tiny config (coupled sampling, 2 steps) as a SLURM job of `nodes` x `tasks_per_node`
+    tasks and, meanwhile, as as many spawned local workers. Both must end, with the same
+    rollouts, rewards and final policy, bit for bit. Returns (slurm run, local run,
+    their records)."""
+    slurm_run, local_run, workers = tmp_path / "slurm", tmp_path / "local", nodes * tasks_per_node
     job = submit(cluster, "tlt_multinode.sbatch", tmp_path / "multi.out", str(DEMO),
-                 *tiny_overrides(*tiny_models, slurm_run, steps=2), options=("--nodes=2", "--ntasks-per-node=1"))
-    assert main([str(DEMO), *tiny_overrides(*tiny_models, local_run, steps=2), "workers.launcher=local",
-                 "workers.start_method=spawn"]) == 0
-    finished(cluster, job, tmp_path / "multi.out")
+                 *tiny_overrides(*tiny_models, slurm_run, steps=2, workers=workers),
+                 options=(f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}"))
+    assert main([str(DEMO), *tiny_overrides(*tiny_models, local_run, steps=2, workers=workers),
+                 "workers.launcher=local", "workers.start_method=spawn"]) == 0
+    finished(cluster, job, tmp_path / "multi.out", timeout_s=timeout_s)
     info = cluster.run(["scontrol", "show", "job", "-o", str(job)]).stdout
-    assert re.search(r"NumNodes=2 ", info) and re.search(r"NumTasks=2 ", info), info
+    assert re.search(rf"NumNodes={nodes} ", info) and re.search(rf"NumTasks={workers} ", info), info
     a, b = metrics(slurm_run / "tlt"), metrics(local_run / "tlt")
     assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1]
     assert [r["rollout_digest"] for r in a] == [r["rollout_digest"] for r in b]
@@ -98,6 +103,11 @@ def test_two_nodes_equal_the_spawn_launcher(cluster, tiny_models, tmp_path):
     assert pa.keys() == pb.keys() and pa
     for k in pa:
         assert torch.equal(pa[k], pb[k]), k
+    return slurm_run, local_run, a, b
+
+
+def test_two_nodes_equal_the_spawn_launcher(cluster, tiny_models, tmp_path):
+    slurm_and_spawn(cluster, tiny_models, tmp_path, nodes=2, tasks_per_node=1)
 
 
 def drafter(run: Path) -> dict[str, torch.Tensor]:
@@ -113,19 +123,8 @@ def test_two_nodes_of_two_average_the_drafter_through_node_leaders(cluster, tiny
     # 4 ranks as 2 nodes x 2 tasks: the drafter average reduces inside each node, then
     # among the 2 leaders; rollouts never depend on the drafter (coupled sampling is
     # lossless), so they equal a 4-worker spawn run's (one node, flat average).
-    slurm_run, local_run = tmp_path / "slurm", tmp_path / "local"
-    job = submit(cluster, "tlt_multinode.sbatch", tmp_path / "multi.out", str(DEMO),
-                 *tiny_overrides(*tiny_models, slurm_run, steps=2, workers=4),
-                 options=("--nodes=2", "--ntasks-per-node=2"))
-    assert main([str(DEMO), *tiny_overrides(*tiny_models, local_run, steps=2, workers=4), "workers.launcher=local",
-                 "workers.start_method=spawn"]) == 0
-    finished(cluster, job, tmp_path / "multi.out", timeout_s=500)
-    info = cluster.run(["scontrol", "show", "job", "-o", str(job)]).stdout
-    assert re.search(r"NumNodes=2 ", info) and re.search(r"NumTasks=4 ", info), info
-    a, b = metrics(slurm_run / "tlt"), metrics(local_run / "tlt")
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1]
-    assert [r["rollout_digest"] for r in a] == [r["rollout_digest"] for r in b]
-    assert [r["rewards"] for r in a] == [r["rewards"] for r in b]
+    slurm_run, local_run, a, b = slurm_and_spawn(cluster, tiny_models, tmp_path, nodes=2, tasks_per_node=2,
+                                                 timeout_s=500)
     for r in a:
         assert r["rank_nodes"] == [0, 0, 1, 1]
         assert set(r["drafter_samples_per_node"]) == {"0", "1"}
@@ -135,10 +134,6 @@ def test_two_nodes_of_two_average_the_drafter_through_node_leaders(cluster, tiny
         assert r["rank_nodes"] == [0, 0, 0, 0] and r["drafter_samples_per_node"].keys() == {"0"}
         assert not r["drafter_sync_hierarchical"] and r["replicas_identical"]
     assert sum(r["drafter_samples"] for r in a) > 0  # the drafter trained, so the average moved weights
-    pa, pb = final_policy(slurm_run / "tlt"), final_policy(local_run / "tlt")
-    assert pa.keys() == pb.keys() and pa
-    for k in pa:
-        assert torch.equal(pa[k], pb[k]), k
     # How much each rank trains depends on when the last rollout ends (wall clock), so the
     # two runs' drafters differ beyond rounding; both must still be whole and finite.
     da, db = drafter(slurm_run / "tlt"), drafter(local_run / "tlt")
