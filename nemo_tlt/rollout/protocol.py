@@ -140,9 +140,12 @@ class RolloutEngine(Protocol):
         ``weights`` is a mapping or an iterable of (name, tensor) pairs consumed once,
         in any order. Strict: an unknown name, a name given twice or a wrong shape is a
         ValueError naming the tensor as soon as it arrives; a name never given is a
-        ValueError naming it when the stream ends. After a failed load `generate`
-        refuses to run (ValueError) until a complete load succeeds: a half-loaded
-        model is never served.
+        ValueError naming it when the stream ends. A half-loaded model is never
+        served: after a load that failed once it had written tensors, `generate`
+        refuses to run (ValueError) until a complete load succeeds; a load refused
+        before it wrote anything leaves the served model as it was. (How much an
+        engine writes before the stream ends is its own: the torch engine writes
+        each tensor as it arrives, TensorRT-LLM's sends buckets.)
         """
         ...
 

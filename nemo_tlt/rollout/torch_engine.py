@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout.prefill import prefill_chunks
 from nemo_tlt.rollout.protocol import (GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult,
                                        StepTrace)
+from nemo_tlt.rollout.validate import validate_requests
 from nemo_tlt.speculative.acceptance import accept_greedy, accept_rejection
 from nemo_tlt.speculative.sampling import (SamplingParams, coupled_draw, coupled_noise_table, draw,
                                            process_logits)
@@ -212,22 +213,7 @@ class TorchRolloutEngine:
         if self._failed_load is not None:
             raise ValueError(f"generate: the last load_policy_weights failed midway ({self._failed_load}); "
                              "the model is half-written: load complete weights first")
-        _check_sampling(sampling)
-        if not isinstance(requests, list) or not requests:
-            raise ValueError("generate: requests is empty or not a list; give at least one Request")
-        ctx = self.target.config.max_position_embeddings
-        vocab = self.target.config.vocab_size
-        for i, req in enumerate(requests):
-            if not isinstance(req, Request):
-                raise ValueError(f"requests[{i}] must be a Request, got {type(req).__name__}")
-            if len(req.prompt) == 0:
-                raise ValueError(f"requests[{i}].prompt is empty; a prompt needs at least one token")
-            if len(req.prompt) + sampling.max_new_tokens > ctx:
-                raise ValueError(
-                    f"requests[{i}].prompt has {len(req.prompt)} tokens; with sampling.max_new_tokens="
-                    f"{sampling.max_new_tokens} it exceeds the context of {ctx} (max_position_embeddings)")
-            if min(req.prompt) < 0 or max(req.prompt) >= vocab:
-                raise ValueError(f"requests[{i}].prompt has token ids outside [0, {vocab}) (vocab_size)")
+        validate_requests(requests, sampling, self.target.config)
 
     @staticmethod
     def _tree_slots(shape: TreeShape) -> int:
@@ -381,21 +367,6 @@ class TorchRolloutEngine:
             results[int(batch.rows[b])] = RequestResult(batch.tokens[b, P: P + G].tolist(),
                                                         "eos" if bool(hit_eos[b]) else "length", hidden)
         batch.select(fill_holes_order(~done))
-
-
-def _check_sampling(sampling: SamplingParams) -> None:
-    """SamplingParams validates its values at construction; its integer fields are
-    checked for type here, and it is validated again, so a value set after
-    construction (object.__setattr__ on the frozen dataclass) is refused too."""
-    if not isinstance(sampling, SamplingParams):
-        raise ValueError(f"generate: sampling must be a SamplingParams, got {type(sampling).__name__}")
-    for name in ("max_new_tokens", "top_k", "seed"):
-        value = getattr(sampling, name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"SamplingParams.{name} must be an int, got {value!r}")
-    if not isinstance(sampling.stop_on_eos, bool):
-        raise ValueError(f"SamplingParams.stop_on_eos must be a bool, got {sampling.stop_on_eos!r}")
-    replace(sampling)  # runs SamplingParams.__post_init__ again
 
 
 def _weight_pair(i: int, item: Any) -> tuple[str, torch.Tensor]:

@@ -44,6 +44,7 @@ refit at runtime is UNVERIFIED (no documented API; see `load_drafter`).
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -58,6 +59,7 @@ from nemo_tlt.drafter.base import Drafter
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_config, read_state_dict
 from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.rollout import validate
 from nemo_tlt.rollout.protocol import GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
 from nemo_tlt.rollout.trtllm_config import TRTLLM_PACKAGE, TRTLLMEngineConfig
 from nemo_tlt.rollout.trtllm_schedule import draft_len_schedule
@@ -81,9 +83,9 @@ def import_tensorrt_llm() -> ModuleType:
 
 # ---- pure conversion ---------------------------------------------------------------------------
 def check_sampling(sampling: SamplingParams) -> None:
-    """The sampling this engine can run losslessly (see the module docstring)."""
-    if not isinstance(sampling, SamplingParams):
-        raise ValueError(f"generate: sampling must be a SamplingParams, got {type(sampling).__name__}")
+    """The contract's sampling checks, and the modes this engine runs losslessly
+    (coupled is refused: see the module docstring)."""
+    validate.check_sampling(sampling)
     if sampling.mode == "coupled":
         raise ValueError("SamplingParams.mode='coupled' is not expressible with TensorRT-LLM: its sampler "
                          "draws from a per-request random stream, not noise keyed by (seed, seq_id, position), "
@@ -112,19 +114,7 @@ def sampling_kwargs(sampling: SamplingParams, eos_token_id: int, seq_id: int) ->
 def validate_requests(requests: list[Request], sampling: SamplingParams, cfg: LMConfig) -> None:
     """The contract's input checks (ValueError naming the field), before any decoding."""
     check_sampling(sampling)
-    if not isinstance(requests, list) or not requests:
-        raise ValueError("generate: requests is empty or not a list; give at least one Request")
-    for i, req in enumerate(requests):
-        if not isinstance(req, Request):
-            raise ValueError(f"requests[{i}] must be a Request, got {type(req).__name__}")
-        if not req.prompt:
-            raise ValueError(f"requests[{i}].prompt is empty; a prompt needs at least one token")
-        if len(req.prompt) + sampling.max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(f"requests[{i}].prompt has {len(req.prompt)} tokens; with sampling.max_new_tokens="
-                             f"{sampling.max_new_tokens} it exceeds the context of {cfg.max_position_embeddings} "
-                             "(max_position_embeddings)")
-        if min(req.prompt) < 0 or max(req.prompt) >= cfg.vocab_size:
-            raise ValueError(f"requests[{i}].prompt has token ids outside [0, {cfg.vocab_size}) (vocab_size)")
+    validate.validate_requests(requests, sampling, cfg)
 
 
 def completion_to_result(token_ids: list[int], finish_reason: str | None, sampling: SamplingParams,
@@ -141,6 +131,33 @@ def completion_to_result(token_ids: list[int], finish_reason: str | None, sampli
         raise ValueError(f"TensorRT-LLM finished a request with reason {finish_reason!r}; expected 'stop' or "
                          "'length'")
     return RequestResult(tokens, "length")
+
+
+def trtllm_capture_layers(config: TRTLLMEngineConfig, num_layers: int) -> tuple[int, ...]:
+    """The target layers TensorRT-LLM captures for the drafter, sorted: the configured
+    ``eagle3_layers_to_capture`` or its default {1, L//2-1, L-4} (a set either way)."""
+    layers = config.eagle3_layers_to_capture or (1, num_layers // 2 - 1, num_layers - 4)
+    return tuple(sorted(set(layers)))
+
+
+def check_drafter_layers(folder: str | os.PathLike, captured: tuple[int, ...]) -> None:
+    """The EAGLE-3 HF folder's drafter was trained on exactly the layers TensorRT-LLM
+    captures (``captured``, sorted, distinct); otherwise its fused input is other
+    layers' states (or another width) and it drafts garbage: ValueError naming both."""
+    path = Path(folder) / "config.json"
+    try:
+        ids = json.loads(path.read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not an EAGLE-3 HF config with eagle_config.eagle_aux_hidden_state_layer_ids "
+                         f"({err}); write one with `nemo-tlt convert --from drafter --to eagle3-hf`") from err
+    layers = [int(i) - 1 for i in ids]  # HF numbering: the decoder layer whose input it is
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"{path}: the drafter captures layers {layers} with repeats; TensorRT-LLM captures a set "
+                         "of distinct layers (eagle3_layers_to_capture), so it cannot serve this drafter")
+    if tuple(sorted(layers)) != tuple(captured):
+        raise ValueError(f"{path}: the drafter was trained on target layers {sorted(layers)}, TensorRT-LLM would "
+                         f"capture {list(captured)}; set TRTLLMEngineConfig.eagle3_layers_to_capture to "
+                         f"{sorted(layers)}")
 
 
 def canonical_shapes(cfg: LMConfig) -> dict[str, tuple[int, ...]]:
@@ -195,6 +212,9 @@ class TRTLLMRolloutEngine:
         trtllm = import_tensorrt_llm()
         self.config = config
         self._model_config = read_config(config.target_dir)
+        self._captured = trtllm_capture_layers(config, self._model_config.num_layers)
+        if config.drafter_dir is not None:
+            check_drafter_layers(config.drafter_dir, self._captured)
         self._shapes = canonical_shapes(self._model_config)
         from tensorrt_llm.llmapi import Eagle3DecodingConfig  # lazy: optional package
 
@@ -250,6 +270,7 @@ class TRTLLMRolloutEngine:
             raise ValueError("TRTLLMRolloutEngine.load_drafter: the LLM was built without a drafter "
                              "(TRTLLMEngineConfig.drafter_dir is null); TensorRT-LLM cannot add one at runtime")
         folder = Path(drafter)
+        check_drafter_layers(folder, self._captured)
         tensors = read_state_dict(folder)
         prefix = self.config.drafter_weight_prefix
         self.llm._collective_rpc("update_weights", (self._ipc_handles([(prefix + n, t) for n, t in tensors.items()]),))

@@ -1,35 +1,24 @@
-"""The conformance suite's fixtures: engine factories and tiny HF-format model folders.
+"""The conformance suite's fixtures: the engines under test and tiny HF-format model folders.
 
-Every test takes `make_engine`, a factory ``(model_dir: Path) -> RolloutEngine`` that
-serves the HF-format folder `model_dir`; it is parametrized over `ENGINES`, so a
-second engine is one more entry there (see README.md). The reference the engines
-are held to is the plain PyTorch `DecoderLM` read from the same folder.
+Every test takes `make_engine`, an `EngineUnderTest` (engines.py): ``make_engine(model_dir)``
+serves the HF-format folder `model_dir`, ``make_engine.drafter(kind, cfg)`` is the
+suite's drafter in the form that engine loads, ``make_engine.require(...)`` skips what
+the engine declares it cannot do. It is parametrized over `ENGINES`, so a second engine
+is one more entry there (see README.md). The reference the engines are held to is the
+plain PyTorch `DecoderLM` read from the same folder.
 """
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 
+from engines import TORCH, TRTLLM, TRTLLM_LIMITS, EngineUnderTest
 from nemo_tlt.model.hf_io import load_hf_folder, save_hf_folder
 from nemo_tlt.model.lm import DecoderLM
-from nemo_tlt.rollout.protocol import RolloutEngine
-from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from tiny import tiny_target
-
-EngineFactory = Callable[[Path], RolloutEngine]
-
-
-def torch_engine(model_dir: Path) -> RolloutEngine:
-    return TorchRolloutEngine.from_hf_folder(model_dir)
-
-
-def trtllm_engine(model_dir: Path) -> RolloutEngine:
-    from nemo_tlt.rollout.trtllm_engine import TRTLLMRolloutEngine  # lazy: optional package
-    return TRTLLMRolloutEngine.from_hf_folder(model_dir)
 
 
 def needs(package: str, cuda: bool = False) -> list[pytest.MarkDecorator]:
@@ -44,26 +33,31 @@ def needs(package: str, cuda: bool = False) -> list[pytest.MarkDecorator]:
 
 # One entry per engine (see README.md). The trtllm cases run only with TensorRT-LLM and a
 # CUDA device (`pytest -m trtllm` on a GPU node; docs/trtllm.md); they were never run here.
-ENGINES = [pytest.param(torch_engine, id="torch"),
-           pytest.param(trtllm_engine, id="trtllm", marks=[pytest.mark.trtllm, *needs("tensorrt_llm", cuda=True)])]
+# torch-as-trtllm runs the suite's trtllm path (exported drafters, declared limits) on the
+# torch engine, so a trtllm failure on a GPU node is TensorRT-LLM's, not the suite's.
+ENGINES = [pytest.param(TORCH, id="torch"),
+           pytest.param(TRTLLM_LIMITS, id="torch-as-trtllm"),
+           pytest.param(TRTLLM, id="trtllm", marks=[pytest.mark.trtllm, *needs("tensorrt_llm", cuda=True)])]
 
 
 @pytest.fixture(scope="session", params=ENGINES)
-def make_engine(request) -> EngineFactory:
-    return request.param
+def make_engine(request, tmp_path_factory) -> EngineUnderTest:
+    return EngineUnderTest(request.param, tmp_path_factory.mktemp(f"drafters-{request.param.name}"))
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory) -> Path:
+def model_dir(make_engine, tmp_path_factory) -> Path:
     """A 2-layer Llama-family target with sharpened distributions (long greedy runs
-    a drafter can follow; EOS is sampled now and then)."""
-    return save_hf_folder(tiny_target(seed=3, scale=5.0), tmp_path_factory.mktemp("conformance") / "target")
+    a drafter can follow; EOS is sampled now and then), shaped as the engine needs."""
+    model = tiny_target(seed=3, scale=5.0, **make_engine.spec.model_shape)
+    return save_hf_folder(model, tmp_path_factory.mktemp("conformance") / "target")
 
 
 @pytest.fixture(scope="session")
-def other_model_dir(tmp_path_factory) -> Path:
+def other_model_dir(make_engine, tmp_path_factory) -> Path:
     """The same architecture as `model_dir` with other weights."""
-    return save_hf_folder(tiny_target(seed=11, scale=5.0), tmp_path_factory.mktemp("conformance") / "other")
+    model = tiny_target(seed=11, scale=5.0, **make_engine.spec.model_shape)
+    return save_hf_folder(model, tmp_path_factory.mktemp("conformance") / "other")
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Helpers the conformance tests share (drafters, requests); fixtures are in conftest.py."""
+"""Helpers the conformance tests share (drafters, requests); fixtures are in conftest.py,
+the engines and their declared limits in engines.py."""
 from __future__ import annotations
 
 import torch
@@ -22,9 +23,10 @@ def make_drafter(kind: str, cfg: LMConfig):
     if kind == "eagle":
         return EagleDrafter(EagleConfig.from_target(cfg), generator=torch.Generator().manual_seed(1))
     if kind == "eagle3":
-        drafter = Eagle3Drafter(Eagle3Config.from_target(cfg, draft_vocab_size=3 * cfg.vocab_size // 4),
+        draft_vocab = 3 * cfg.vocab_size // 4
+        drafter = Eagle3Drafter(Eagle3Config.from_target(cfg, draft_vocab_size=draft_vocab),
                                 generator=torch.Generator().manual_seed(1))
-        drafter.set_draft_vocab(torch.arange(cfg.vocab_size // 4, cfg.vocab_size))
+        drafter.set_draft_vocab(torch.arange(cfg.vocab_size - draft_vocab, cfg.vocab_size))
         return drafter
     if kind == "medusa":
         return MedusaDrafter(MedusaConfig(cfg.hidden_size, cfg.vocab_size, 4))

@@ -19,7 +19,7 @@ from scipy.stats import chisquare
 import nemo_tlt.rollout.torch_engine as engine_mod
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.model.hf_io import save_hf_folder
-from nemo_tlt.rollout.protocol import Request, RolloutEngine
+from nemo_tlt.rollout.protocol import GenerationStats, Request, RolloutEngine
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.acceptance import accept_rejection
 from nemo_tlt.speculative.sampling import SamplingParams, process_logits
@@ -41,18 +41,19 @@ def exact_joint(target) -> dict[tuple[int, ...], float]:
     return {s: float(p) for s, p in zip(seqs, picked)}
 
 
-def chi2_pvalue(engine: RolloutEngine, target, drafter, shape) -> float:
+def chi2_pvalue(engine: RolloutEngine, target, drafter, shape) -> tuple[float, GenerationStats]:
+    """The chi-square p-value of N rollouts against the exact joint, and their stats."""
     joint = exact_joint(target)
     engine.load_drafter(drafter)
     out = engine.generate([Request(PROMPT, seq_id=i) for i in range(N)], SAMPLING,
-                          policy=FixedSDPolicy(shape) if drafter else None)
+                          policy=FixedSDPolicy(shape) if drafter is not None else None)
     counts: dict[tuple[int, ...], int] = {}
     for r in out.results:
         counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
     # pool cells with small expectation into one, so the chi-square approximation holds
     impossible = sum(c for k, c in counts.items() if joint[k] == 0.0)
     if impossible:  # a token outside top-k was produced
-        return 0.0
+        return 0.0, out.stats
     keys = sorted((k for k in joint if joint[k] > 0), key=joint.get, reverse=True)
     big = [k for k in keys if joint[k] * N >= 5]
     small = [k for k in keys if joint[k] * N < 5]
@@ -61,15 +62,18 @@ def chi2_pvalue(engine: RolloutEngine, target, drafter, shape) -> float:
     if small:
         obs.append(sum(counts.get(k, 0) for k in small))
         exp.append(sum(joint[k] for k in small) * N)
-    if drafter is not None:
-        assert out.stats.sd_steps > 0 and out.stats.mean_accept_len > 1.0
-    return float(chisquare(np.array(obs), np.array(exp) * sum(obs) / sum(exp)).pvalue)
+    return float(chisquare(np.array(obs), np.array(exp) * sum(obs) / sum(exp)).pvalue), out.stats
+
+
+def _small_target(**shape):
+    fields = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    return tiny_target(seed=3, scale=3.0, **{**fields, **shape})
 
 
 @pytest.fixture(scope="module")
-def small_target():
-    return tiny_target(seed=3, scale=3.0, vocab_size=V, hidden_size=16, intermediate_size=32,
-                       num_heads=2, num_kv_heads=1, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+def small_target(make_engine):
+    return _small_target(**{k: v for k, v in make_engine.spec.model_shape.items() if k != "vocab_size"})
 
 
 @pytest.fixture(scope="module")
@@ -78,19 +82,25 @@ def small_dir(small_target, tmp_path_factory):
 
 
 def test_plain_sampling_matches_exact(make_engine, small_dir, small_target):
-    assert chi2_pvalue(make_engine(small_dir), small_target, None, None) > 1e-3
+    assert chi2_pvalue(make_engine(small_dir), small_target, None, None)[0] > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["oracle", "adversarial", "eagle3"],
+                         ids=["good_drafter", "bad_drafter", "eagle3_drafter"])
+def test_rejection_sd_matches_exact(make_engine, small_dir, small_target, kind):
+    engine = make_engine(small_dir)
+    drafter = make_engine.drafter(kind, engine.model_config)
+    pvalue, stats = chi2_pvalue(engine, small_target, drafter, TreeShape(2, 2, 4))
+    assert pvalue > 1e-3
+    if make_engine.spec.step_stats:
+        assert stats.sd_steps > 0 and stats.mean_accept_len > 1.0, stats.mean_accept_len
 
 
 @pytest.mark.parametrize("adversarial", [False, True], ids=["good_drafter", "bad_drafter"])
-def test_rejection_sd_matches_exact(make_engine, small_dir, small_target, adversarial):
-    shape = TreeShape(2, 2, 4)
-    assert chi2_pvalue(make_engine(small_dir), small_target, OracleDrafter(adversarial), shape) > 1e-3
-
-
-@pytest.mark.parametrize("adversarial", [False, True], ids=["good_drafter", "bad_drafter"])
-def test_broken_rule_is_detected(small_dir, small_target, monkeypatch, adversarial):
+def test_broken_rule_is_detected(tmp_path, monkeypatch, adversarial):
     """The test's power, shown on the torch engine (whose acceptance rule can be broken)."""
+    target = _small_target()
+    engine = TorchRolloutEngine.from_hf_folder(save_hf_folder(target, tmp_path / "target"))
     broken = functools.partial(accept_rejection, residual_update=lambda r, tok: r)
     monkeypatch.setattr(engine_mod, "accept_rejection", broken)
-    engine = TorchRolloutEngine.from_hf_folder(small_dir)
-    assert chi2_pvalue(engine, small_target, OracleDrafter(adversarial), TreeShape(2, 2, 4)) < 1e-6
+    assert chi2_pvalue(engine, target, OracleDrafter(adversarial), TreeShape(2, 2, 4))[0] < 1e-6

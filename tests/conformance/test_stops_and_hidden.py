@@ -9,7 +9,7 @@ import torch
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.speculative.tree_shape import TreeShape
-from suite_helpers import make_drafter, requests, tokens
+from suite_helpers import requests, tokens
 
 POLICIES = [None, FixedSDPolicy(TreeShape(3, 2, 5)), FixedSDPolicy(TreeShape(4, 1, 4))]
 POLICY_IDS = ["plain", "tree_3_2_5", "chain_4"]
@@ -18,15 +18,20 @@ POLICY_IDS = ["plain", "tree_3_2_5", "chain_4"]
 @pytest.fixture(scope="module")
 def engine(make_engine, model_dir):
     engine = make_engine(model_dir)
-    engine.load_drafter(make_drafter("oracle", engine.model_config))
+    engine.load_drafter(make_engine.first_drafter(("oracle", "eagle3"), engine.model_config))
     return engine
 
 
+def _sampled(make_engine) -> str:
+    """coupled where the engine runs it (each row repeats alone), else rejection."""
+    return "coupled" if "coupled" in make_engine.spec.modes else "rejection"
+
+
 @pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
-def test_eos_and_length_stop_rows_of_one_batch(engine, policy):
+def test_eos_and_length_stop_rows_of_one_batch(make_engine, engine, policy):
     eos = engine.model_config.eos_token_id
     reqs = requests([3, 5, 2, 4] * 4, seed=2)
-    sp = SamplingParams(mode="coupled", temperature=1.5, max_new_tokens=30, seed=3)
+    sp = SamplingParams(mode=_sampled(make_engine), temperature=1.5, max_new_tokens=30, seed=3)
     out = engine.generate(reqs, sp, policy=policy)
     assert len(out.results) == len(reqs)
     for res in out.results:
@@ -36,15 +41,17 @@ def test_eos_and_length_stop_rows_of_one_batch(engine, policy):
             assert res.stop_reason == "length" and len(res.tokens) == 30 and eos not in res.tokens
     eos_lengths = {len(r.tokens) for r in out.results if r.stop_reason == "eos"}
     assert len(eos_lengths) >= 2 and any(r.stop_reason == "length" for r in out.results), eos_lengths
+    if sp.mode != "coupled":
+        return
     # each row is the one the request gives alone: rows of other lengths do not disturb it
     for i in (0, 5, 10):
         assert tokens(engine.generate([reqs[i]], sp, policy=policy)) == [out.results[i].tokens]
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
-def test_without_stop_on_eos_every_row_runs_to_max_new_tokens(engine, policy):
+def test_without_stop_on_eos_every_row_runs_to_max_new_tokens(make_engine, engine, policy):
     reqs = requests([3, 5, 2, 4] * 4, seed=2)
-    sp = SamplingParams(mode="coupled", temperature=1.5, max_new_tokens=30, seed=3, stop_on_eos=False)
+    sp = SamplingParams(mode=_sampled(make_engine), temperature=1.5, max_new_tokens=30, seed=3, stop_on_eos=False)
     out = engine.generate(reqs, sp, policy=policy)
     assert all(r.stop_reason == "length" and len(r.tokens) == 30 for r in out.results)
     assert any(engine.model_config.eos_token_id in r.tokens for r in out.results), "EOS should be sampled"
@@ -52,7 +59,8 @@ def test_without_stop_on_eos_every_row_runs_to_max_new_tokens(engine, policy):
 
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])
 @pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
-def test_hidden_states_are_the_targets_own(engine, reference, mode, policy):
+def test_hidden_states_are_the_targets_own(make_engine, engine, reference, mode, policy):
+    make_engine.require(mode=mode, hidden=True)
     reqs = requests([4, 1, 7, 3], seed=6)
     sp = SamplingParams(mode=mode, temperature=1.2, max_new_tokens=20, seed=5)
     out = engine.generate(reqs, sp, policy=policy, return_hidden=True)
@@ -81,8 +89,9 @@ def test_with_an_eagle3_drafter_hidden_states_are_the_captured_layers(make_engin
     """With a drafter that declares capture_layers, each row carries the outputs of
     those target layers (concatenated), then the final hidden state, from the
     rollout's own forwards."""
+    make_engine.require(mode="coupled", hidden=True)
     engine = make_engine(model_dir)
-    engine.load_drafter(make_drafter("eagle3", engine.model_config))
+    engine.load_drafter(make_engine.drafter("eagle3", engine.model_config))
     layers = engine.drafter.capture_layers
     reqs = requests([4, 1, 7, 3], seed=6)
     sp = SamplingParams(mode="coupled", temperature=1.2, max_new_tokens=20, seed=5)

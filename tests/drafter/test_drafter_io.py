@@ -9,7 +9,7 @@ from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.drafter.io import load_drafter, save_drafter
 from nemo_tlt.drafter.medusa import MedusaConfig, MedusaDrafter
 from nemo_tlt.drafter.train import DrafterTrainConfig, drafter_loss, train_drafter
-from tiny import tiny_config, tiny_target
+from tiny import tiny_config
 
 
 def _samples(target, n=6, length=20, seed=0):

@@ -3,7 +3,6 @@ import path, and the HF tokenizer saved in the model folder (no demo code involv
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -12,11 +12,14 @@ import pytest
 import torch
 
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
+from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
+from nemo_tlt.drafter.eagle3_hf import write_eagle3_hf
 from nemo_tlt.model.hf_io import save_hf_folder
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.trtllm_config import WORKER_EXTENSION, TRTLLMEngineConfig
-from nemo_tlt.rollout.trtllm_engine import (TRTLLMRolloutEngine, canonical_shapes, completion_to_result,
-                                            import_tensorrt_llm, sampling_kwargs, weight_buckets)
+from nemo_tlt.rollout.trtllm_engine import (TRTLLMRolloutEngine, canonical_shapes, check_drafter_layers,
+                                            completion_to_result, import_tensorrt_llm, sampling_kwargs,
+                                            trtllm_capture_layers, weight_buckets)
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.speculative.tree_shape import TreeShape
 from tiny import tiny_config, tiny_target
@@ -91,6 +94,30 @@ def test_config_validation_and_llm_kwargs():
     assert TRTLLMEngineConfig(target_dir="t").speculative_kwargs() is None
 
 
+def _exported_drafter(cfg, folder, capture_layers=None) -> str:
+    drafter = Eagle3Drafter(Eagle3Config.from_target(cfg, capture_layers), generator=torch.Generator().manual_seed(0))
+    folder.mkdir()
+    write_eagle3_hf(drafter, folder)
+    return str(folder)
+
+
+def test_the_drafter_must_capture_the_layers_trtllm_captures(tmp_path):
+    """TensorRT-LLM feeds the drafter the layers of eagle3_layers_to_capture (a set):
+    a drafter trained on others, or on a repeated layer, is refused by name."""
+    cfg = tiny_config(num_layers=8)
+    assert trtllm_capture_layers(TRTLLMEngineConfig(target_dir="t"), 8) == (1, 3, 4)
+    assert trtllm_capture_layers(TRTLLMEngineConfig(target_dir="t", eagle3_layers_to_capture=(5, 0, 2)), 8) == (0, 2, 5)
+    default = _exported_drafter(cfg, tmp_path / "default")  # our default equals TensorRT-LLM's at L > 5
+    check_drafter_layers(default, (1, 3, 4))
+    with pytest.raises(ValueError, match=r"trained on target layers \[1, 3, 4\].*capture \[0, 2, 5\]"):
+        check_drafter_layers(default, (0, 2, 5))
+    repeated = _exported_drafter(tiny_config(num_layers=2), tmp_path / "repeated")  # (0, 0, 1) on 2 layers
+    with pytest.raises(ValueError, match=r"\[0, 0, 1\] with repeats"):
+        check_drafter_layers(repeated, (0, 1))
+    with pytest.raises(ValueError, match="not an EAGLE-3 HF config"):
+        check_drafter_layers(tmp_path, (0, 1))
+
+
 # ---- a stand-in module (NOT TensorRT-LLM) to check what our engine hands to the LLM API ----------
 class FakeLLM:
     def __init__(self, **kwargs):
@@ -118,11 +145,12 @@ def fake_tensorrt_llm(monkeypatch):
 
 def test_engine_conversion_and_schedule_updates_against_a_fake_module(monkeypatch, tmp_path):
     fake_tensorrt_llm(monkeypatch)
-    folder = save_hf_folder(tiny_target(), tmp_path / "t")
-    engine = TRTLLMRolloutEngine.from_hf_folder(folder, drafter_dir=str(tmp_path / "d"), max_draft_len=4,
-                                                max_batch_size=8)
-    assert engine.llm.kwargs["speculative_config"][1]["speculative_model"] == str(tmp_path / "d")
-    assert engine.model_config == tiny_config()
+    folder = save_hf_folder(tiny_target(num_layers=3), tmp_path / "t")
+    drafter_dir = _exported_drafter(tiny_config(num_layers=3), tmp_path / "d")
+    engine = TRTLLMRolloutEngine.from_hf_folder(folder, drafter_dir=drafter_dir, max_draft_len=4, max_batch_size=8,
+                                                eagle3_layers_to_capture=(0, 1, 2))
+    assert engine.llm.kwargs["speculative_config"][1]["speculative_model"] == drafter_dir
+    assert engine.model_config == tiny_config(num_layers=3)
     out = engine.generate([Request([3, 4]), Request([5], seq_id=9)], SamplingParams(max_new_tokens=4),
                           policy=FixedSDPolicy(TreeShape(2, 1, 2)))
     assert [r.tokens for r in out.results] == [[5, 6, 2], [5, 6, 2]]
@@ -138,3 +166,6 @@ def test_engine_conversion_and_schedule_updates_against_a_fake_module(monkeypatc
         engine.generate([Request([3])], SamplingParams(max_new_tokens=4), return_hidden=True)
     with pytest.raises(ValueError, match="not a torch|EAGLE-3 HF folder"):
         engine.load_drafter(torch.nn.Linear(1, 1))
+    other_layers = _exported_drafter(tiny_config(num_layers=3), tmp_path / "other", capture_layers=(1, 2))
+    with pytest.raises(ValueError, match=r"trained on target layers \[1, 2\]"):
+        engine.load_drafter(other_layers)

@@ -1,0 +1,177 @@
+"""The engines the suite runs, and what each declares it cannot do.
+
+An `EngineSpec` builds an engine for an HF-format folder and lists its limits: the
+sampling modes it runs, whether it returns hidden states and per-step stats, the
+drafter kinds it loads and in which form. `EngineUnderTest` (the `make_engine`
+fixture) hands the tests engines, drafters in the engine's form and the skips
+for what an engine declares it cannot do; `test_limits.py` checks that each
+declared limit is refused by name rather than silently run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from nemo_tlt.drafter.eagle3_hf import read_eagle3_hf, write_eagle3_hf
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.hf_io import read_config
+from nemo_tlt.rollout.protocol import GenerateOutput, GenerationStats, RolloutEngine
+from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
+from nemo_tlt.rollout.trtllm_engine import validate_requests
+from nemo_tlt.speculative.sampling import SamplingParams
+from suite_helpers import DRAFTERS, make_drafter
+
+MODES = ("greedy", "rejection", "coupled")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """``open(model_dir, under_test)`` serves the folder, with no drafter loaded.
+    ``drafter_form``: "module" (a torch `Drafter`) or "eagle3-hf" (the folder
+    `nemo-tlt convert --to eagle3-hf` writes). ``model_shape``: tiny-model fields
+    the engine's kernels need (overrides of ``tests/tiny.tiny_config``). ``why``:
+    the reason each limit is given in the skips."""
+
+    name: str
+    open: Callable[[Path, "EngineUnderTest"], RolloutEngine]
+    modes: tuple[str, ...] = MODES
+    hidden_states: bool = True
+    step_stats: bool = True
+    drafter_kinds: tuple[str, ...] = DRAFTERS
+    drafter_form: str = "module"
+    model_shape: dict[str, Any] = field(default_factory=dict)
+    why: str = ""
+
+    def limits(self) -> list[str]:
+        """What this engine declares it cannot do, one phrase each."""
+        out = [f"mode {m!r}" for m in MODES if m not in self.modes]
+        out += [] if self.hidden_states else ["return_hidden"]
+        out += [] if self.step_stats else ["per-step stats"]
+        out += [f"drafter kind {k!r}" for k in DRAFTERS if k not in self.drafter_kinds]
+        return out
+
+
+class EngineUnderTest:
+    """The `make_engine` fixture: ``make_engine(model_dir)`` is an engine of ``spec``."""
+
+    def __init__(self, spec: EngineSpec, tmp: Path) -> None:
+        self.spec = spec
+        self._tmp = tmp
+        self._exported: dict[tuple[str, str], str] = {}
+
+    def __call__(self, model_dir: Path) -> RolloutEngine:
+        return self.spec.open(Path(model_dir), self)
+
+    def _skip(self, what: str) -> None:
+        pytest.skip(f"the {self.spec.name} engine declares no {what} ({self.spec.why})")
+
+    def require(self, *, mode: str | None = None, hidden: bool = False, stats: bool = False) -> None:
+        """Skip the test, with the reason, where it needs what the engine declares it cannot do."""
+        if mode is not None and mode not in self.spec.modes:
+            self._skip(f"mode {mode!r}")
+        if hidden and not self.spec.hidden_states:
+            self._skip("return_hidden")
+        if stats and not self.spec.step_stats:
+            self._skip("per-step stats")
+
+    def reproducible(self, **fields: Any) -> SamplingParams:
+        """Sampling that gives the same tokens on every call: coupled where the engine
+        runs it, else greedy (``temperature`` etc. are dropped for greedy)."""
+        if "coupled" in self.spec.modes:
+            return SamplingParams(mode="coupled", **fields)
+        return SamplingParams(mode="greedy", **{k: v for k, v in fields.items()
+                                                if k in ("max_new_tokens", "stop_on_eos")})
+
+    def drafter(self, kind: str, cfg: LMConfig) -> Any:
+        """The suite's drafter of ``kind`` for a target of ``cfg`` in the form the engine
+        loads (skips the test where the engine cannot load that kind)."""
+        if kind not in self.spec.drafter_kinds:
+            self._skip(f"drafter kind {kind!r}")
+        drafter = make_drafter(kind, cfg)
+        if self.spec.drafter_form == "module":
+            return drafter
+        key = (kind, repr(cfg))
+        if key not in self._exported:  # the suite's drafters are seeded: one folder per (kind, target)
+            folder = self._tmp / f"{kind}-{len(self._exported)}"
+            folder.mkdir(parents=True)
+            write_eagle3_hf(drafter, folder)
+            self._exported[key] = str(folder)
+        return self._exported[key]
+
+    def first_drafter(self, kinds: tuple[str, ...], cfg: LMConfig) -> Any:
+        """`drafter` of the first of ``kinds`` the engine loads."""
+        usable = [k for k in kinds if k in self.spec.drafter_kinds]
+        if not usable:
+            self._skip(f"drafter kind of {list(kinds)}")
+        return self.drafter(usable[0], cfg)
+
+
+# ---- the engines -------------------------------------------------------------------------------
+def _open_torch(model_dir: Path, under_test: EngineUnderTest) -> RolloutEngine:
+    return TorchRolloutEngine.from_hf_folder(model_dir)
+
+
+def _open_trtllm(model_dir: Path, under_test: EngineUnderTest) -> RolloutEngine:
+    """TensorRT-LLM speculates only with the drafter it was built with, so the LLM is
+    built with the suite's EAGLE-3 drafter (exported), capturing that drafter's layers,
+    then the drafter is unloaded (speculation off) like every engine's at start;
+    `load_drafter(folder)` switches it back on with that folder's weights."""
+    from nemo_tlt.rollout.trtllm_engine import TRTLLMRolloutEngine  # lazy: optional package
+
+    cfg = read_config(model_dir)
+    folder = under_test.drafter("eagle3", cfg)
+    layers = make_drafter("eagle3", cfg).capture_layers
+    engine = TRTLLMRolloutEngine.from_hf_folder(model_dir, drafter_dir=folder, eagle3_layers_to_capture=layers,
+                                                max_draft_len=4)
+    engine.load_drafter(None)
+    return engine
+
+
+class TRTLLMLimitedTorchEngine:
+    """The torch engine behind TensorRT-LLM's declared limits, to run the suite's trtllm
+    path here (tests only; it says nothing about TensorRT-LLM itself): drafters only as
+    EAGLE-3 HF folders, coupled sampling and return_hidden refused by the TensorRT-LLM
+    engine's own checks, per-step stats not reported."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self._engine = TorchRolloutEngine.from_hf_folder(model_dir)
+
+    @property
+    def model_config(self) -> LMConfig:
+        return self._engine.model_config
+
+    def load_policy_weights(self, weights) -> None:
+        self._engine.load_policy_weights(weights)
+
+    def load_drafter(self, drafter) -> None:
+        if isinstance(drafter, torch.nn.Module):
+            raise ValueError("load_drafter takes an EAGLE-3 HF folder (eagle3-hf), not a torch module")
+        self._engine.load_drafter(None if drafter is None else read_eagle3_hf(drafter))
+
+    def generate(self, requests, sampling, *, policy=None, return_hidden=False) -> GenerateOutput:
+        validate_requests(requests, sampling, self.model_config)  # TensorRT-LLM's checks: coupled refused
+        if return_hidden:
+            raise ValueError("generate: return_hidden is not available from TensorRT-LLM's LLM API")
+        out = self._engine.generate(requests, sampling, policy=policy)
+        stats = GenerationStats(tokens_generated=out.stats.tokens_generated)
+        stats.wall_s = stats.time_other_s = out.stats.wall_s
+        return GenerateOutput(out.results, stats)
+
+
+TORCH = EngineSpec("torch", _open_torch)
+TRTLLM_LIMITS = EngineSpec(
+    "torch-as-trtllm", lambda model_dir, under_test: TRTLLMLimitedTorchEngine(model_dir),
+    modes=("greedy", "rejection"), hidden_states=False, step_stats=False, drafter_kinds=("eagle3",),
+    drafter_form="eagle3-hf",
+    why="TensorRT-LLM's limits, docs/trtllm.md")
+TRTLLM = replace(
+    TRTLLM_LIMITS, name="trtllm", open=_open_trtllm,
+    # head_dim 64 (hidden 128, 2 heads): a head size TensorRT-LLM's attention kernels are
+    # built for; the torch suite's head_dim 8 is likely not one (unverified: never run).
+    # 3 layers: the EAGLE-3 drafter captures (0, 1, 2); on 2 it would repeat one, and
+    # TensorRT-LLM captures a set (trtllm_engine.check_drafter_layers)
+    model_shape=dict(hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=1, num_layers=3))
