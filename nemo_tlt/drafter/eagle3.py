@@ -21,11 +21,11 @@ Captured layers are indexed like TensorRT-LLM's ``eagle3_layers_to_capture``: th
 output of 0-based decoder layer i. vLLM and SGLang number the same tensor i + 1
 (the input of layer i + 1); the HF export converts.
 
-Features per position (what the engine hands over and the harvest stores),
-``feature_width = (k + 1) * H``: the k captured layer outputs, then the target's
-final hidden state (after its final norm). The drafter's input is the first k*H;
-the final state is for training only: its logits under the target's head are the
-soft labels of EAGLE-3's loss (nemo_tlt.drafter.ttt).
+Features per position (what the engine hands over and the harvest stores; layout in
+nemo_tlt.drafter.features), ``feature_width = (k + 1) * H``: the k captured layer
+outputs, then the target's final hidden state (after its final norm). The drafter's
+input is the first k*H; the final state is for training only: its logits under the
+target's head are the soft labels of EAGLE-3's loss (nemo_tlt.drafter.ttt).
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from nemo_tlt.drafter.base import DraftContext, check_same_dims
 from nemo_tlt.drafter.draft_vocab import draft_ids, vocab_maps
 from nemo_tlt.drafter.eagle import EagleState
 from nemo_tlt.drafter.eagle_tree import propose_tree
+from nemo_tlt.drafter.features import feature_width
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.kv_cache import KVCache
 from nemo_tlt.model.layers import MLP, Attention, RMSNorm
@@ -163,10 +164,11 @@ class Eagle3Drafter(nn.Module):
     @property
     def feature_width(self) -> int:
         """Width of one position's features: k captured layers, then the final state."""
-        return (len(self.config.capture_layers) + 1) * self.config.layer.hidden_size
+        return feature_width(self.config.layer.hidden_size, self.config.capture_layers)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """h = fc(captured layers) from features [..., k*H] or [..., feature_width]."""
+        """h = fc(captured layers) from features [..., k*H] or [..., feature_width]
+        (nemo_tlt.drafter.features)."""
         return self.fc(features[..., : self.fc.in_features].to(self.fc.weight.dtype))
 
     @property

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from nemo_tlt.drafter.data import EagleBatch
 from nemo_tlt.drafter.draft_vocab import draft_ids
 from nemo_tlt.drafter.eagle3 import Eagle3Drafter
+from nemo_tlt.drafter.features import split_features
 from nemo_tlt.drafter.loss import masked_mean
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.model.rope import apply_rope
@@ -95,7 +96,7 @@ def eagle3_loss(drafter: Eagle3Drafter, target: DecoderLM, batch: EagleBatch,
     outs = ttt_outputs(drafter, target, batch, feats, cfg.ttt_steps)
     with torch.no_grad():  # the target's distribution of x[t+2], from its final state at t+1
         weight = target.lm_head_weight.detach()
-        final = batch.target_feat[..., drafter.fc.in_features:].to(weight.dtype)
+        final = split_features(batch.target_feat, len(cfg.capture_layers))[1].to(weight.dtype)
         if drafter.full_vocab:
             teacher = F.linear(final, weight).float()
             kept = torch.ones(teacher.shape[:-1], dtype=torch.bool, device=teacher.device)

@@ -7,8 +7,8 @@ those layers' outputs on the stage that holds each (``LayerCapture``). After the
 ``features(shape, device)`` (``shape = (B, T, H)``), called by every rank of this rank's pipeline
 group (a collective when PP > 1), returns the same float ``[B, T, H]`` on every one of
 them: the final hidden state; or with ``capture_layers`` ``[B, T, (k + 1) * H]``, the
-captured layers in ``capture_layers`` order, then the final state (the EAGLE-3 layout
-of the torch rollout engine). Each captured layer is broadcast from the stage owning it
+captured layers in ``capture_layers`` order, then the final state (the EAGLE-3 layout,
+nemo_tlt.drafter.features). Each captured layer is broadcast from the stage owning it
 (``ParallelLayout.stage_layer_offsets``: the split the weights were loaded by, checked
 against the hooked layers' own numbers), the final state from the last stage. Only the
 most recent forward of each hook counts. ``close()`` removes the hooks.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from nemo_tlt.drafter.features import join_features
 from nemo_tlt.weights.layout import ParallelLayout
 
 
@@ -83,10 +84,8 @@ class ForwardFeatures:
 
         # every rank visits the parts in one order: the final state, then the layers sorted
         final, *captured = [from_stage(stage, mine) for stage, mine, _ in self._owned_parts()]
-        if not self.capture_layers:
-            return final
         layers = dict(zip(sorted(set(self.capture_layers)), captured))
-        return torch.cat([layers[i] for i in self.capture_layers] + [final], -1)
+        return join_features(final, [layers[i] for i in self.capture_layers])
 
     def _owned_parts(self) -> list[tuple[int, torch.Tensor | None, str]]:
         """(owning stage, this rank's capture or None, name) of the final state and each captured layer."""

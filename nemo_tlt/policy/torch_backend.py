@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_tlt.dist import allreduce_flat
+from nemo_tlt.drafter.features import join_features
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.optim import build_optimizer
@@ -79,7 +80,7 @@ class TorchPolicy:
                         ) -> torch.Tensor:
         if on_hidden is not None and capture_layers:
             hidden, captured = model.hidden_capture(mb.input_ids, capture_layers)
-            _emit_hidden(on_hidden, torch.cat((captured, hidden), -1), mb, batch)
+            _emit_hidden(on_hidden, join_features(hidden, captured), mb, batch)
         else:
             hidden = model.hidden(mb.input_ids)
             if on_hidden is not None:

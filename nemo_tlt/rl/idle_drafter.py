@@ -28,6 +28,7 @@ from typing import Mapping
 import torch
 
 from nemo_tlt.dist import NodeGroups
+from nemo_tlt.drafter.features import feature_width
 from nemo_tlt.drafter.io import load_drafter
 from nemo_tlt.drafter.target_view import TargetView
 from nemo_tlt.rl.records import IdleResult
@@ -45,8 +46,7 @@ class IdleDrafter:
                  nodes: NodeGroups | None = None) -> None:
         self.config, self.view, self.nodes = config, view, nodes
         self.drafter = load_drafter(drafter_dir, view)
-        # features per position: the final hidden state, or (EAGLE-3) the captured layers and the final state
-        width = getattr(self.drafter, "feature_width", view.config.hidden_size)
+        width = feature_width(view.config.hidden_size, getattr(self.drafter, "capture_layers", None))
         self.buffer = HarvestBuffer(HarvestConfig(width, max_bytes=config.harvest_max_mb << 20))
         self.trainer = SpotTrainer(self.drafter, eagle_loss_fn(view), config.trainer, rank=rank, seed=seed)
         self._thread = ThreadPoolExecutor(1, "tlt-idle", initializer=_init_idle_thread,

@@ -33,6 +33,7 @@ import torch
 
 from nemo_tlt.adaptive.sd_policy import SpecPolicy
 from nemo_tlt.drafter.base import DraftContext, Drafter, DraftState
+from nemo_tlt.drafter.features import feature_width, join_features
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import load_hf_folder
 from nemo_tlt.model.kv_cache import KVCache, fill_holes_order, grow_slots, keep_rows
@@ -230,7 +231,7 @@ class TorchRolloutEngine:
         return getattr(self.drafter, "capture_layers", None)
 
     def _feature_width(self) -> int:
-        return getattr(self.drafter, "feature_width", self.target.config.hidden_size)
+        return feature_width(self.target.config.hidden_size, self._capture())
 
     def _forward(self, tokens, positions, cache, new_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward: (final hidden states, the features kept per position:
@@ -238,7 +239,7 @@ class TorchRolloutEngine:
         capture = self._capture()
         if capture:
             hidden, captured = self.target.hidden_capture(tokens, capture, positions, cache, new_mask)
-            return hidden, torch.cat((captured, hidden), -1)
+            return hidden, join_features(hidden, captured)
         hidden = self.target.hidden(tokens, positions, cache, new_mask)
         return hidden, hidden
 
