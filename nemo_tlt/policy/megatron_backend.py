@@ -17,7 +17,7 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
   and last stage) are summed over the embedding group, as megatron's
   ``finalize_model_grads`` would; then the gradients are summed over the data-parallel
   group (``allreduce_flat``). The clip norm counts every weight once and is all-reduced
-  over the model-parallel group.
+  over the model-parallel group (``nemo_tlt.megatron.grads``).
 * Optimizer: ``nemo_tlt.optim.build_optimizer`` (AdamW) over the local shards
   (elementwise, so sharded == unsharded for equal grads). Megatron's
   ``DistributedOptimizer`` (fp32 main params, grad buffers, overlapped reduce) needs its
@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_tlt.dist import allreduce_flat
+from nemo_tlt.megatron.grads import allreduce_tied_embedding_grads, clip_grads
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.optim import build_optimizer
 from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, padded, scatter
@@ -298,9 +299,9 @@ class MegatronPolicy:
                 self._schedule(self.model, mb, self._loss_fn(mb, advantages, logp_old, logp_ref, global_tokens,
                                                              totals), False, batch, on_hidden, capture_layers)
             self._from_last_stage(totals)
-            self._allreduce_tied_embedding_grads()
+            allreduce_tied_embedding_grads(self.model, self.model_config.tie_word_embeddings, self.layout.pp)
             allreduce_flat([p.grad for p in self.params], group=parallel_state.get_data_parallel_group())
-            norm = self._clip_grads()
+            norm = clip_grads(self.params, self.config.optim.grad_clip, self.sharded_state, self.device)
             lr = self.schedule.apply(self.step)
             self.optimizer.step()
             self.step += 1
@@ -331,39 +332,6 @@ class MegatronPolicy:
             return loss * share, {}
 
         return loss_fn
-
-    # ---- gradients ------------------------------------------------------------------------
-    def _allreduce_tied_embedding_grads(self) -> None:
-        """Tied embeddings under PP > 1 live on the first and the last stage; their grads are summed."""
-        from megatron.core import parallel_state
-
-        if not (self.model_config.tie_word_embeddings and self.layout.pp > 1):
-            return
-        if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
-            return
-        weight = self.model.shared_embedding_or_output_weight()
-        dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
-
-    def _clip_grads(self) -> float:
-        """Clip by the global grad norm over every weight counted once; returns the norm."""
-        from megatron.core import parallel_state
-
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in self.params:
-            duplicate = (not getattr(p, "tensor_model_parallel", False) and tp_rank != 0) or getattr(p, "shared", False)
-            if not duplicate:
-                sq += p.grad.float().pow(2).sum()
-        if self.sharded_state:
-            dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
-        norm = sq.sqrt()
-        clip = self.config.optim.grad_clip
-        if clip > 0:
-            # torch.nn.utils.clip_grad_norm_'s rule, so both backends clip alike.
-            coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
-            for p in self.params:
-                p.grad.mul_(coef.to(p.grad.dtype))
-        return float(norm)
 
     # ---- weights out / in ----------------------------------------------------------------
     def canonical_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
