@@ -50,6 +50,29 @@ def shift_left(x: torch.Tensor, j: int, fill: int | float | bool = 0) -> torch.T
     return torch.cat((x[:, j:], pad), 1)[:, : x.shape[1]]
 
 
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  causal: torch.Tensor) -> torch.Tensor:
+    """Attention of step j = len(keys) - 1 (see the module docstring): queries
+    q [B, nh, T, d] see the step-0 keys ``keys[0]`` [B, nkv, T, d] where ``causal``
+    [B, T, T] allows, and the keys of steps 1..j at their own position only. Equals
+    scaled-dot-product attention over the concatenated keys with the mask
+    [causal | diag | ... | diag], but the j diagonal blocks are computed as one score
+    per position (as EAGLE-3's reference code does): O(T^2 + jT) per step, not O((j+1) T^2)."""
+    rep = q.shape[1] // keys[0].shape[1]
+    if len(keys) == 1:
+        return F.scaled_dot_product_attention(q, keys[0], values[0], attn_mask=causal[:, None], enable_gqa=rep > 1)
+
+    def heads(x: torch.Tensor) -> torch.Tensor:  # GQA: each kv head serves `rep` query heads
+        return x.repeat_interleave(rep, 1) if rep > 1 else x
+
+    T, scale = q.shape[2], q.shape[-1] ** -0.5
+    prefix = (q @ heads(keys[0]).transpose(-1, -2)).mul_(scale).masked_fill_(~causal[:, None], float("-inf"))
+    own = torch.stack([(q * heads(k)).sum(-1) for k in keys[1:]], -1).mul_(scale)       # [B, nh, T, j]
+    p = torch.cat((prefix, own), -1).softmax(-1)
+    later = torch.stack([heads(v) for v in values[1:]], -2)                              # [B, nh, T, j, d]
+    return p[..., :T] @ heads(values[0]) + (p[..., T:, None] * later).sum(-2)
+
+
 def ttt_outputs(drafter: Eagle3Drafter, target: DecoderLM, batch: EagleBatch, features: torch.Tensor,
                 steps: int) -> list[torch.Tensor]:
     """The outputs o_j [B, T, H] of steps j = 0..steps-1 (see module docstring);
@@ -58,7 +81,6 @@ def ttt_outputs(drafter: Eagle3Drafter, target: DecoderLM, batch: EagleBatch, fe
     layer, attn = drafter.midlayer, drafter.midlayer.self_attn
     nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     causal = batch.new_mask if batch.new_mask is not None else torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
-    diag = torch.eye(T, dtype=torch.bool).expand(B, T, T)
     h = drafter.fuse(features)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
@@ -74,9 +96,7 @@ def ttt_outputs(drafter: Eagle3Drafter, target: DecoderLM, batch: EagleBatch, fe
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys.append(k)
         values.append(v)
-        mask = torch.cat([causal] + [diag] * j, -1)[:, None]                       # [B, 1, T, (j+1)T]
-        o = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
-                                           enable_gqa=nh != nkv)
+        o = ttt_attention(q, keys, values, causal)
         h = layer.finish(resid, attn.o_proj(o.transpose(1, 2).reshape(B, T, nh * d)))
         outs.append(h)
     return outs
