@@ -50,27 +50,42 @@ def shift_left(x: torch.Tensor, j: int, fill: int | float | bool = 0) -> torch.T
     return torch.cat((x[:, j:], pad), 1)[:, : x.shape[1]]
 
 
+def ttt_attention_reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                            causal: torch.Tensor) -> torch.Tensor:
+    """The plain form of `ttt_attention`: scaled-dot-product attention over the
+    concatenated keys of steps 0..j with the mask [causal | diag | ... | diag]."""
+    B, _, T, _ = q.shape
+    diag = torch.eye(T, dtype=torch.bool, device=q.device).expand(B, T, T)
+    mask = torch.cat([causal] + [diag] * (len(keys) - 1), -1)[:, None]                # [B, 1, T, (j+1)T]
+    return F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                          enable_gqa=q.shape[1] != keys[0].shape[1])
+
+
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                   causal: torch.Tensor) -> torch.Tensor:
     """Attention of step j = len(keys) - 1 (see the module docstring): queries
     q [B, nh, T, d] see the step-0 keys ``keys[0]`` [B, nkv, T, d] where ``causal``
     [B, T, T] allows, and the keys of steps 1..j at their own position only. Equals
-    scaled-dot-product attention over the concatenated keys with the mask
-    [causal | diag | ... | diag], but the j diagonal blocks are computed as one score
-    per position (as EAGLE-3's reference code does): O(T^2 + jT) per step, not O((j+1) T^2)."""
-    rep = q.shape[1] // keys[0].shape[1]
+    `ttt_attention_reference`, but the j diagonal blocks are one score per position
+    (as EAGLE-3's reference code computes them): O(T^2 + jT) per step, not
+    O((j+1) T^2). Computed in float32 (as fused attention accumulates), returned in q's dtype."""
     if len(keys) == 1:
-        return F.scaled_dot_product_attention(q, keys[0], values[0], attn_mask=causal[:, None], enable_gqa=rep > 1)
+        return ttt_attention_reference(q, keys, values, causal)
+    B, nh, T, d = q.shape
+    nkv = keys[0].shape[1]
+    # GQA: query head h reads kv head h // (nh // nkv), as SDPA's enable_gqa
+    qg = q.float().view(B, nkv, nh // nkv, T, d)
 
-    def heads(x: torch.Tensor) -> torch.Tensor:  # GQA: each kv head serves `rep` query heads
-        return x.repeat_interleave(rep, 1) if rep > 1 else x
+    def kv(x: torch.Tensor) -> torch.Tensor:  # [B, nkv, T, d] -> [B, nkv, 1, T, d], broadcast over the group
+        return x.float()[:, :, None]
 
-    T, scale = q.shape[2], q.shape[-1] ** -0.5
-    prefix = (q @ heads(keys[0]).transpose(-1, -2)).mul_(scale).masked_fill_(~causal[:, None], float("-inf"))
-    own = torch.stack([(q * heads(k)).sum(-1) for k in keys[1:]], -1).mul_(scale)       # [B, nh, T, j]
+    scale = d ** -0.5
+    prefix = (qg @ kv(keys[0]).transpose(-1, -2)).mul_(scale).masked_fill_(~causal[:, None, None], float("-inf"))
+    own = torch.stack([(qg * kv(k)).sum(-1) for k in keys[1:]], -1).mul_(scale)       # [B, nkv, g, T, j]
     p = torch.cat((prefix, own), -1).softmax(-1)
-    later = torch.stack([heads(v) for v in values[1:]], -2)                              # [B, nh, T, j, d]
-    return p[..., :T] @ heads(values[0]) + (p[..., T:, None] * later).sum(-2)
+    later = torch.stack([kv(v) for v in values[1:]], -2)                               # [B, nkv, 1, T, j, d]
+    out = p[..., :T] @ kv(values[0]) + (p[..., T:, None] * later).sum(-2)
+    return out.view(B, nh, T, d).to(q.dtype)
 
 
 def ttt_outputs(drafter: Eagle3Drafter, target: DecoderLM, batch: EagleBatch, features: torch.Tensor,

@@ -71,7 +71,7 @@ class TRTLLMEngineConfig:
         if self.eagle3_layers_to_capture is not None:
             layers = tuple(self.eagle3_layers_to_capture)
             for i, layer in enumerate(layers):
-                check_int(f"TRTLLMEngineConfig.eagle3_layers_to_capture[{i}]", layer, -1)
+                check_int(f"TRTLLMEngineConfig.eagle3_layers_to_capture[{i}]", layer, 0)
             if len(set(layers)) != len(layers) or not layers:
                 raise ValueError("TRTLLMEngineConfig.eagle3_layers_to_capture must list distinct layer indices, "
                                  f"got {list(layers)}")

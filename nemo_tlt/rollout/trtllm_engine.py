@@ -86,6 +86,10 @@ def check_sampling(sampling: SamplingParams) -> None:
     """The contract's sampling checks, and the modes this engine runs losslessly
     (coupled is refused: see the module docstring)."""
     validate.check_sampling(sampling)
+    _refuse_coupled(sampling)
+
+
+def _refuse_coupled(sampling: SamplingParams) -> None:
     if sampling.mode == "coupled":
         raise ValueError("SamplingParams.mode='coupled' is not expressible with TensorRT-LLM: its sampler "
                          "draws from a per-request random stream, not noise keyed by (seed, seq_id, position), "
@@ -113,8 +117,8 @@ def sampling_kwargs(sampling: SamplingParams, eos_token_id: int, seq_id: int) ->
 
 def validate_requests(requests: list[Request], sampling: SamplingParams, cfg: LMConfig) -> None:
     """The contract's input checks (ValueError naming the field), before any decoding."""
-    check_sampling(sampling)
     validate.validate_requests(requests, sampling, cfg)
+    _refuse_coupled(sampling)
 
 
 def completion_to_result(token_ids: list[int], finish_reason: str | None, sampling: SamplingParams,
@@ -134,16 +138,31 @@ def completion_to_result(token_ids: list[int], finish_reason: str | None, sampli
 
 
 def trtllm_capture_layers(config: TRTLLMEngineConfig, num_layers: int) -> tuple[int, ...]:
-    """The target layers TensorRT-LLM captures for the drafter, sorted: the configured
-    ``eagle3_layers_to_capture`` or its default {1, L//2-1, L-4} (a set either way)."""
-    layers = config.eagle3_layers_to_capture or (1, num_layers // 2 - 1, num_layers - 4)
+    """The target layers TensorRT-LLM captures for the drafter, in the order it hands
+    them over (ascending: it sorts them): the configured ``eagle3_layers_to_capture``,
+    or its default: {1, L//2-1, L-4}, the last layer of a 1-layer target, refused for
+    targets of 2 to 5 layers."""
+    layers = config.eagle3_layers_to_capture
+    if layers is None and num_layers == 1:
+        layers = (0,)
+    elif layers is None:
+        if num_layers <= 5:
+            raise ValueError(f"TRTLLMEngineConfig.eagle3_layers_to_capture is unset and the target has {num_layers} "
+                             "layers: TensorRT-LLM's default {1, L//2-1, L-4} needs more than 5; set the layers "
+                             "the drafter was trained on")
+        layers = (1, num_layers // 2 - 1, num_layers - 4)
+    bad = [i for i in layers if i >= num_layers]
+    if bad:
+        raise ValueError(f"TRTLLMEngineConfig.eagle3_layers_to_capture={list(layers)} names layers {bad}; the "
+                         f"target has {num_layers} (0-based)")
     return tuple(sorted(set(layers)))
 
 
 def check_drafter_layers(folder: str | os.PathLike, captured: tuple[int, ...]) -> None:
-    """The EAGLE-3 HF folder's drafter was trained on exactly the layers TensorRT-LLM
-    captures (``captured``, sorted, distinct); otherwise its fused input is other
-    layers' states (or another width) and it drafts garbage: ValueError naming both."""
+    """The EAGLE-3 HF folder's drafter reads exactly the layers TensorRT-LLM hands over,
+    in its order (``captured``: ascending, distinct); otherwise its fused input is other
+    layers' states, in another order or of another width, and it drafts garbage:
+    ValueError naming both."""
     path = Path(folder) / "config.json"
     try:
         ids = json.loads(path.read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
@@ -154,10 +173,14 @@ def check_drafter_layers(folder: str | os.PathLike, captured: tuple[int, ...]) -
     if len(set(layers)) != len(layers):
         raise ValueError(f"{path}: the drafter captures layers {layers} with repeats; TensorRT-LLM captures a set "
                          "of distinct layers (eagle3_layers_to_capture), so it cannot serve this drafter")
-    if tuple(sorted(layers)) != tuple(captured):
+    if sorted(layers) != list(captured):
         raise ValueError(f"{path}: the drafter was trained on target layers {sorted(layers)}, TensorRT-LLM would "
                          f"capture {list(captured)}; set TRTLLMEngineConfig.eagle3_layers_to_capture to "
                          f"{sorted(layers)}")
+    if layers != sorted(layers):
+        raise ValueError(f"{path}: the drafter reads target layers in the order {layers}; TensorRT-LLM hands them "
+                         f"over ascending ({sorted(layers)}): train the drafter with capture_layers in ascending "
+                         "order")
 
 
 def canonical_shapes(cfg: LMConfig) -> dict[str, tuple[int, ...]]:

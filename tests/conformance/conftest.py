@@ -34,7 +34,7 @@ def needs(package: str, cuda: bool = False) -> list[pytest.MarkDecorator]:
 # One entry per engine (see README.md). The trtllm cases run only with TensorRT-LLM and a
 # CUDA device (`pytest -m trtllm` on a GPU node; docs/trtllm.md); they were never run here.
 # torch-as-trtllm runs the suite's trtllm path (exported drafters, declared limits) on the
-# torch engine, so a trtllm failure on a GPU node is TensorRT-LLM's, not the suite's.
+# torch engine, so a trtllm failure on a GPU node points at the TensorRT-LLM engine.
 ENGINES = [pytest.param(TORCH, id="torch"),
            pytest.param(TRTLLM_LIMITS, id="torch-as-trtllm"),
            pytest.param(TRTLLM, id="trtllm", marks=[pytest.mark.trtllm, *needs("tensorrt_llm", cuda=True)])]
@@ -47,8 +47,9 @@ def make_engine(request, tmp_path_factory) -> EngineUnderTest:
 
 @pytest.fixture(scope="session")
 def model_dir(make_engine, tmp_path_factory) -> Path:
-    """A 2-layer Llama-family target with sharpened distributions (long greedy runs
-    a drafter can follow; EOS is sampled now and then), shaped as the engine needs."""
+    """A tiny Llama-family target (tests/tiny.tiny_config: 2 layers, unless the engine's
+    model_shape says otherwise) with sharpened distributions (long greedy runs a drafter
+    can follow; EOS is sampled now and then)."""
     model = tiny_target(seed=3, scale=5.0, **make_engine.spec.model_shape)
     return save_hf_folder(model, tmp_path_factory.mktemp("conformance") / "target")
 

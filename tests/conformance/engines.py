@@ -11,17 +11,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import pytest
 import torch
 
+from nemo_tlt.drafter.eagle3 import default_capture_layers
 from nemo_tlt.drafter.eagle3_hf import read_eagle3_hf, write_eagle3_hf
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_config
 from nemo_tlt.rollout.protocol import GenerateOutput, GenerationStats, RolloutEngine
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
-from nemo_tlt.rollout.trtllm_engine import validate_requests
+from nemo_tlt.rollout.trtllm_engine import check_drafter_layers, validate_requests
 from nemo_tlt.speculative.sampling import SamplingParams
 from suite_helpers import DRAFTERS, make_drafter
 
@@ -32,9 +33,11 @@ MODES = ("greedy", "rejection", "coupled")
 class EngineSpec:
     """``open(model_dir, under_test)`` serves the folder, with no drafter loaded.
     ``drafter_form``: "module" (a torch `Drafter`) or "eagle3-hf" (the folder
-    `nemo-tlt convert --to eagle3-hf` writes). ``model_shape``: tiny-model fields
-    the engine's kernels need (overrides of ``tests/tiny.tiny_config``). ``why``:
-    the reason each limit is given in the skips."""
+    `nemo-tlt convert --to eagle3-hf` writes). ``writes_as_it_streams``: a weight
+    stream refused midway has already written tensors (so `generate` must refuse);
+    False for an engine that sends buckets (a stream refused inside the first wrote
+    nothing). ``model_shape``: tiny-model fields the engine needs (overrides of
+    ``tests/tiny.tiny_config``). ``why``: the reason given in the skips."""
 
     name: str
     open: Callable[[Path, "EngineUnderTest"], RolloutEngine]
@@ -42,7 +45,8 @@ class EngineSpec:
     hidden_states: bool = True
     step_stats: bool = True
     drafter_kinds: tuple[str, ...] = DRAFTERS
-    drafter_form: str = "module"
+    drafter_form: Literal["module", "eagle3-hf"] = "module"
+    writes_as_it_streams: bool = True
     model_shape: dict[str, Any] = field(default_factory=dict)
     why: str = ""
 
@@ -77,6 +81,10 @@ class EngineUnderTest:
             self._skip("return_hidden")
         if stats and not self.spec.step_stats:
             self._skip("per-step stats")
+
+    def sampled_mode(self) -> str:
+        """coupled where the engine runs it (each row repeats alone), else rejection."""
+        return "coupled" if "coupled" in self.spec.modes else "rejection"
 
     def reproducible(self, **fields: Any) -> SamplingParams:
         """Sampling that gives the same tokens on every call: coupled where the engine
@@ -115,30 +123,35 @@ def _open_torch(model_dir: Path, under_test: EngineUnderTest) -> RolloutEngine:
     return TorchRolloutEngine.from_hf_folder(model_dir)
 
 
-def _open_trtllm(model_dir: Path, under_test: EngineUnderTest) -> RolloutEngine:
-    """TensorRT-LLM speculates only with the drafter it was built with, so the LLM is
+def _open_with_eagle3(model_dir: Path, under_test: EngineUnderTest, build: Callable[..., Any]) -> RolloutEngine:
+    """TensorRT-LLM speculates only with the drafter it was built with, so its engine is
     built with the suite's EAGLE-3 drafter (exported), capturing that drafter's layers,
     then the drafter is unloaded (speculation off) like every engine's at start;
     `load_drafter(folder)` switches it back on with that folder's weights."""
-    from nemo_tlt.rollout.trtllm_engine import TRTLLMRolloutEngine  # lazy: optional package
-
     cfg = read_config(model_dir)
-    folder = under_test.drafter("eagle3", cfg)
-    layers = make_drafter("eagle3", cfg).capture_layers
-    engine = TRTLLMRolloutEngine.from_hf_folder(model_dir, drafter_dir=folder, eagle3_layers_to_capture=layers,
-                                                max_draft_len=4)
+    engine = build(model_dir, under_test.drafter("eagle3", cfg), default_capture_layers(cfg.num_layers))
     engine.load_drafter(None)
     return engine
 
 
+def _build_trtllm(model_dir: Path, drafter_dir: str, layers: tuple[int, ...]) -> RolloutEngine:
+    from nemo_tlt.rollout.trtllm_engine import TRTLLMRolloutEngine  # lazy: optional package
+
+    return TRTLLMRolloutEngine.from_hf_folder(model_dir, drafter_dir=drafter_dir, eagle3_layers_to_capture=layers,
+                                              max_draft_len=4)
+
+
 class TRTLLMLimitedTorchEngine:
     """The torch engine behind TensorRT-LLM's declared limits, to run the suite's trtllm
-    path here (tests only; it says nothing about TensorRT-LLM itself): drafters only as
-    EAGLE-3 HF folders, coupled sampling and return_hidden refused by the TensorRT-LLM
-    engine's own checks, per-step stats not reported."""
+    path here (tests only; it says nothing about TensorRT-LLM itself): built with an
+    EAGLE-3 HF folder whose captured layers it checks as the TensorRT-LLM engine does,
+    drafters only as such folders, coupled sampling and return_hidden refused by the
+    TensorRT-LLM engine's own checks, per-step stats not reported."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, drafter_dir: str, layers: tuple[int, ...]) -> None:
         self._engine = TorchRolloutEngine.from_hf_folder(model_dir)
+        self._captured = tuple(sorted(set(layers)))
+        self.load_drafter(drafter_dir)
 
     @property
     def model_config(self) -> LMConfig:
@@ -150,6 +163,8 @@ class TRTLLMLimitedTorchEngine:
     def load_drafter(self, drafter) -> None:
         if isinstance(drafter, torch.nn.Module):
             raise ValueError("load_drafter takes an EAGLE-3 HF folder (eagle3-hf), not a torch module")
+        if drafter is not None:
+            check_drafter_layers(drafter, self._captured)
         self._engine.load_drafter(None if drafter is None else read_eagle3_hf(drafter))
 
     def generate(self, requests, sampling, *, policy=None, return_hidden=False) -> GenerateOutput:
@@ -164,14 +179,16 @@ class TRTLLMLimitedTorchEngine:
 
 TORCH = EngineSpec("torch", _open_torch)
 TRTLLM_LIMITS = EngineSpec(
-    "torch-as-trtllm", lambda model_dir, under_test: TRTLLMLimitedTorchEngine(model_dir),
+    "torch-as-trtllm", lambda model_dir, under_test: _open_with_eagle3(model_dir, under_test, TRTLLMLimitedTorchEngine),
     modes=("greedy", "rejection"), hidden_states=False, step_stats=False, drafter_kinds=("eagle3",),
     drafter_form="eagle3-hf",
+    # 3 layers: the EAGLE-3 drafter captures (0, 1, 2); on 2 it would repeat one, and
+    # TensorRT-LLM captures distinct layers (trtllm_engine.check_drafter_layers)
+    model_shape=dict(num_layers=3),
     why="TensorRT-LLM's limits, docs/trtllm.md")
 TRTLLM = replace(
-    TRTLLM_LIMITS, name="trtllm", open=_open_trtllm,
+    TRTLLM_LIMITS, name="trtllm", writes_as_it_streams=False, open=lambda model_dir, under_test: _open_with_eagle3(model_dir, under_test,
+                                                                                      _build_trtllm),
     # head_dim 64 (hidden 128, 2 heads): a head size TensorRT-LLM's attention kernels are
-    # built for; the torch suite's head_dim 8 is likely not one (unverified: never run).
-    # 3 layers: the EAGLE-3 drafter captures (0, 1, 2); on 2 it would repeat one, and
-    # TensorRT-LLM captures a set (trtllm_engine.check_drafter_layers)
+    # built for; the torch suite's head_dim 8 is likely not one (unverified: never run)
     model_shape=dict(hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=1, num_layers=3))

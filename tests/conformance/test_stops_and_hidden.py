@@ -22,16 +22,11 @@ def engine(make_engine, model_dir):
     return engine
 
 
-def _sampled(make_engine) -> str:
-    """coupled where the engine runs it (each row repeats alone), else rejection."""
-    return "coupled" if "coupled" in make_engine.spec.modes else "rejection"
-
-
 @pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
 def test_eos_and_length_stop_rows_of_one_batch(make_engine, engine, policy):
     eos = engine.model_config.eos_token_id
     reqs = requests([3, 5, 2, 4] * 4, seed=2)
-    sp = SamplingParams(mode=_sampled(make_engine), temperature=1.5, max_new_tokens=30, seed=3)
+    sp = SamplingParams(mode=make_engine.sampled_mode(), temperature=1.5, max_new_tokens=30, seed=3)
     out = engine.generate(reqs, sp, policy=policy)
     assert len(out.results) == len(reqs)
     for res in out.results:
@@ -51,7 +46,7 @@ def test_eos_and_length_stop_rows_of_one_batch(make_engine, engine, policy):
 @pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
 def test_without_stop_on_eos_every_row_runs_to_max_new_tokens(make_engine, engine, policy):
     reqs = requests([3, 5, 2, 4] * 4, seed=2)
-    sp = SamplingParams(mode=_sampled(make_engine), temperature=1.5, max_new_tokens=30, seed=3, stop_on_eos=False)
+    sp = SamplingParams(mode=make_engine.sampled_mode(), temperature=1.5, max_new_tokens=30, seed=3, stop_on_eos=False)
     out = engine.generate(reqs, sp, policy=policy)
     assert all(r.stop_reason == "length" and len(r.tokens) == 30 for r in out.results)
     assert any(engine.model_config.eos_token_id in r.tokens for r in out.results), "EOS should be sampled"

@@ -116,6 +116,22 @@ def test_the_drafter_must_capture_the_layers_trtllm_captures(tmp_path):
         check_drafter_layers(repeated, (0, 1))
     with pytest.raises(ValueError, match="not an EAGLE-3 HF config"):
         check_drafter_layers(tmp_path, (0, 1))
+    # TensorRT-LLM hands the layers over ascending: a drafter reading them in another order is refused
+    unsorted = _exported_drafter(cfg, tmp_path / "unsorted", capture_layers=(4, 1, 3))
+    with pytest.raises(ValueError, match=r"in the order \[4, 1, 3\]"):
+        check_drafter_layers(unsorted, (1, 3, 4))
+
+
+def test_trtllm_default_capture_layers_follow_its_rules():
+    """{1, L//2-1, L-4} above 5 layers, the last layer of a 1-layer target, refused between."""
+    unset = TRTLLMEngineConfig(target_dir="t")
+    assert trtllm_capture_layers(unset, 32) == (1, 15, 28) and trtllm_capture_layers(unset, 1) == (0,)
+    with pytest.raises(ValueError, match="eagle3_layers_to_capture is unset and the target has 4 layers"):
+        trtllm_capture_layers(unset, 4)
+    with pytest.raises(ValueError, match=r"names layers \[9\]"):
+        trtllm_capture_layers(TRTLLMEngineConfig(target_dir="t", eagle3_layers_to_capture=(0, 9)), 8)
+    with pytest.raises(ValueError, match=r"eagle3_layers_to_capture\[0\]"):
+        TRTLLMEngineConfig(target_dir="t", eagle3_layers_to_capture=(-1, 2))
 
 
 # ---- a stand-in module (NOT TensorRT-LLM) to check what our engine hands to the LLM API ----------
