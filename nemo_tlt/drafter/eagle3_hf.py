@@ -21,7 +21,8 @@ SGLang and TensorRT-LLM's PyTorch backend load, followed from vLLM's
   the checkpoint has none, as our drafter does. These are the drafter's own
   state-dict names, so export is a rename-free write.
 
-Serving engines choose the captured layers themselves: vLLM and SGLang read
+Serving engines choose the captured layers themselves, distinct and in ascending
+order (so a drafter capturing others is not exported): vLLM and SGLang read
 ``eagle_aux_hidden_state_layer_ids``; TensorRT-LLM's ``Eagle3DecodingConfig`` takes
 ``eagle3_layers_to_capture`` from the user (our numbering; its default equals ours
 for targets deeper than 5 layers). None of these loaders runs here.
@@ -56,7 +57,16 @@ def eagle3_hf_config(drafter: Eagle3Drafter, dtype: torch.dtype) -> dict:
 
 
 def write_eagle3_hf(drafter: Eagle3Drafter, folder: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-    """Write `drafter` into the existing `folder`; float weights cast to `dtype` if given."""
+    """Write `drafter` into the existing `folder`; float weights cast to `dtype` if given.
+    A drafter whose capture layers are not distinct and ascending is refused: the
+    serving engines capture a set of layers and hand them over in ascending order, so
+    they would feed it other inputs than it was trained on."""
+    layers = list(drafter.capture_layers)
+    if layers != sorted(set(layers)):
+        raise ValueError(f"write_eagle3_hf: the drafter captures target layers {layers}; vLLM, SGLang and "
+                         "TensorRT-LLM hand captured layers over distinct and ascending, so no serving engine "
+                         "would feed it what it was trained on (train it with Eagle3Config.capture_layers "
+                         f"{sorted(set(layers))} on a target of at least {len(layers)} layers)")
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}

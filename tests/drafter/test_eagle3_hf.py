@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from nemo_tlt.convert import main
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
-from nemo_tlt.drafter.eagle3_hf import read_eagle3_hf
+from nemo_tlt.drafter.eagle3_hf import read_eagle3_hf, write_eagle3_hf
 from nemo_tlt.drafter.io import load_drafter, save_drafter
 from tiny import tiny_config
 
@@ -97,3 +97,13 @@ def test_errors(tmp_path, capsys):
     save_file({k: v for k, v in w.items() if k != "d2t"}, str(tmp_path / "hf" / "model.safetensors"))
     with pytest.raises(ValueError, match="missing \\['d2t'\\]"):
         read_eagle3_hf(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("layers", [(4, 1, 3), (0, 0, 1)], ids=["unsorted", "repeated"])
+def test_a_drafter_no_serving_engine_feeds_correctly_is_not_exported(tmp_path, layers):
+    """vLLM, SGLang and TensorRT-LLM hand captured layers over distinct and ascending."""
+    drafter = Eagle3Drafter(Eagle3Config.from_target(tiny_config(num_layers=8), capture_layers=layers))
+    (tmp_path / "hf").mkdir()
+    with pytest.raises(ValueError, match=rf"captures target layers \[{', '.join(map(str, layers))}\]"):
+        write_eagle3_hf(drafter, tmp_path / "hf")
+    assert not any((tmp_path / "hf").iterdir())

@@ -4,8 +4,10 @@ object is needed, ``FakeTensorRTLLM`` (a stand-in module defined below, not Tens
 records what our code hands to the LLM API."""
 from __future__ import annotations
 
+import json
 import sys
 import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -101,6 +103,16 @@ def _exported_drafter(cfg, folder, capture_layers=None) -> str:
     return str(folder)
 
 
+def _with_layer_ids(folder, ids) -> str:
+    """An exported folder whose config names other captured layers (HF numbering: ours + 1),
+    as a checkpoint trained elsewhere may (our export refuses to write such a drafter)."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ids]
+    path.write_text(json.dumps(cfg))
+    return str(folder)
+
+
 def test_the_drafter_must_capture_the_layers_trtllm_captures(tmp_path):
     """TensorRT-LLM feeds the drafter the layers of eagle3_layers_to_capture (a set):
     a drafter trained on others, or on a repeated layer, is refused by name."""
@@ -111,13 +123,13 @@ def test_the_drafter_must_capture_the_layers_trtllm_captures(tmp_path):
     check_drafter_layers(default, (1, 3, 4))
     with pytest.raises(ValueError, match=r"trained on target layers \[1, 3, 4\].*capture \[0, 2, 5\]"):
         check_drafter_layers(default, (0, 2, 5))
-    repeated = _exported_drafter(tiny_config(num_layers=2), tmp_path / "repeated")  # (0, 0, 1) on 2 layers
+    repeated = _with_layer_ids(Path(_exported_drafter(cfg, tmp_path / "repeated")), (0, 0, 1))
     with pytest.raises(ValueError, match=r"\[0, 0, 1\] with repeats"):
         check_drafter_layers(repeated, (0, 1))
     with pytest.raises(ValueError, match="not an EAGLE-3 HF config"):
         check_drafter_layers(tmp_path, (0, 1))
     # TensorRT-LLM hands the layers over ascending: a drafter reading them in another order is refused
-    unsorted = _exported_drafter(cfg, tmp_path / "unsorted", capture_layers=(4, 1, 3))
+    unsorted = _with_layer_ids(Path(_exported_drafter(cfg, tmp_path / "unsorted")), (4, 1, 3))
     with pytest.raises(ValueError, match=r"in the order \[4, 1, 3\]"):
         check_drafter_layers(unsorted, (1, 3, 4))
 
