@@ -69,8 +69,9 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     `ttt_attention_reference`, but the j diagonal blocks are one score per position
     (as EAGLE-3's reference code computes them): O(T^2 + jT) per step, not
     O((j+1) T^2). Computed in float32 (as fused attention accumulates), returned in q's dtype."""
-    if len(keys) == 1:
-        return ttt_attention_reference(q, keys, values, causal)
+    if len(keys) == 1:  # step 0: the causal block alone (no diagonal blocks to build)
+        return F.scaled_dot_product_attention(q, keys[0], values[0], attn_mask=causal[:, None],
+                                              enable_gqa=q.shape[1] != keys[0].shape[1])
     B, nh, T, d = q.shape
     nkv = keys[0].shape[1]
     # GQA: query head h reads kv head h // (nh // nkv), as SDPA's enable_gqa

@@ -22,7 +22,8 @@ from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_config
 from nemo_tlt.rollout.protocol import GenerateOutput, GenerationStats, RolloutEngine
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
-from nemo_tlt.rollout.trtllm_engine import check_drafter_layers, validate_requests
+from nemo_tlt.rollout.trtllm_config import TRTLLMEngineConfig
+from nemo_tlt.rollout.trtllm_engine import check_drafter_layers, trtllm_capture_layers, validate_requests
 from nemo_tlt.speculative.sampling import SamplingParams
 from suite_helpers import DRAFTERS, make_drafter
 
@@ -73,14 +74,12 @@ class EngineUnderTest:
     def _skip(self, what: str) -> None:
         pytest.skip(f"the {self.spec.name} engine declares no {what} ({self.spec.why})")
 
-    def require(self, *, mode: str | None = None, hidden: bool = False, stats: bool = False) -> None:
+    def require(self, *, mode: str | None = None, hidden: bool = False) -> None:
         """Skip the test, with the reason, where it needs what the engine declares it cannot do."""
         if mode is not None and mode not in self.spec.modes:
             self._skip(f"mode {mode!r}")
         if hidden and not self.spec.hidden_states:
             self._skip("return_hidden")
-        if stats and not self.spec.step_stats:
-            self._skip("per-step stats")
 
     def sampled_mode(self) -> str:
         """coupled where the engine runs it (each row repeats alone), else rejection."""
@@ -99,14 +98,13 @@ class EngineUnderTest:
         loads (skips the test where the engine cannot load that kind)."""
         if kind not in self.spec.drafter_kinds:
             self._skip(f"drafter kind {kind!r}")
-        drafter = make_drafter(kind, cfg)
         if self.spec.drafter_form == "module":
-            return drafter
+            return make_drafter(kind, cfg)
         key = (kind, repr(cfg))
         if key not in self._exported:  # the suite's drafters are seeded: one folder per (kind, target)
             folder = self._tmp / f"{kind}-{len(self._exported)}"
             folder.mkdir(parents=True)
-            write_eagle3_hf(drafter, folder)
+            write_eagle3_hf(make_drafter(kind, cfg), folder)
             self._exported[key] = str(folder)
         return self._exported[key]
 
@@ -150,7 +148,8 @@ class TRTLLMLimitedTorchEngine:
 
     def __init__(self, model_dir: Path, drafter_dir: str, layers: tuple[int, ...]) -> None:
         self._engine = TorchRolloutEngine.from_hf_folder(model_dir)
-        self._captured = tuple(sorted(set(layers)))
+        config = TRTLLMEngineConfig(target_dir=str(model_dir), drafter_dir=drafter_dir, eagle3_layers_to_capture=layers)
+        self._captured = trtllm_capture_layers(config, self.model_config.num_layers)
         self.load_drafter(drafter_dir)
 
     @property
@@ -163,9 +162,11 @@ class TRTLLMLimitedTorchEngine:
     def load_drafter(self, drafter) -> None:
         if isinstance(drafter, torch.nn.Module):
             raise ValueError("load_drafter takes an EAGLE-3 HF folder (eagle3-hf), not a torch module")
-        if drafter is not None:
-            check_drafter_layers(drafter, self._captured)
-        self._engine.load_drafter(None if drafter is None else read_eagle3_hf(drafter))
+        if drafter is None:
+            self._engine.load_drafter(None)
+            return
+        check_drafter_layers(drafter, self._captured)
+        self._engine.load_drafter(read_eagle3_hf(drafter))
 
     def generate(self, requests, sampling, *, policy=None, return_hidden=False) -> GenerateOutput:
         validate_requests(requests, sampling, self.model_config)  # TensorRT-LLM's checks: coupled refused
