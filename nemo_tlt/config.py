@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_tlt.checks import check_float, check_int
+from nemo_tlt.dist.device import DEVICES, DTYPES
 from nemo_tlt.imports import check_import_path, is_import_path
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.rollout.config import RolloutConfig
@@ -38,7 +39,7 @@ from nemo_tlt.speculative.tree_shape import TreeShape
 from nemo_tlt.spot.config import IdleDrafterConfig
 
 START_METHODS = ("spawn", "fork", "forkserver")
-LAUNCHERS = ("auto", "local", "slurm")
+LAUNCHERS = ("auto", "local", "slurm", "torchrun")
 TASK_JSONL, TASK_HF = "jsonl", "hf"  # the built-in task source and tokenizer (nemo_tlt.rl.task)
 TASK_JSONL_OPTIONS = ("path", "prompt_key", "answer_key")
 
@@ -102,13 +103,20 @@ class TaskConfig:
 class ModelConfig:
     """Where the warm-started policy and the initial drafter come from. Unset (null)
     folders mean the demo assets: shipped with the package, or prepared once and
-    cached under ``cache_dir`` (default ``$NEMO_TLT_CACHE`` or ``~/.cache/nemo_tlt``)."""
+    cached under ``cache_dir`` (default ``$NEMO_TLT_CACHE`` or ``~/.cache/nemo_tlt``).
+
+    ``dtype``: the weights dtype of the rollout engine, the drafter and the policy
+    (``float32`` | ``bfloat16``); the policy keeps fp32 master weights, gradient
+    reduction and optimizer state either way."""
 
     target_dir: Optional[str] = None
     drafter_dir: Optional[str] = None
     cache_dir: Optional[str] = None
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"ModelConfig.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if (self.target_dir is None) != (self.drafter_dir is None):
             raise ValueError("ModelConfig.target_dir and ModelConfig.drafter_dir must be given together "
                              "(or both left null for the demo assets)")
@@ -142,8 +150,13 @@ class WorkersConfig:
 
     ``launcher``: ``local`` starts the workers as local processes; ``slurm`` makes this
     process one worker, an ``srun`` task (``nemo_tlt.dist.slurm``; SLURM's task count
-    must equal ``num_workers``); ``auto`` is ``slurm`` inside an srun step of more than
-    one task and ``local`` otherwise."""
+    must equal ``num_workers``); ``torchrun`` makes it one worker started by torchrun
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); ``auto``
+    is ``torchrun`` when those variables are set, ``slurm`` inside an srun step of more
+    than one task, and ``local`` otherwise.
+
+    ``device``: ``cpu``, ``cuda`` (rank r binds ``cuda:LOCAL_RANK``; NCCL carries tensor
+    collectives, gloo Python objects) or ``auto`` (``cuda`` when CUDA is available)."""
 
     num_workers: int = 2
     threads_per_worker: int = 1  # torch intra-op threads of each worker
@@ -153,6 +166,7 @@ class WorkersConfig:
     # this many seconds before the limit; the run checkpoints and stops instead.
     time_limit_margin_s: float = 60.0
     launcher: str = "auto"
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         check_int("WorkersConfig.num_workers", self.num_workers, 1)
@@ -164,6 +178,8 @@ class WorkersConfig:
         check_float("WorkersConfig.time_limit_margin_s", self.time_limit_margin_s, 0.0)
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"WorkersConfig.launcher must be one of {list(LAUNCHERS)}, got {self.launcher!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"WorkersConfig.device must be one of {list(DEVICES)}, got {self.device!r}")
 
 
 @dataclass(frozen=True)

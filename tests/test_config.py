@@ -89,7 +89,8 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
     ("drafter.nice=25", r"drafter\.nice must be in \[0, 19\]"),
     ("model.target_dir=/somewhere", r"model\.target_dir and model\.drafter_dir must be given together"),
     ("rollout.engine=vllm", r"rollout\.engine must be one of torch"),
-    ("policy.dtype=bfloat16", r"policy\.dtype=.bfloat16. applies to the megatron backend"),
+    ("model.dtype=float16", r"model\.dtype must be one of"),
+    ("workers.device=tpu", r"workers\.device must be one of"),
 ])
 def test_bad_values_are_refused_with_the_key(override, message):
     with pytest.raises(ValueError, match=message):

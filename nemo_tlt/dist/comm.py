@@ -59,6 +59,7 @@ class Comm:
     world: int
     store: Any  # torch.distributed.Store
     node: int = 0  # the node (host) this rank runs on: ranks of one node share its devices
+    device: torch.device = torch.device("cpu")  # the device this rank computes on (bound by the launcher)
 
     @property
     def distributed(self) -> bool:

@@ -13,7 +13,6 @@ from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.optim import OptimConfig
 
 BACKENDS = ("torch", "megatron")
-DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -32,8 +31,8 @@ class PolicyConfig:
     log-prob / update forward (length-sorted). separate_logprob_pass: recompute the old
     log-probs in a no-grad pass of their own instead of the update forward's (detached;
     ratio 1 with one optimizer step per batch). clip_eps: PPO ratio clip. kl_coef > 0
-    keeps a frozen reference policy and adds a k3 KL penalty. dtype: weights dtype of
-    the megatron backend ('float32' | 'bfloat16'; the torch backend keeps the model's).
+    keeps a frozen reference policy and adds a k3 KL penalty. The weights dtype is the
+    run's ``model.dtype`` (handed to the backend with its device), not a key of this block.
     """
 
     backend: str = "torch"
@@ -43,7 +42,6 @@ class PolicyConfig:
     separate_logprob_pass: bool = False
     clip_eps: float = 0.2
     kl_coef: float = 0.0
-    dtype: str = "float32"
     optim: PolicyOptimConfig = field(default_factory=PolicyOptimConfig)
 
     def __post_init__(self) -> None:
@@ -59,11 +57,6 @@ class PolicyConfig:
             raise ValueError(f"policy.separate_logprob_pass must be a bool, got {self.separate_logprob_pass!r}")
         check_float("policy.clip_eps", self.clip_eps, 0, 1, lo_open=True, hi_open=True)
         check_float("policy.kl_coef", self.kl_coef, 0)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"policy.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        if self.backend == "torch" and self.dtype != "float32":
-            raise ValueError(f"policy.dtype={self.dtype!r} applies to the megatron backend; the torch backend "
-                             "trains in the model folder's float32")
         if not isinstance(self.optim, OptimConfig):
             raise ValueError(f"policy.optim must be an OptimConfig, got {type(self.optim).__name__}")
 

@@ -10,19 +10,22 @@ from typing import Mapping
 
 import torch
 
+from nemo_tlt.dist import Placement
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.policy.protocol import PolicyBackend
 
 
 def build_policy_backend(config: PolicyConfig, canonical: Mapping[str, torch.Tensor], model_config: LMConfig, *,
-                         temperature: float, seed: int) -> PolicyBackend:
+                         temperature: float, seed: int, placement: Placement = Placement()) -> PolicyBackend:
     """The backend ``config.backend`` names, holding a copy of ``canonical``; ``temperature`` is the
-    sampling temperature the log-probs are taken at; ``seed`` seeds megatron's RNG tracker."""
+    sampling temperature the log-probs are taken at; ``seed`` seeds megatron's RNG tracker;
+    ``placement`` is the rank's device and the weights dtype (fp32 master weights either way)."""
     if config.backend == "torch":
         from nemo_tlt.policy.torch_backend import TorchPolicy, build_decoder
 
         return TorchPolicy(build_decoder(canonical, model_config), config, temperature=temperature)
     from nemo_tlt.policy.megatron_backend import MegatronPolicy
 
-    return MegatronPolicy(canonical, model_config, config, temperature=temperature, seed=seed)
+    return MegatronPolicy(canonical, model_config, config, temperature=temperature, seed=seed,
+                          placement=placement)

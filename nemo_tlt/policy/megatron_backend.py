@@ -43,7 +43,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_tlt.dist import allreduce_flat
+from nemo_tlt.dist import Placement, allreduce_flat
 from nemo_tlt.megatron.grads import allreduce_tied_embedding_grads, clip_grads
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.optim import build_optimizer
@@ -54,7 +54,6 @@ from nemo_tlt.policy.protocol import STATS, HiddenSink, check_capture_layers, ch
 from nemo_tlt.weights.layout import ParallelLayout
 from nemo_tlt.weights.megatron_layout import canonical_to_megatron, check_tp
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 VOCAB_MULTIPLE = 128  # Megatron's default make_vocab_size_divisible_by
 
 
@@ -86,11 +85,11 @@ class MegatronPolicy:
     """One rank's policy shard, its AdamW + schedule and the optional frozen KL reference."""
 
     def __init__(self, canonical: Mapping[str, torch.Tensor], model_config: LMConfig, config: PolicyConfig, *,
-                 temperature: float, seed: int) -> None:
+                 temperature: float, seed: int, placement: Placement = Placement()) -> None:
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             raise RuntimeError("policy.backend=megatron needs megatron-core, which is not installed; install it "
                                "with pip install -e \".[megatron]\" (or pip install megatron-core)")
-        from nemo_tlt.megatron.parallel import compute_device, default_backend
+        from nemo_tlt.megatron.parallel import default_backend
 
         if config.backend != "megatron":
             raise ValueError(f"MegatronPolicy: policy.backend is {config.backend!r}, not 'megatron'")
@@ -103,8 +102,8 @@ class MegatronPolicy:
                                "owns it")
         self._model_config, self.config, self.temperature, self.seed = model_config, config, temperature, seed
         self.layout = policy_layout(config)
-        self.dtype = _DTYPES[config.dtype]
-        self.device = compute_device()
+        self.dtype = placement.dtype
+        self.device = placement.device
         with self._device_context():
             from nemo_tlt.megatron.parallel import ensure_model_parallel
 
