@@ -132,8 +132,6 @@ def test_policy_config_errors_name_the_yaml_key():
         PolicyConfig(tensor_parallel=2)
     with pytest.raises(ValueError, match=r"policy\.backend must be one of"):
         PolicyConfig(backend="jax")
-    with pytest.raises(ValueError, match=r"policy\.dtype must be one of"):
-        PolicyConfig(dtype="float16")
 
 
 CAPTURE = (2, 0, 2)  # out of order and repeated: the features follow the drafter's order
