@@ -25,8 +25,8 @@ class MicroBatch:
     mask: torch.Tensor        # [b, T-1] 1 where target input_ids[:, 1:] is a response token
 
 
-def micro_batches(batch: Sequence[Sequence2], size: int) -> list[MicroBatch]:
-    """Length-sorted, right-padded micro-batches covering every sequence once."""
+def micro_batches(batch: Sequence[Sequence2], size: int, device: torch.device | str = "cpu") -> list[MicroBatch]:
+    """Length-sorted, right-padded micro-batches covering every sequence once, on ``device``."""
     if not batch:
         raise ValueError("micro_batches: the rollout batch is empty")
     lengths = [len(p) + len(r) for p, r in batch]
@@ -36,15 +36,16 @@ def micro_batches(batch: Sequence[Sequence2], size: int) -> list[MicroBatch]:
     for start in range(0, len(order), size):
         idx = order[start: start + size]
         T = max(lengths[i] for i in idx)
-        ids = torch.zeros(len(idx), T, dtype=torch.long)
-        mask = torch.zeros(len(idx), max(T - 1, 1), dtype=torch.float32)
+        # built on the host, moved in one copy each
+        ids = torch.zeros(len(idx), T, dtype=torch.long, device="cpu")
+        mask = torch.zeros(len(idx), max(T - 1, 1), dtype=torch.float32, device="cpu")
         for row, i in enumerate(idx):
             prompt, response = batch[i]
             seq = list(prompt) + list(response)
-            ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long, device="cpu")
             # target j (= input_ids[j + 1]) is a response token for j in [P-1, P+R-1)
             mask[row, len(prompt) - 1: len(seq) - 1] = 1.0
-        out.append(MicroBatch(torch.tensor(idx), ids, mask))
+        out.append(MicroBatch(torch.tensor(idx, device="cpu").to(device), ids.to(device), mask.to(device)))
     return out
 
 

@@ -24,7 +24,7 @@ def build_policy_backend(config: PolicyConfig, canonical: Mapping[str, torch.Ten
     if config.backend == "torch":
         from nemo_tlt.policy.torch_backend import TorchPolicy, build_decoder
 
-        return TorchPolicy(build_decoder(canonical, model_config), config, temperature=temperature)
+        return TorchPolicy(build_decoder(canonical, model_config, placement), config, temperature=temperature)
     from nemo_tlt.policy.megatron_backend import MegatronPolicy
 
     return MegatronPolicy(canonical, model_config, config, temperature=temperature, seed=seed,

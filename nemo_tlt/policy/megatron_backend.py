@@ -19,7 +19,9 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
   group (``allreduce_flat``). The clip norm counts every weight once and is all-reduced
   over the model-parallel group (``nemo_tlt.megatron.grads``).
 * Optimizer: ``nemo_tlt.optim.build_optimizer`` (AdamW) over the local shards
-  (elementwise, so sharded == unsharded for equal grads). Megatron's
+  (elementwise, so sharded == unsharded for equal grads); bf16 weights (``model.dtype``)
+  train through fp32 master weights (``nemo_tlt.policy.master_weights``): the gradient
+  reduction, the clip and the optimizer state are fp32. Megatron's
   ``DistributedOptimizer`` (fp32 main params, grad buffers, overlapped reduce) needs its
   DDP wrapper; not used here.
 * ``captures_hidden`` is True: a hook on the final norm (``megatron_patches.hidden_capture``)
@@ -50,6 +52,7 @@ from nemo_tlt.optim import build_optimizer
 from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, padded, scatter
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty
+from nemo_tlt.policy.master_weights import MasterWeights
 from nemo_tlt.policy.protocol import STATS, HiddenSink, check_capture_layers, check_update_args
 from nemo_tlt.weights.layout import ParallelLayout
 from nemo_tlt.weights.megatron_layout import canonical_to_megatron, check_tp
@@ -113,7 +116,8 @@ class MegatronPolicy:
             if config.kl_coef > 0:
                 self.reference = self._build(canonical).eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.schedule = build_optimizer(self.params, config.optim, foreach=False)
+        self.master = MasterWeights(self.params)  # bf16 weights train through fp32 masters
+        self.optimizer, self.schedule = build_optimizer(self.master.masters, config.optim, foreach=False)
         self.step = 0
 
     # ---- the contract's properties -------------------------------------------------
@@ -289,7 +293,7 @@ class MegatronPolicy:
         capture_layers = check_capture_layers("MegatronPolicy.update", capture_layers, self.model_config.num_layers)
         with self._device_context():
             self._check_same_batch(batch)
-            self.optimizer.zero_grad(set_to_none=False)
+            self.model.zero_grad(set_to_none=False)  # the masters' grads are overwritten
             for p in self.params:
                 if p.grad is None:  # a weight megatron's graph never reached still joins the reduce
                     p.grad = torch.zeros_like(p)
@@ -299,10 +303,13 @@ class MegatronPolicy:
                                                              totals), False, batch, on_hidden, capture_layers)
             self._from_last_stage(totals)
             allreduce_tied_embedding_grads(self.model, self.model_config.tie_word_embeddings, self.layout.pp)
-            allreduce_flat([p.grad for p in self.params], group=parallel_state.get_data_parallel_group())
-            norm = clip_grads(self.params, self.config.optim.grad_clip, self.sharded_state, self.device)
+            self.master.grads_to_masters()
+            masters = self.master.masters
+            allreduce_flat([p.grad for p in masters], group=parallel_state.get_data_parallel_group())
+            norm = clip_grads(masters, self.config.optim.grad_clip, self.sharded_state, self.device)
             lr = self.schedule.apply(self.step)
             self.optimizer.step()
+            self.master.masters_to_params()
             self.step += 1
         return {**dict(zip(STATS, totals.tolist())), "grad_norm": norm, "lr": lr}
 
@@ -364,11 +371,13 @@ class MegatronPolicy:
         shard = canonical_to_megatron(weights, self.model_config, self.layout)[self.coords]
         with torch.no_grad():
             load_shard(self.model, {k: v.to(self.device, self.dtype) for k, v in shard.items()})
+        self.master.params_to_masters()
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (over its own shard) and schedule step, tagged with its (pp, tp)."""
         return {"optimizer": self.optimizer.state_dict(), "step": self.step, "coords": list(self.coords),
-                "tensor_parallel": self.layout.tp, "pipeline_parallel": self.layout.pp}
+                "tensor_parallel": self.layout.tp, "pipeline_parallel": self.layout.pp,
+                "master": self.master.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         mine = (list(self.coords), self.layout.tp, self.layout.pp)
@@ -378,3 +387,4 @@ class MegatronPolicy:
                              f"cannot be loaded on {mine}")
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state.get("step", 0))  # checkpoints without it predate the LR schedule
+        self.master.load_state_dict(state.get("master"))  # absent in checkpoints of fp32-only versions

@@ -1,9 +1,12 @@
 """The plain-PyTorch policy backend: a ``DecoderLM`` replica per rank, AdamW, pure data parallelism.
 
 Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
-* every rank holds the whole model; gradients are summed over all ranks of the default
-  process group (if one is initialised) through one flat float32 buffer before the clip,
-  so the replicas take bit-identical steps. A single rank needs no process group.
+* every rank holds the whole model on its device (``Placement``), in the run's weights
+  dtype; a bf16 model trains through fp32 master weights (``MasterWeights``): gradients
+  are cast to fp32, summed over all ranks of the default process group (if one is
+  initialised) through one flat float32 buffer, clipped and stepped by an AdamW whose
+  state is fp32, and rounded back into the model. The replicas take bit-identical steps.
+  A single rank needs no process group. Log-probs are computed in fp32 from the logits.
 * ``captures_hidden`` is True: the log-prob forward is ``logits(hidden(ids))``, so the
   final hidden states come for free; with ``capture_layers`` it is
   ``DecoderLM.hidden_capture``, which taps those layers in the same forward.
@@ -20,7 +23,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_tlt.dist import allreduce_flat
+from nemo_tlt.dist import Placement, allreduce_flat
 from nemo_tlt.drafter.features import join_features
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.lm import DecoderLM
@@ -28,16 +31,21 @@ from nemo_tlt.optim import build_optimizer
 from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, padded, scatter
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty, token_logprobs
+from nemo_tlt.policy.master_weights import MasterWeights
 from nemo_tlt.policy.protocol import STATS, HiddenSink, check_capture_layers, check_update_args
 
 
-def build_decoder(canonical: Mapping[str, torch.Tensor], model_config: LMConfig) -> DecoderLM:
-    """A ``DecoderLM`` holding a copy of ``canonical`` (in its dtype); the global RNG is left untouched."""
+def build_decoder(canonical: Mapping[str, torch.Tensor], model_config: LMConfig,
+                  placement: Placement | None = None) -> DecoderLM:
+    """A ``DecoderLM`` holding a copy of ``canonical``, on ``placement``'s device in its dtype
+    (None: the host, in the dtype of ``canonical``); the global RNG is left untouched."""
     state = {k: v for k, v in canonical.items() if not (model_config.tie_word_embeddings and k == "lm_head.weight")}
     with torch.random.fork_rng(devices=[]):
         model = DecoderLM(model_config)
     model.load_state_dict(state, strict=True)
-    return model.to(next(iter(state.values())).dtype)
+    if placement is None:
+        return model.to(next(iter(state.values())).dtype)
+    return model.to(placement.device, placement.dtype)
 
 
 class TorchPolicy:
@@ -50,10 +58,12 @@ class TorchPolicy:
         if not temperature > 0:
             raise ValueError(f"TorchPolicy: temperature must be > 0, got {temperature!r}")
         self.model, self.config, self.temperature = model.train(), config, temperature
+        self.device = model.lm_head_weight.device
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.master = MasterWeights(self.params)
         # foreach=False: torch's per-parameter AdamW loop (its CPU default) on every device, as
         # in the megatron backend, so the update's arithmetic does not change with the device.
-        self.optimizer, self.schedule = build_optimizer(self.params, config.optim, foreach=False)
+        self.optimizer, self.schedule = build_optimizer(self.master.masters, config.optim, foreach=False)
         self.step = 0  # optimizer steps taken (drives the schedule)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if config.kl_coef > 0 else None
 
@@ -85,7 +95,7 @@ class TorchPolicy:
             hidden = model.hidden(mb.input_ids)
             if on_hidden is not None:
                 _emit_hidden(on_hidden, hidden, mb, batch)
-        logits = model.logits(hidden)[:, :-1] / self.temperature
+        logits = model.logits(hidden)[:, :-1].float() / self.temperature
         if mb.input_ids.shape[1] == 1:  # a lone token has no target; keep shapes aligned
             return logits.new_zeros(mb.mask.shape)
         return token_logprobs(logits, mb.input_ids[:, 1:])
@@ -97,7 +107,7 @@ class TorchPolicy:
         capture_layers = check_capture_layers("TorchPolicy.logprobs", capture_layers, self.model_config.num_layers)
         if not current and self.reference is None:
             return None, None
-        mbs = micro_batches(batch, self.config.micro_batch)
+        mbs = micro_batches(batch, self.config.micro_batch, self.device)
         old = None
         if current:
             old = scatter([self._token_logprobs(self.model, mb, batch, on_hidden, capture_layers) for mb in mbs],
@@ -113,17 +123,18 @@ class TorchPolicy:
                capture_layers: tuple[int, ...] | None = None) -> dict[str, float]:
         check_update_args("TorchPolicy", batch, advantages, global_tokens)
         capture_layers = check_capture_layers("TorchPolicy.update", capture_layers, self.model_config.num_layers)
-        self.optimizer.zero_grad(set_to_none=False)
+        self.model.zero_grad(set_to_none=False)  # the masters' grads are overwritten
         totals = dict.fromkeys(STATS, 0.0)
-        for mb in micro_batches(batch, self.config.micro_batch):
+        advantages = advantages.to(self.device)
+        for mb in micro_batches(batch, self.config.micro_batch, self.device):
             idx = mb.index.tolist()
             new = self._token_logprobs(self.model, mb, batch, on_hidden, capture_layers)
-            old = new.detach() if logp_old is None else padded([logp_old[i] for i in idx], mb.mask)
+            old = new.detach() if logp_old is None else padded([logp_old[i].to(mb.mask) for i in idx], mb.mask)
             pg, stats = clipped_pg_loss(new, old, advantages[mb.index], mb.mask, self.config.clip_eps)
             n_local = float(mb.mask.sum())
             loss = pg
             if logp_ref is not None:
-                kl = kl_penalty(new, padded([logp_ref[i] for i in idx], mb.mask), mb.mask)
+                kl = kl_penalty(new, padded([logp_ref[i].to(mb.mask) for i in idx], mb.mask), mb.mask)
                 loss = loss + self.config.kl_coef * kl
                 totals["kl"] += float(kl.detach()) * n_local / global_tokens
             # micro-batch token mean -> its share of the global token mean
@@ -133,11 +144,14 @@ class TorchPolicy:
             totals["pg_loss"] += float(pg.detach()) * n_local / global_tokens
             totals["clip_frac"] += stats["clip_frac"] * n_local / global_tokens
             totals["approx_kl"] += stats["approx_kl"] * n_local / global_tokens
-        allreduce_flat([p.grad for p in self.params])
+        self.master.grads_to_masters()
+        masters = self.master.masters
+        allreduce_flat([p.grad for p in masters])
         clip = self.config.optim.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(masters, clip if clip > 0 else float("inf"))
         lr = self.schedule.apply(self.step)
         self.optimizer.step()
+        self.master.masters_to_params()
         self.step += 1
         return {**totals, "grad_norm": float(norm), "lr": lr}
 
@@ -148,13 +162,16 @@ class TorchPolicy:
 
     def load_canonical(self, weights: Mapping[str, torch.Tensor]) -> None:
         self.model.load_state_dict(dict(weights), strict=True)
+        self.master.params_to_masters()
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "step": self.step}
+        """The optimizer state, the schedule step and (bf16 weights) the fp32 master weights."""
+        return {"optimizer": self.optimizer.state_dict(), "step": self.step, "master": self.master.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.step = int(state.get("step", 0))  # checkpoints without it predate the LR schedule
+        self.master.load_state_dict(state.get("master"))  # absent in checkpoints of fp32-only versions
 
 
 def _emit_hidden(on_hidden: HiddenSink, hidden: torch.Tensor, mb: MicroBatch, batch: Sequence[Sequence2]) -> None:

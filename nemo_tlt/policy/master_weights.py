@@ -1,0 +1,87 @@
+"""fp32 master weights for a model whose parameters are bf16 (mixed-precision training).
+
+Contract
+--------
+``MasterWeights(params)`` over a model's trainable parameters:
+
+* fp32 parameters: the masters *are* the parameters (no copy, no cost; every method below
+  is a no-op), so an fp32 run computes exactly as without this class.
+* Otherwise it keeps one fp32 copy of each parameter (``masters``, 4 bytes per weight on
+  the parameters' device) carrying the parameter's Python attributes (megatron's
+  ``tensor_model_parallel``, ``shared``, ...), so code that inspects them sees the same.
+  After backward, ``grads_to_masters()`` casts each parameter's gradient into its master's
+  fp32 ``grad`` (the gradient reduction, the clip and the optimizer then all run in fp32
+  over ``masters``); after the optimizer step, ``masters_to_params()`` rounds the masters
+  back into the parameters (round to nearest even, as ``Tensor.copy_`` casts).
+* The optimizer is built over ``masters`` (so its state is fp32), ``state_dict()`` /
+  ``load_state_dict()`` carry the fp32 masters (a resumed run continues from the same
+  fp32 values, not from their bf16 rounding), and ``params_to_masters()`` refreshes the
+  masters after the parameters were replaced from outside (``load_canonical``).
+
+This is the scheme of megatron-core's ``Float16OptimizerWithFloat16Params`` (and of the
+distributed optimizer, unsharded), written for the backends' own AdamW: the torch
+backend has no megatron, and the megatron backend's optimizer is not megatron's (yet).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class MasterWeights:
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.params = list(params)
+        self.mixed = any(p.dtype != torch.float32 for p in self.params)
+        if not self.mixed:
+            self.masters = self.params
+            return
+        self.masters = []
+        for p in self.params:
+            master = torch.nn.Parameter(p.detach().float().clone(), requires_grad=True)
+            master.__dict__.update({k: v for k, v in p.__dict__.items() if not k.startswith("_")})
+            master.grad = torch.zeros_like(master)
+            self.masters.append(master)
+
+    @torch.no_grad()
+    def grads_to_masters(self) -> None:
+        """Each parameter's gradient (a missing one as zeros) into its master's fp32 grad."""
+        if not self.mixed:
+            return
+        for p, m in zip(self.params, self.masters):
+            if p.grad is None:
+                m.grad.zero_()
+            else:
+                m.grad.copy_(p.grad)
+
+    @torch.no_grad()
+    def masters_to_params(self) -> None:
+        if self.mixed:
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+    @torch.no_grad()
+    def params_to_masters(self) -> None:
+        if self.mixed:
+            for p, m in zip(self.params, self.masters):
+                m.copy_(p)
+
+    def state_dict(self) -> list[torch.Tensor] | None:
+        return [m.detach().clone() for m in self.masters] if self.mixed else None
+
+    @torch.no_grad()
+    def load_state_dict(self, state: list[torch.Tensor] | None) -> None:
+        """Restore the fp32 masters (and the parameters from them); None: keep the masters
+        the parameters give (an fp32 run, or a checkpoint written by one)."""
+        if state is None or not self.mixed:
+            self.params_to_masters()
+            return
+        if len(state) != len(self.masters):
+            raise ValueError(f"MasterWeights.load_state_dict: {len(state)} master tensors for "
+                             f"{len(self.masters)} parameters")
+        for m, saved in zip(self.masters, state):
+            if tuple(saved.shape) != tuple(m.shape):
+                raise ValueError(f"MasterWeights.load_state_dict: a master of shape {tuple(saved.shape)} for a "
+                                 f"parameter of shape {tuple(m.shape)}")
+            m.copy_(saved)
+        self.masters_to_params()
