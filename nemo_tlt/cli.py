@@ -8,6 +8,7 @@
     nemo-tlt convert ...                  # checkpoint conversion (Megatron / HF / TensorRT-LLM)
     nemo-tlt plan CONFIG.yaml [key=value ...]   # memory / reshard plan and simulated speedup (or --calibrate RUN_DIR)
     nemo-tlt train CONFIG.yaml [key=value ...] [--compare-baseline]
+    nemo-tlt selfcheck --gpu --out F.json       # the GPU acceptance run (docs/gpu.md); --cpu-dry-run on a CPU
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ _COMMANDS = {
     ("train",): "nemo_tlt.train",
     ("prepare",): "nemo_tlt.demo.prepare",
     ("plan",): "nemo_tlt.plan.cli",
+    ("selfcheck",): "nemo_tlt.selfcheck.cli",
 }
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from nemo_tlt.dist import build_node_groups, gather_topology
+from nemo_tlt.dist import Placement, build_node_groups, gather_topology, torch_dtype
 from nemo_tlt.drafter.target_view import TargetView
 from nemo_tlt.model.hf_io import load_hf_folder
 from nemo_tlt.policy.factory import build_policy_backend
@@ -60,21 +60,24 @@ class RLWorker:
     def __init__(self, spec: RunSpec, comm: "Comm", stop: "StopFlag") -> None:
         cfg = self.cfg = spec.config
         self.spec, self.comm, self.stop = spec, comm, stop
+        # every component of this rank lives on the device the launcher bound, in the run's dtype
+        self.placement = placement = Placement(comm.device, torch_dtype(cfg.model.dtype))
         policy_model = load_hf_folder(spec.target_dir)
         model_config, canonical = policy_model.config, policy_model.state_dict()
         self.task = build_task(cfg.task, spec.target_dir)
         check_vocab(self.task.tokenizer, model_config.vocab_size, spec.target_dir)
         check_eos(self.task.tokenizer, model_config.eos_token_id, spec.target_dir)
         self.policy = build_policy_backend(cfg.policy, canonical, model_config,
-                                           temperature=cfg.grpo.temperature, seed=cfg.seed)
-        self.engine = build_rollout_engine(cfg.rollout, spec.target_dir)
+                                           temperature=cfg.grpo.temperature, seed=cfg.seed, placement=placement)
+        self.engine = build_rollout_engine(cfg.rollout, spec.target_dir, placement)
         self.sd_policy = self.drafter = None
         if spec.tlt:
             self.sd_policy = cfg.rollout.build_policy(np.random.default_rng([cfg.seed, comm.rank, 0xB4]))
-            view = TargetView(model_config).load(canonical)
+            view = TargetView(model_config, placement=placement).load(canonical)
             # collective (every rank builds a TLT worker): the drafter average goes through node leaders
             nodes = build_node_groups(gather_topology(comm), comm.rank, cfg.workers.timeout_s)
-            self.drafter = IdleDrafter(cfg.drafter, spec.drafter_dir, view, comm.rank, cfg.seed, nodes)
+            self.drafter = IdleDrafter(cfg.drafter, spec.drafter_dir, view, comm.rank, cfg.seed, nodes,
+                                       placement=placement)
             self.engine.load_drafter(self.drafter.drafter)
         self.harvest_from = cfg.drafter.harvest_from if self.drafter and cfg.drafter.train_on_idle else None
         if self.harvest_from == "policy" and not self.policy.captures_hidden:

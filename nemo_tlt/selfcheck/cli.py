@@ -1,0 +1,143 @@
+"""``nemo-tlt selfcheck --gpu --out F.json``: the GPU acceptance run, one command, one JSON.
+
+On one GPU with no network (torch, this repository and the wheels it names), it runs in
+order (sizes in ``GPU_SIZES``; budget: 20 minutes on one H100):
+
+1. ``engine_demo_float32`` / ``engine_demo_bfloat16``: the embedded engine on ``cuda:0``
+   with the shipped demo target and drafter (``selfcheck.engine_check``);
+2. ``engine_qwen2.5-0.5b-random_float32`` / ``..._bfloat16``: the same on a randomly
+   initialised model the size of Qwen2.5-0.5B, built here;
+3. ``main_job``: the demo main job on one GPU worker with its speedup;
+4. ``megatron_world1``: the megatron backend at world size 1 over NCCL against the torch
+   backend;
+5. ``checkpoint_roundtrip``: a run checkpoint of CUDA tensors written and read back.
+
+Each check is recorded as ``passed`` (with its figures) or ``failed`` (with the error) and
+the JSON is rewritten after every check, so a run cut short keeps what it measured. Exit
+status: 0 all passed, 1 a check failed, 2 bad usage or no CUDA device (nothing run).
+
+``--cpu-dry-run`` runs the same checks on the CPU at toy sizes (``DRY_RUN_SIZES``): it
+shows the code paths work, says nothing about a GPU, and its JSON says so.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from nemo_tlt.atomic import write_json_atomic
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.selfcheck import engine_check as ec
+from nemo_tlt.selfcheck import system_checks as sc
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    demo_prompts: int
+    demo_max_new: int
+    random_model: LMConfig
+    random_prompts: int
+    random_prompt_len: int
+    random_max_new: int
+    batch_sizes: tuple[int, ...]
+    main_job_overrides: tuple[str, ...]
+    megatron_model: LMConfig
+
+
+GPU_SIZES = Sizes(demo_prompts=32, demo_max_new=400, random_model=ec.QWEN25_05B, random_prompts=32,
+                  random_prompt_len=64, random_max_new=128, batch_sizes=(1, 32), main_job_overrides=(),
+                  megatron_model=LMConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=4,
+                                          num_heads=8, num_kv_heads=4))
+DRY_RUN_SIZES = Sizes(demo_prompts=4, demo_max_new=24,
+                      random_model=LMConfig(family="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128,
+                                            num_layers=2, num_heads=4, num_kv_heads=2, tie_word_embeddings=True),
+                      random_prompts=4, random_prompt_len=8, random_max_new=12, batch_sizes=(1, 4),
+                      main_job_overrides=("steps=2", "grpo.prompts_per_step=2", "grpo.group_size=2",
+                                          "grpo.max_new_tokens=48"),
+                      megatron_model=LMConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                                              num_heads=4, num_kv_heads=2))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="nemo-tlt selfcheck", description=__doc__.split("\n")[0])
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--gpu", action="store_true", help="the GPU acceptance run on cuda:0")
+    mode.add_argument("--cpu-dry-run", action="store_true", help="the same checks on the CPU at toy sizes")
+    p.add_argument("--out", required=True, help="the JSON to write")
+    p.add_argument("--only", default=None, help="comma-separated check names to run (default: all)")
+    p.add_argument("--cache-dir", default=None, help="where the demo assets are cached ($NEMO_TLT_CACHE)")
+    return p.parse_args(argv)
+
+
+def plan(device: torch.device, sizes: Sizes, work: Path, cache_dir: str | None) -> dict[str, Callable[[], Any]]:
+    """Check name -> zero-argument function returning its figures (raising when it fails)."""
+    kind = device.type
+    checks: dict[str, Callable[[], Any]] = {}
+    demo = lambda: ec.demo_case(sizes.demo_prompts, sizes.demo_max_new, cache_dir)  # noqa: E731
+    rand = lambda: ec.random_case(sizes.random_model, work / "random_model", sizes.random_prompts,  # noqa: E731
+                                  sizes.random_prompt_len, sizes.random_max_new)
+    for name, case in (("demo", demo), ("qwen2.5-0.5b-random" if sizes is GPU_SIZES else "random", rand)):
+        for dtype in (torch.float32, torch.bfloat16):
+            checks[f"engine_{name}_{str(dtype).removeprefix('torch.')}"] = (
+                lambda case=case, dtype=dtype: ec.engine_check(case(), device, dtype, sizes.batch_sizes))
+    checks["main_job"] = lambda: sc.main_job_check(kind, work / "main_job", sizes.main_job_overrides)
+    checks["megatron_world1"] = lambda: sc.megatron_check(kind, sizes.megatron_model)
+    checks["checkpoint_roundtrip"] = lambda: sc.checkpoint_check(device, work / "checkpoint")
+    return checks
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env = {"torch": torch.__version__, "cuda_build": torch.version.cuda, "python": platform.python_version(),
+           "device": str(device)}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if args.gpu and not torch.cuda.is_available():
+        print(f"nemo-tlt selfcheck --gpu: no CUDA device here (torch {torch.__version__}, CUDA build "
+              f"{torch.version.cuda}); nothing was run. Run it on a GPU node, or --cpu-dry-run to exercise "
+              "the checks on the CPU.")
+        return 2
+    device, sizes = (torch.device("cuda", 0), GPU_SIZES) if args.gpu else (torch.device("cpu"), DRY_RUN_SIZES)
+    out = Path(args.out)
+    with ec.scratch_folder() as tmp:
+        checks = plan(device, sizes, Path(tmp), args.cache_dir)
+        wanted = list(checks) if args.only is None else [c.strip() for c in args.only.split(",")]
+        unknown = [c for c in wanted if c not in checks]
+        if unknown:
+            print(f"nemo-tlt selfcheck: --only names unknown checks {unknown}; known: {list(checks)}")
+            return 2
+        report: dict[str, Any] = {"mode": "gpu" if args.gpu else "cpu_dry_run", "environment": environment(device),
+                                  "checks": {}}
+        if not args.gpu:
+            report["note"] = "a dry run on the CPU at toy sizes: it says nothing about a GPU"
+        for name in wanted:
+            print(f"selfcheck: {name} ...", flush=True)
+            t0 = time.perf_counter()
+            try:
+                entry = {"status": "passed", "result": checks[name]()}
+            except Exception as err:  # recorded, and the run goes on to the next check; exit status 1
+                entry = {"status": "failed", "error": f"{type(err).__name__}: {err}",
+                         "traceback": traceback.format_exc()[-4000:]}
+            entry["seconds"] = round(time.perf_counter() - t0, 2)
+            report["checks"][name] = entry
+            write_json_atomic(out, report)
+            print(f"selfcheck: {name} {entry['status']} in {entry['seconds']:.1f}s", flush=True)
+    failed = [n for n, e in report["checks"].items() if e["status"] != "passed"]
+    report["passed"] = not failed
+    write_json_atomic(out, report)
+    print(f"selfcheck: {len(wanted) - len(failed)} passed, {len(failed)} failed; wrote {out}")
+    return 1 if failed else 0
