@@ -72,3 +72,25 @@ def run_case(case: PolicyCase, world: int) -> dict | None:
 def session(ctx: RankContext, cases: list[PolicyCase]) -> dict | None:
     results = {case.name: run_case(case, ctx.world) for case in cases}
     return results if ctx.rank == 0 else None
+
+
+def bf16_update(ctx: RankContext, cfg: LMConfig, canonical: dict, policy: PolicyConfig, batch: list,
+                advantages: torch.Tensor) -> dict | None:
+    """One update of a bf16 megatron policy (fp32 masters); rank 0 returns what the test compares."""
+    from megatron.core import parallel_state
+
+    from nemo_tlt.dist import Placement
+
+    trainer = build_policy_backend(policy, canonical, cfg, temperature=1.0, seed=1234,
+                                   placement=Placement.cpu(torch.bfloat16))
+    stats = trainer.update(batch, advantages, None, None, sum(len(r) for _, r in batch))
+    local = {"param_dtypes": sorted({str(p.dtype) for p in trainer.params}),
+             "master_dtypes": sorted({str(m.dtype) for m in trainer.master.masters}),
+             "state_dtypes": sorted({str(v.dtype) for s in trainer.optimizer.state_dict()["state"].values()
+                                     for k, v in s.items() if k != "step"}),
+             "params_are_rounded_masters": all(torch.equal(p, m.to(p.dtype))
+                                               for p, m in zip(trainer.params, trainer.master.masters))}
+    weights = trainer.canonical_state_dict()
+    everyone = _gather(local, ctx.world)
+    parallel_state.destroy_model_parallel()
+    return {"stats": stats, "weights": weights, "ranks": everyone} if ctx.rank == 0 else None
