@@ -21,8 +21,8 @@ def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor | None:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     batch, seq = input_ids.shape
-    positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
-    mask = causal_attention_mask(seq, batch)
+    positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
+    mask = causal_attention_mask(seq, batch, input_ids.device)
 
     def forward_step(data_iterator, step_model):
         tokens = next(data_iterator)
@@ -51,7 +51,7 @@ def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor | None:
     return outputs[0]
 
 
-def causal_attention_mask(seq_len: int, batch: int = 1) -> torch.Tensor:
-    """Megatron's mask convention: ``True`` means *masked out*; shape ``[b, 1, s, s]``."""
-    mask = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(diagonal=1)
+def causal_attention_mask(seq_len: int, batch: int = 1, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Megatron's mask convention: ``True`` means *masked out*; shape ``[b, 1, s, s]``, on ``device``."""
+    mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(diagonal=1)
     return mask.view(1, 1, seq_len, seq_len).expand(batch, 1, seq_len, seq_len)

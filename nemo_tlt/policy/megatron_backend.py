@@ -200,7 +200,7 @@ class MegatronPolicy:
         ids = mb.input_ids.to(self.device)
         B, T = ids.shape
         positions = torch.arange(T, device=self.device).unsqueeze(0).expand(B, T)
-        mask = causal_attention_mask(T, B).to(self.device)
+        mask = causal_attention_mask(T, B, self.device)
         capture = (ForwardFeatures(model, self.layout, self.model_config.num_layers, capture_layers)
                    if on_hidden is not None else None)
 

@@ -41,7 +41,8 @@ class StepBoundary:
         keeper, need = self.keeper, self.budget.next_step_s()
         out_of_time = keeper is not None and not keeper.can_finish(need)
         tight = keeper is not None and not keeper.can_finish(2 * need)
-        flags = self.comm.sum_(torch.tensor([float(self.stop.requested), float(out_of_time), float(tight)]))
+        flags = self.comm.sum_(torch.tensor([float(self.stop.requested), float(out_of_time), float(tight)],
+                                            device="cpu"))  # coordination: gloo
         return Decision(bool(flags[0] > 0), bool(flags[1] > 0), bool(flags[2] > 0))
 
     def time_left(self) -> float | None:

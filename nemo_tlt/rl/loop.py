@@ -202,7 +202,7 @@ class RLWorker:
         """Log-probs and one optimizer step on the union of this rank's training group's rollouts."""
         group, rank = self.policy.train_ranks, self.comm.rank
         # every response token of the step, counted once (each rank counts its own rollout)
-        global_tokens = int(self.comm.sum_(torch.tensor([float(sum(len(r) for _, r in batch))])).item())
+        global_tokens = int(self.comm.sum_(torch.tensor([float(sum(len(r) for _, r in batch))], device="cpu")).item())
         own = range(len(batch))
         if len(group) > 1:  # the ranks of one model replica train on the union of their rollouts
             shares = self.comm.gather((batch, rewards))
@@ -214,7 +214,7 @@ class RLWorker:
         t0 = time.perf_counter()
         logp_old, logp_ref = self.policy.logprobs(batch, self.cfg.policy.separate_logprob_pass)
         t_logprob, t0 = time.perf_counter() - t0, time.perf_counter()
-        advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), self.cfg.grpo.group_size)
+        advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32, device="cpu"), self.cfg.grpo.group_size)
         update = self.policy.update(batch, advantages, logp_old, logp_ref, global_tokens, on_hidden=on_hidden,
                                     capture_layers=self.capture_layers if on_hidden is not None else None)
         return update, t_logprob, time.perf_counter() - t0

@@ -1,0 +1,54 @@
+"""The GPU half, on a real CUDA device (``pytest -m gpu``; skipped where there is none).
+
+Each test runs one check of ``nemo-tlt selfcheck --gpu`` (``nemo_tlt.selfcheck``) at a size
+that takes seconds: the embedded engine on ``cuda:0`` (SD token-identical to plain decoding
+in fp32; bf16 runs), the megatron backend at world size 1 over NCCL, a one-worker RL run
+in bf16 on the GPU, and a run checkpoint of CUDA tensors. Not run on the project's CPU
+machines; docs/gpu.md records where and when it last ran.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from nemo_tlt.selfcheck import engine_check as ec
+from nemo_tlt.selfcheck import system_checks as sc
+from nemo_tlt.selfcheck.cli import DRY_RUN_SIZES
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pytest -m gpu on a GPU node)")]
+CUDA = torch.device("cuda", 0)
+
+
+def _case(tmp_path):
+    s = DRY_RUN_SIZES
+    return ec.random_case(s.random_model, tmp_path / "model", 8, 8, 24)
+
+
+def test_engine_on_cuda_fp32_sd_is_plain_decoding(tmp_path):
+    out = ec.engine_check(_case(tmp_path), CUDA, torch.float32, (1, 8), with_hf=False)
+    assert out["identity"]["greedy"]["all_identical"] and out["identity"]["coupled"]["all_identical"]
+
+
+def test_engine_on_cuda_bf16_runs(tmp_path):
+    out = ec.engine_check(_case(tmp_path), CUDA, torch.bfloat16, (8,), with_hf=False)
+    assert out["throughput"][0]["plain_tokens_per_s"] > 0
+
+
+def test_megatron_at_world_size_one_over_nccl():
+    pytest.importorskip("megatron.core")
+    out = sc.megatron_check("cuda", DRY_RUN_SIZES.megatron_model)
+    assert out["max_weight_diff"] <= out["tolerance"]
+
+
+def test_one_worker_rl_run_in_bf16_on_the_gpu(tmp_path):
+    out = sc.main_job_check("cuda", tmp_path / "run", (*DRY_RUN_SIZES.main_job_overrides, "model.dtype=bfloat16"))
+    assert out["config_device_line"] == "device: cuda"
+    assert isinstance(out["rewards_identical"], bool)
+
+
+def test_run_checkpoint_of_cuda_tensors_round_trips(tmp_path):
+    out = sc.checkpoint_check(CUDA, tmp_path / "ckpt")
+    assert out["weights_equal"] and out["optimizer_state_equal"] and out["optimizer_state_device"].startswith("cuda")
