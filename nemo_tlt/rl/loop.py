@@ -156,8 +156,9 @@ class RLWorker:
                         segments=rollout.segments, idle=idle,
                         update=update, state=self.rank_state(), weights=weights)
         ranks = comm.gather(mine)
-        # A sharded optimizer state (TP x PP > 1) differs per rank: keep every rank's.
-        self.policy_states = (comm.gather(self.policy.state_dict()) if self.policy.sharded_state
+        # A sharded optimizer state (TP x PP > 1) differs per rank: keep every rank's (on the
+        # host: device tensors pickled to another rank would land on its device of that index).
+        self.policy_states = (comm.gather(to_host(self.policy.state_dict())) if self.policy.sharded_state
                               else [self.policy.state_dict()])
         if comm.rank != 0:
             return {}
@@ -281,6 +282,17 @@ class RLWorker:
         self.rank_states = list(state.ranks)
         self.saved_step = state.step
         self.start_step = state.step + 1
+
+
+def to_host(value: Any) -> Any:
+    """``value`` with every tensor in it (nested dicts, lists, tuples) copied to the host."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_host(v) for v in value)
+    return value
 
 
 def run_rank(spec: RunSpec, comm: "Comm", stop: "StopFlag", on_step: Callable | None = None) -> dict[str, Any]:
