@@ -14,11 +14,16 @@ import pytest
 import torch
 
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
+from nemo_tlt.dist.device import Placement
 from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.eagle3_hf import write_eagle3_hf
 from nemo_tlt.model.hf_io import save_hf_folder
+from nemo_tlt.rollout import trtllm_run
+from nemo_tlt.rollout.config import RolloutConfig
+from nemo_tlt.rollout.factory import build_rollout_engine
 from nemo_tlt.rollout.protocol import Request
-from nemo_tlt.rollout.trtllm_config import WORKER_EXTENSION, TRTLLMEngineConfig
+from nemo_tlt.rollout.trtllm_config import TRTLLM_REQUIREMENT, WORKER_EXTENSION, TRTLLMEngineConfig
+from nemo_tlt.rollout.trtllm_run import TrainRunAsks, train_run_refusal, unsupported_settings
 from nemo_tlt.rollout.trtllm_engine import (TRTLLMRolloutEngine, canonical_shapes, check_drafter_layers,
                                             completion_to_result, import_tensorrt_llm, sampling_kwargs,
                                             trtllm_capture_layers, weight_buckets)
@@ -29,10 +34,39 @@ from tiny import tiny_config, tiny_target
 
 def test_missing_package_error_names_it_and_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # makes the import fail like a missing package
-    with pytest.raises(ImportError, match=r"'tensorrt_llm' package.*pip install tensorrt_llm"):
+    with pytest.raises(ImportError, match=r"'tensorrt_llm' package.*pip install nemo-tlt\[trtllm\]"):
         import_tensorrt_llm()
     with pytest.raises(ImportError, match="tensorrt_llm"):
         TRTLLMRolloutEngine(TRTLLMEngineConfig(target_dir="unused"))
+
+
+def test_the_extra_pins_the_requirement_the_code_follows():
+    import tomllib
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["trtllm"] == [TRTLLM_REQUIREMENT]
+
+
+def test_train_run_refusals_name_each_setting(monkeypatch):
+    baseline = TrainRunAsks("rejection", sd_enabled=False, train_on_idle=False, harvest_from="rollout")
+    assert unsupported_settings(baseline) == []
+    tlt = unsupported_settings(TrainRunAsks("coupled", True, True, "rollout"))
+    assert [line.split(":")[0] for line in tlt] == ["grpo.acceptance=coupled",
+                                                    "rollout.sd_enabled / drafter.train_on_idle (TLT mode)",
+                                                    "drafter.harvest_from=rollout"]
+    monkeypatch.setattr(trtllm_run, "tensorrt_llm_installed", lambda: True)
+    assert train_run_refusal(baseline) is None
+    assert "pip install" not in train_run_refusal(TrainRunAsks("coupled", False, False, "policy"))
+    monkeypatch.setattr(trtllm_run, "tensorrt_llm_installed", lambda: False)
+    assert "pip install nemo-tlt[trtllm]" in train_run_refusal(baseline)
+
+
+def test_factory_builds_the_trtllm_engine_on_cuda_only(monkeypatch, tmp_path):
+    fake_tensorrt_llm(monkeypatch)
+    folder = save_hf_folder(tiny_target(num_layers=3), tmp_path / "t")
+    with pytest.raises(ValueError, match="rollout.engine=trtllm runs on CUDA devices only"):
+        build_rollout_engine(RolloutConfig(engine="trtllm"), str(folder), Placement.cpu())
+    engine = build_rollout_engine(RolloutConfig(engine="trtllm"), str(folder), Placement(torch.device("cuda", 0)))
+    assert isinstance(engine, TRTLLMRolloutEngine) and engine.llm.kwargs["speculative_config"] is None
 
 
 def test_coupled_sampling_is_refused_with_the_reason():
