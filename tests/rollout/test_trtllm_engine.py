@@ -17,6 +17,9 @@ from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.dist.device import Placement
 from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.eagle3_hf import write_eagle3_hf
+from nemo_tlt.integrations.interface_facts import (TRTLLM_EAGLE3_FIELDS, TRTLLM_GENERATE, TRTLLM_LLM_FIELDS,
+                                                   TRTLLM_SAMPLING_FIELDS, TRTLLM_WORKER_RPCS, refuse_unknown,
+                                                   signature_deviations)
 from nemo_tlt.model.hf_io import save_hf_folder
 from nemo_tlt.rollout import trtllm_run
 from nemo_tlt.rollout.config import RolloutConfig
@@ -181,28 +184,62 @@ def test_trtllm_default_capture_layers_follow_its_rules():
 
 
 # ---- a stand-in module (NOT TensorRT-LLM) to check what our engine hands to the LLM API ----------
+# Strict per interface_facts: a keyword, RPC or generate argument TensorRT-LLM's own class does not
+# have is refused, so drift in our engine (or in the facts) shows here.
+RPCS = {**TRTLLM_WORKER_RPCS, "set_draft_len_schedule": 1}  # WorkerExtension's, plus our extension's
+
+
 class FakeLLM:
     def __init__(self, **kwargs):
+        refuse_unknown("LLM", kwargs, TRTLLM_LLM_FIELDS)
         self.kwargs, self.rpcs, self.calls = kwargs, [], []
 
     def _collective_rpc(self, method, args):
+        if method not in RPCS or len(args) != RPCS[method]:
+            raise TypeError(f"no worker method {method}{args!r}")
         self.rpcs.append((method, args))
 
-    def generate(self, prompts, params, use_tqdm=True):
-        self.calls.append((prompts, params))
+    def generate(self, inputs, sampling_params=None, use_tqdm=True):
+        self.calls.append((inputs, sampling_params))
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5, 6], finish_reason="stop")],
-                                avg_decoded_tokens_per_iter=2.0) for _ in prompts]
+                                avg_decoded_tokens_per_iter=2.0) for _ in inputs]
+
+
+def fake_sampling_params(**kw):
+    refuse_unknown("SamplingParams", kw, TRTLLM_SAMPLING_FIELDS)
+    return kw
+
+
+def fake_eagle3(**kw):
+    refuse_unknown("Eagle3DecodingConfig", kw, TRTLLM_EAGLE3_FIELDS)
+    return ("Eagle3DecodingConfig", kw)
 
 
 def fake_tensorrt_llm(monkeypatch):
     mod = types.ModuleType("tensorrt_llm")
     mod.LLM = FakeLLM
-    mod.SamplingParams = lambda **kw: kw
+    mod.SamplingParams = fake_sampling_params
     llmapi = types.ModuleType("tensorrt_llm.llmapi")
-    llmapi.Eagle3DecodingConfig = lambda **kw: ("Eagle3DecodingConfig", kw)
+    llmapi.Eagle3DecodingConfig = fake_eagle3
     mod.llmapi = llmapi
     monkeypatch.setitem(sys.modules, "tensorrt_llm", mod)
     monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi", llmapi)
+
+
+def test_the_stand_ins_are_strict_and_match_the_facts():
+    assert signature_deviations(FakeLLM.generate.__get__(object()), TRTLLM_GENERATE) == []
+    with pytest.raises(TypeError, match="speculative_model_path"):
+        fake_eagle3(max_draft_len=4, speculative_model_path="d")
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        fake_sampling_params(max_new_tokens=4)
+    with pytest.raises(TypeError, match="tokenizer_dir"):
+        FakeLLM(model="m", tokenizer_dir="t")
+    everything = TRTLLMEngineConfig(target_dir="t", drafter_dir="d", use_dynamic_tree=True, dynamic_tree_max_topk=4,
+                                    max_concurrency=8, eagle3_layers_to_capture=(1, 2, 3))
+    assert set(everything.speculative_kwargs()) <= TRTLLM_EAGLE3_FIELDS
+    assert set(everything.llm_kwargs()) | {"speculative_config"} <= TRTLLM_LLM_FIELDS
+    for sp in (SamplingParams(mode="greedy"), SamplingParams(mode="rejection", top_k=5, stop_on_eos=False)):
+        assert set(sampling_kwargs(sp, 2, 0)) <= TRTLLM_SAMPLING_FIELDS
 
 
 def test_engine_conversion_and_schedule_updates_against_a_fake_module(monkeypatch, tmp_path):
