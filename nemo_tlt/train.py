@@ -194,6 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"nemo-tlt train: error: {err}\n{USAGE}", file=sys.stderr)
         return 2
+    if config.rollout.engine == "trtllm":  # before any model is loaded or worker started
+        from nemo_tlt.rollout.trtllm_run import TrainRunAsks, train_run_refusal
+        refusal = train_run_refusal(TrainRunAsks(config.grpo.acceptance, config.rollout.sd_enabled,
+                                                 config.drafter.train_on_idle, config.drafter.harvest_from))
+        if refusal is not None:
+            print(f"nemo-tlt train: error: {refusal}", file=sys.stderr)
+            return 2
     try:
         primary = process_rank(config.workers) == 0  # the launch mode is chosen here (local or SLURM)
     except ValueError as err:

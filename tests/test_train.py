@@ -4,7 +4,10 @@ report over pairs. `launch` is replaced by a fake that returns step records, so 
 model runs here (the real loop: test_loop_e2e.py, test_resume.py)."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,3 +140,19 @@ def test_a_task_that_does_not_import_is_refused_before_any_worker_starts(tmp_pat
     assert rc == 2
     err = capsys.readouterr().err
     assert "task.reward='no_such_module_for_tlt:score': cannot import module" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="TensorRT-LLM is installed here")
+def test_trtllm_engine_without_the_package_stops_before_any_work(tmp_path):
+    """The real command: exit 2 naming the extra and what the demo config asks that
+    TensorRT-LLM cannot express, no traceback, and nothing started (the resolved config,
+    printed before the models load, is not printed; no run folder is made)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "nemo_tlt.cli", "train", str(DEMO), "rollout.engine=trtllm",
+                           f"run_dir={run_dir}"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install nemo-tlt[trtllm]" in proc.stderr and "tensorrt_llm>=1.3.0rc0,<1.4" in proc.stderr
+    assert "grpo.acceptance=coupled" in proc.stderr and "rollout.sd_enabled" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == "" and "run folder" not in proc.stderr
+    assert not run_dir.exists()

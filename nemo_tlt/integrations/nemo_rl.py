@@ -1,22 +1,28 @@
 """A NeMo-RL ``GenerationInterface`` adapter over a `RolloutEngine` with TLT's SD policy.
 
-Follows ``nemo_rl/models/generation/interfaces.py`` (NVIDIA/NeMo-RL main, 2026
-snapshot): ``generate(data, greedy)`` takes a GenerationDatumSpec (``input_ids``
+Held to ``nemo_rl/models/generation/interfaces.py`` as recorded in
+``interface_facts.NEMO_RL_GENERATION`` (the commit read is named there and in
+docs/nemo.md): ``generate(data, greedy)`` takes a GenerationDatumSpec (``input_ids``
 [B, T] right-padded, ``input_lengths`` [B]) and returns a GenerationOutputSpec:
-``output_ids`` [B, T'] (input followed by generation, right-padded with
-``pad_token_id``), ``generation_lengths``, ``unpadded_sequence_lengths``,
-``logprobs`` and ``truncated``. NeMo-RL is not importable here: plain dicts of tensors
-with those keys stand for its ``BatchedDataDict``.
+``output_ids`` [B, S] in the input's dtype (input followed by generation, right-padded
+with ``pad_token_id``), ``generation_lengths`` and ``unpadded_sequence_lengths`` [B]
+int64, ``logprobs`` [B, S] float32 and ``truncated`` [B] bool. Where NeMo-RL is
+importable the output is its ``BatchedDataDict``; elsewhere a plain dict of the same
+tensors.
 
-``logprobs`` are zeros: the `RolloutEngine` contract returns tokens, not their
-log-probabilities (NeMo-RL's training log-probs come from the policy's forward).
+``logprobs`` values are NOT YET REAL: zeros of the right key, dtype and shape (the
+`RolloutEngine` contract returns tokens without their log-probabilities yet).
+``stop_strings`` in the datum is refused (the engines stop on EOS and length only).
 Weights: ``prepare_refit_info`` keeps the {name: (shape, dtype)} map;
 ``update_weights_from_collective`` loads the canonical stream that the
 ``weight_source`` callable given at construction produces (the caller's collective
-receive); NeMo-RL's Ray/NCCL plumbing itself is not reproduced.
+receive); NeMo-RL's Ray/NCCL plumbing itself is not reproduced, so ``init_collective``
+joins no process group.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,6 +30,7 @@ import numpy as np
 import torch
 
 from nemo_tlt.adaptive.config import SpecDecodingConfig
+from nemo_tlt.integrations.nemo_aligner import TLTBlock, build_engine
 from nemo_tlt.rollout.protocol import PolicyWeights, Request, RolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
 
@@ -40,14 +47,30 @@ class TLTGeneration:
         self.state_dict_info: dict[str, Any] | None = None
         self._calls = 0
 
-    def init_collective(self, ip: str, port: int, world_size: int) -> list:
+    @classmethod
+    def from_tlt_block(cls, tlt: TLTBlock, sampling: SamplingParams, pad_token_id: int, seed: int = 0,
+                       weight_source: Callable[[], PolicyWeights] | None = None) -> "TLTGeneration":
+        """The engine ``tlt.backend`` names (``torch`` or ``trtllm``, as in the NeMo-Aligner
+        backend), with ``tlt.rollout``'s SD policy."""
+        return cls(build_engine(tlt), sampling, pad_token_id, spec=tlt.rollout, seed=seed,
+                   weight_source=weight_source)
+
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list:
         """No process group of its own: weights arrive through ``weight_source``."""
         return []
+
+    def shutdown(self) -> bool:
+        """Nothing to release beyond the engine object itself; safe to call repeatedly."""
+        return True
 
     def generate(self, data: Mapping[str, torch.Tensor], greedy: bool = False) -> dict[str, torch.Tensor]:
         for key in ("input_ids", "input_lengths"):
             if key not in data:
                 raise ValueError(f"generate: data has no {key!r} (GenerationDatumSpec keys: input_ids, input_lengths)")
+        stop_strings = data.get("stop_strings") if isinstance(data, Mapping) else None
+        if stop_strings is not None and any(s for s in stop_strings):
+            raise ValueError("generate: data['stop_strings'] is not supported (the engines stop on EOS and "
+                             "max_new_tokens only)")
         ids, lengths = data["input_ids"], [int(n) for n in data["input_lengths"]]
         requests = [Request(ids[b, :n].tolist(), seq_id=b) for b, n in enumerate(lengths)]
         mode = "greedy" if greedy else self.sampling.mode
@@ -59,9 +82,13 @@ class TLTGeneration:
         output_ids = torch.full((len(requests), int(total.max())), self.pad_token_id, dtype=ids.dtype)
         for b, (req, res) in enumerate(zip(requests, out.results)):
             output_ids[b, :int(total[b])] = torch.tensor(list(req.prompt) + res.tokens, dtype=ids.dtype)
-        return {"output_ids": output_ids, "generation_lengths": gen, "unpadded_sequence_lengths": total,
-                "logprobs": torch.zeros(output_ids.shape, dtype=torch.float32),
-                "truncated": torch.tensor([r.stop_reason == "length" for r in out.results])}
+        out_spec = {"output_ids": output_ids, "generation_lengths": gen, "unpadded_sequence_lengths": total,
+                    # not yet real: zeros of NeMo-RL's shape and dtype (see the module docstring)
+                    "logprobs": torch.zeros(output_ids.shape, dtype=torch.float32),
+                    "truncated": torch.tensor([r.stop_reason == "length" for r in out.results], dtype=torch.bool)}
+        if importlib.util.find_spec("nemo_rl") is None:
+            return out_spec
+        return importlib.import_module("nemo_rl.distributed.batched_data_dict").BatchedDataDict(out_spec)
 
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
         return True

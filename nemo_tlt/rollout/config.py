@@ -5,13 +5,14 @@ from dataclasses import dataclass
 
 from nemo_tlt.adaptive.config import SpecDecodingConfig
 
-ENGINES = ("torch",)
+ENGINES = ("torch", "trtllm")
 
 
 @dataclass(frozen=True)
 class RolloutConfig(SpecDecodingConfig):
     """``engine``: the rollout engine (``torch``: the embedded engine, the default and the
-    oracle); the SD fields are :class:`~nemo_tlt.adaptive.config.SpecDecodingConfig`'s."""
+    oracle; ``trtllm``: TensorRT-LLM's LLM API, the ``trtllm`` extra, see
+    ``rollout.trtllm_engine``); the SD fields are :class:`~nemo_tlt.adaptive.config.SpecDecodingConfig`'s."""
 
     engine: str = "torch"
 

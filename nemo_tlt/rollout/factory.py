@@ -12,4 +12,17 @@ def build_rollout_engine(config: RolloutConfig, model_dir: str, placement: Place
     if config.engine == "torch":
         from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
         return TorchRolloutEngine.from_hf_folder(model_dir, device=placement.device, dtype=placement.dtype)
+    if config.engine == "trtllm":
+        return _trtllm_engine(model_dir, placement)
     raise ValueError(f"rollout.engine={config.engine!r} has no factory")  # RolloutConfig refuses it first
+
+
+def _trtllm_engine(model_dir: str, placement: Placement) -> RolloutEngine:
+    """TensorRT-LLM's LLM API serving ``model_dir`` without a drafter (a drafter is an
+    EAGLE-3 folder fixed at build time: ``rollout.trtllm_run``). TensorRT-LLM places its
+    own workers on the node's GPUs and takes the dtype from the folder's config."""
+    if placement.device.type != "cuda":
+        raise ValueError(f"rollout.engine=trtllm runs on CUDA devices only; this rank is placed on {placement.device}")
+    from nemo_tlt.rollout.trtllm_config import TRTLLMEngineConfig
+    from nemo_tlt.rollout.trtllm_engine import TRTLLMRolloutEngine  # lazy: optional package
+    return TRTLLMRolloutEngine(TRTLLMEngineConfig(target_dir=model_dir))

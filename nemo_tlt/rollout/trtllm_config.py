@@ -10,6 +10,7 @@ version may need these mappings changed (docs/trtllm.md).
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -17,9 +18,26 @@ from nemo_tlt.checks import check_int
 
 TRTLLM_PACKAGE = "tensorrt_llm"
 TRTLLM_SOURCE = "NVIDIA/TensorRT-LLM@0004396720054fd8e205cbf616f21f0b57c6b412"
+# The release line carrying that commit's API (draft_len_schedule on the one-model path landed on
+# main in March 2026, after 1.2.1): pyproject.toml's ``trtllm`` extra pins the same range.
+TRTLLM_REQUIREMENT = "tensorrt_llm>=1.3.0rc0,<1.4"
+TRTLLM_INSTALL = "pip install nemo-tlt[trtllm]"
 # Our subclass of TensorRT-LLM's rlhf WorkerExtension (imported by TensorRT-LLM's Ray workers only).
 WORKER_EXTENSION = "nemo_tlt.rollout.trtllm_worker.TLTWorkerExtension"
 LOAD_FORMATS = ("auto", "dummy")
+
+
+def tensorrt_llm_installed() -> bool:
+    """Whether the ``tensorrt_llm`` package can be found, without importing it (importing it
+    starts CUDA and MPI: seconds, and a GPU)."""
+    return importlib.util.find_spec(TRTLLM_PACKAGE) is not None
+
+
+def missing_package_message(what: str) -> str:
+    """What to do when ``what`` needs TensorRT-LLM and the package is absent."""
+    return (f"{what} needs NVIDIA TensorRT-LLM (the {TRTLLM_PACKAGE!r} package), which is not installed here. "
+            f"Install the extra: `{TRTLLM_INSTALL}` ({TRTLLM_REQUIREMENT}; NVIDIA's wheels run on Linux hosts "
+            "with an NVIDIA GPU, see docs/trtllm.md), or use the embedded engine (rollout.engine=torch)")
 
 
 @dataclass(frozen=True)

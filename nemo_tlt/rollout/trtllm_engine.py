@@ -61,7 +61,7 @@ from nemo_tlt.model.hf_io import read_config, read_state_dict
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout import validate
 from nemo_tlt.rollout.protocol import GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
-from nemo_tlt.rollout.trtllm_config import TRTLLM_PACKAGE, TRTLLMEngineConfig
+from nemo_tlt.rollout.trtllm_config import TRTLLM_PACKAGE, TRTLLMEngineConfig, missing_package_message
 from nemo_tlt.rollout.trtllm_schedule import draft_len_schedule
 from nemo_tlt.speculative.sampling import SamplingParams
 
@@ -70,15 +70,11 @@ UNAVAILABLE_STATS = ("target_forwards", "prefill_forwards", "drafter_forwards", 
 
 
 def import_tensorrt_llm() -> ModuleType:
-    """The ``tensorrt_llm`` module, or an ImportError naming the package and how to get it."""
+    """The ``tensorrt_llm`` module, or an ImportError naming the package and the extra to install."""
     try:
         return importlib.import_module(TRTLLM_PACKAGE)
     except ImportError as err:
-        raise ImportError(
-            f"TRTLLMRolloutEngine needs the {TRTLLM_PACKAGE!r} package (NVIDIA TensorRT-LLM), which is not "
-            f"importable here ({err}). It runs only on Linux hosts with an NVIDIA GPU: install it there with "
-            "`pip install tensorrt_llm` (NVIDIA's wheels; see docs/trtllm.md for the version followed), or use "
-            "the embedded torch engine (rollout backend 'torch')") from err
+        raise ImportError(f"{missing_package_message('TRTLLMRolloutEngine')} ({err})") from err
 
 
 # ---- pure conversion ---------------------------------------------------------------------------
@@ -235,8 +231,9 @@ class TRTLLMRolloutEngine:
         trtllm = import_tensorrt_llm()
         self.config = config
         self._model_config = read_config(config.target_dir)
-        self._captured = trtllm_capture_layers(config, self._model_config.num_layers)
+        self._captured: tuple[int, ...] = ()  # no drafter: nothing is captured (any target depth)
         if config.drafter_dir is not None:
+            self._captured = trtllm_capture_layers(config, self._model_config.num_layers)
             check_drafter_layers(config.drafter_dir, self._captured)
         self._shapes = canonical_shapes(self._model_config)
         from tensorrt_llm.llmapi import Eagle3DecodingConfig  # lazy: optional package

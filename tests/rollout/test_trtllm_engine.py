@@ -14,11 +14,19 @@ import pytest
 import torch
 
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
+from nemo_tlt.dist.device import Placement
 from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.eagle3_hf import write_eagle3_hf
+from nemo_tlt.integrations.interface_facts import (TRTLLM_EAGLE3_FIELDS, TRTLLM_GENERATE, TRTLLM_LLM_FIELDS,
+                                                   TRTLLM_SAMPLING_FIELDS, TRTLLM_WORKER_RPCS, refuse_unknown,
+                                                   signature_deviations)
 from nemo_tlt.model.hf_io import save_hf_folder
+from nemo_tlt.rollout import trtllm_run
+from nemo_tlt.rollout.config import RolloutConfig
+from nemo_tlt.rollout.factory import build_rollout_engine
 from nemo_tlt.rollout.protocol import Request
-from nemo_tlt.rollout.trtllm_config import WORKER_EXTENSION, TRTLLMEngineConfig
+from nemo_tlt.rollout.trtllm_config import TRTLLM_REQUIREMENT, WORKER_EXTENSION, TRTLLMEngineConfig
+from nemo_tlt.rollout.trtllm_run import TrainRunAsks, train_run_refusal, unsupported_settings
 from nemo_tlt.rollout.trtllm_engine import (TRTLLMRolloutEngine, canonical_shapes, check_drafter_layers,
                                             completion_to_result, import_tensorrt_llm, sampling_kwargs,
                                             trtllm_capture_layers, weight_buckets)
@@ -29,10 +37,39 @@ from tiny import tiny_config, tiny_target
 
 def test_missing_package_error_names_it_and_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # makes the import fail like a missing package
-    with pytest.raises(ImportError, match=r"'tensorrt_llm' package.*pip install tensorrt_llm"):
+    with pytest.raises(ImportError, match=r"'tensorrt_llm' package.*pip install nemo-tlt\[trtllm\]"):
         import_tensorrt_llm()
     with pytest.raises(ImportError, match="tensorrt_llm"):
         TRTLLMRolloutEngine(TRTLLMEngineConfig(target_dir="unused"))
+
+
+def test_the_extra_pins_the_requirement_the_code_follows():
+    import tomllib
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["trtllm"] == [TRTLLM_REQUIREMENT]
+
+
+def test_train_run_refusals_name_each_setting(monkeypatch):
+    baseline = TrainRunAsks("rejection", sd_enabled=False, train_on_idle=False, harvest_from="rollout")
+    assert unsupported_settings(baseline) == []
+    tlt = unsupported_settings(TrainRunAsks("coupled", True, True, "rollout"))
+    assert [line.split(":")[0] for line in tlt] == ["grpo.acceptance=coupled",
+                                                    "rollout.sd_enabled / drafter.train_on_idle (TLT mode)",
+                                                    "drafter.harvest_from=rollout"]
+    monkeypatch.setattr(trtllm_run, "tensorrt_llm_installed", lambda: True)
+    assert train_run_refusal(baseline) is None
+    assert "pip install" not in train_run_refusal(TrainRunAsks("coupled", False, False, "policy"))
+    monkeypatch.setattr(trtllm_run, "tensorrt_llm_installed", lambda: False)
+    assert "pip install nemo-tlt[trtllm]" in train_run_refusal(baseline)
+
+
+def test_factory_builds_the_trtllm_engine_on_cuda_only(monkeypatch, tmp_path):
+    fake_tensorrt_llm(monkeypatch)
+    folder = save_hf_folder(tiny_target(num_layers=3), tmp_path / "t")
+    with pytest.raises(ValueError, match="rollout.engine=trtllm runs on CUDA devices only"):
+        build_rollout_engine(RolloutConfig(engine="trtllm"), str(folder), Placement.cpu())
+    engine = build_rollout_engine(RolloutConfig(engine="trtllm"), str(folder), Placement(torch.device("cuda", 0)))
+    assert isinstance(engine, TRTLLMRolloutEngine) and engine.llm.kwargs["speculative_config"] is None
 
 
 def test_coupled_sampling_is_refused_with_the_reason():
@@ -147,28 +184,62 @@ def test_trtllm_default_capture_layers_follow_its_rules():
 
 
 # ---- a stand-in module (NOT TensorRT-LLM) to check what our engine hands to the LLM API ----------
+# Strict per interface_facts: a keyword, RPC or generate argument TensorRT-LLM's own class does not
+# have is refused, so drift in our engine (or in the facts) shows here.
+RPCS = {**TRTLLM_WORKER_RPCS, "set_draft_len_schedule": 1}  # WorkerExtension's, plus our extension's
+
+
 class FakeLLM:
     def __init__(self, **kwargs):
+        refuse_unknown("LLM", kwargs, TRTLLM_LLM_FIELDS)
         self.kwargs, self.rpcs, self.calls = kwargs, [], []
 
     def _collective_rpc(self, method, args):
+        if method not in RPCS or len(args) != RPCS[method]:
+            raise TypeError(f"no worker method {method}{args!r}")
         self.rpcs.append((method, args))
 
-    def generate(self, prompts, params, use_tqdm=True):
-        self.calls.append((prompts, params))
+    def generate(self, inputs, sampling_params=None, use_tqdm=True):
+        self.calls.append((inputs, sampling_params))
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5, 6], finish_reason="stop")],
-                                avg_decoded_tokens_per_iter=2.0) for _ in prompts]
+                                avg_decoded_tokens_per_iter=2.0) for _ in inputs]
+
+
+def fake_sampling_params(**kw):
+    refuse_unknown("SamplingParams", kw, TRTLLM_SAMPLING_FIELDS)
+    return kw
+
+
+def fake_eagle3(**kw):
+    refuse_unknown("Eagle3DecodingConfig", kw, TRTLLM_EAGLE3_FIELDS)
+    return ("Eagle3DecodingConfig", kw)
 
 
 def fake_tensorrt_llm(monkeypatch):
     mod = types.ModuleType("tensorrt_llm")
     mod.LLM = FakeLLM
-    mod.SamplingParams = lambda **kw: kw
+    mod.SamplingParams = fake_sampling_params
     llmapi = types.ModuleType("tensorrt_llm.llmapi")
-    llmapi.Eagle3DecodingConfig = lambda **kw: ("Eagle3DecodingConfig", kw)
+    llmapi.Eagle3DecodingConfig = fake_eagle3
     mod.llmapi = llmapi
     monkeypatch.setitem(sys.modules, "tensorrt_llm", mod)
     monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi", llmapi)
+
+
+def test_the_stand_ins_are_strict_and_match_the_facts():
+    assert signature_deviations(FakeLLM.generate.__get__(object()), TRTLLM_GENERATE) == []
+    with pytest.raises(TypeError, match="speculative_model_path"):
+        fake_eagle3(max_draft_len=4, speculative_model_path="d")
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        fake_sampling_params(max_new_tokens=4)
+    with pytest.raises(TypeError, match="tokenizer_dir"):
+        FakeLLM(model="m", tokenizer_dir="t")
+    everything = TRTLLMEngineConfig(target_dir="t", drafter_dir="d", use_dynamic_tree=True, dynamic_tree_max_topk=4,
+                                    max_concurrency=8, eagle3_layers_to_capture=(1, 2, 3))
+    assert set(everything.speculative_kwargs()) <= TRTLLM_EAGLE3_FIELDS
+    assert set(everything.llm_kwargs()) | {"speculative_config"} <= TRTLLM_LLM_FIELDS
+    for sp in (SamplingParams(mode="greedy"), SamplingParams(mode="rejection", top_k=5, stop_on_eos=False)):
+        assert set(sampling_kwargs(sp, 2, 0)) <= TRTLLM_SAMPLING_FIELDS
 
 
 def test_engine_conversion_and_schedule_updates_against_a_fake_module(monkeypatch, tmp_path):
