@@ -34,6 +34,7 @@ from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.dist.device import DEVICES, DTYPES
 from nemo_tlt.imports import check_import_path, is_import_path
 from nemo_tlt.policy.config import PolicyConfig
+from nemo_tlt.rl.loggers import LoggerConfig
 from nemo_tlt.rollout.config import RolloutConfig
 from nemo_tlt.speculative.sampling import MODES
 from nemo_tlt.speculative.tree_shape import TreeShape
@@ -211,6 +212,7 @@ class TLTConfig:
     drafter: IdleDrafterConfig = field(default_factory=IdleDrafterConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
     def __post_init__(self) -> None:
         if not self.run_dir:
