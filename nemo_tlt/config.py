@@ -42,8 +42,14 @@ from nemo_tlt.spot.config import IdleDrafterConfig
 
 START_METHODS = ("spawn", "fork", "forkserver")
 LAUNCHERS = ("auto", "local", "slurm", "torchrun")
-TASK_JSONL, TASK_HF = "jsonl", "hf"  # the built-in task source and tokenizer (nemo_tlt.rl.task)
-TASK_JSONL_OPTIONS = ("path", "prompt_key", "answer_key")
+TASK_JSONL, TASK_DATASETS, TASK_HF = "jsonl", "datasets", "hf"  # built-in sources and tokenizer (nemo_tlt.rl.task)
+# the options each built-in source takes (order / shuffle_seed: nemo_tlt.rl.task.draw_rows)
+TASK_SOURCE_OPTIONS = {
+    TASK_JSONL: ("path", "prompt_key", "answer_key", "order", "shuffle_seed"),
+    TASK_DATASETS: ("path", "format", "prompt_key", "answer_key", "order", "shuffle_seed"),
+}
+_STR_OPTIONS = ("path", "format", "prompt_key", "answer_key", "order")
+TASK_ORDERS = ("epochs", "random")  # epochs without replacement | a fresh draw each step
 
 
 def _check_options(key: str, value: Any) -> None:
@@ -51,16 +57,20 @@ def _check_options(key: str, value: Any) -> None:
         raise ValueError(f"{key} must be a mapping of keyword names to values, got {value!r}")
 
 
-def _check_jsonl_options(options: Mapping[str, Any]) -> None:
-    unknown = sorted(set(options) - set(TASK_JSONL_OPTIONS))
+def _check_builtin_options(source: str, options: Mapping[str, Any], key: str = "task.options") -> None:
+    known = TASK_SOURCE_OPTIONS[source]
+    unknown = sorted(set(options) - set(known))
     if unknown:
-        raise ValueError(f"task.options has keys {unknown} that task.source='jsonl' does not take; "
-                         f"known: {list(TASK_JSONL_OPTIONS)}")
+        raise ValueError(f"{key} has keys {unknown} that task.source={source!r} does not take; known: {list(known)}")
     if "path" not in options:
-        raise ValueError("task.options.path is required with task.source='jsonl' (the JSONL file of prompts)")
-    for key in TASK_JSONL_OPTIONS:
-        if key in options and (not isinstance(options[key], str) or not options[key]):
-            raise ValueError(f"task.options.{key} must be a non-empty string, got {options[key]!r}")
+        raise ValueError(f"{key}.path is required with task.source={source!r} (the file of prompts)")
+    for name in _STR_OPTIONS:
+        if name in options and (not isinstance(options[name], str) or not options[name]):
+            raise ValueError(f"{key}.{name} must be a non-empty string, got {options[name]!r}")
+    if "order" in options and options["order"] not in TASK_ORDERS:
+        raise ValueError(f"{key}.order must be one of {list(TASK_ORDERS)}, got {options['order']!r}")
+    if "shuffle_seed" in options:
+        check_int(f"{key}.shuffle_seed", options["shuffle_seed"], 0)
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,11 @@ class TaskConfig:
     the task its shipped models were trained on). ``reward``: import path of a
     RewardFn, called with ``reward_options`` as keywords. ``tokenizer``: ``"hf"``
     (the tokenizer saved in ``model.target_dir``) or the import path of a
-    zero-argument factory.
+    zero-argument factory. ``source: datasets`` reads a local json / jsonl / parquet
+    file with HF ``datasets`` (options: path, format, prompt_key, answer_key); both
+    built-in sources take ``order`` (``epochs`` | ``random``) and ``shuffle_seed``.
+    ``chat_template``: the ``hf`` tokenizer renders each prompt as a user turn through
+    the model's chat template (after ``system_prompt`` as a system turn, if given).
     """
 
     source: str = "nemo_tlt.demo.tasks:ArithTaskSource"
@@ -81,16 +95,23 @@ class TaskConfig:
     reward: str = "nemo_tlt.demo.rewards:arith_reward"
     reward_options: Dict[str, Any] = field(default_factory=dict)
     tokenizer: str = "nemo_tlt.demo.tokenizer:CharTokenizer"
+    chat_template: bool = False
+    system_prompt: Optional[str] = None
 
     def __post_init__(self) -> None:
-        if self.source != TASK_JSONL:
+        if self.source not in TASK_SOURCE_OPTIONS:
             if not is_import_path(self.source):
-                raise ValueError(f"task.source must be 'jsonl' or an import path 'package.module:factory', "
-                                 f"got {self.source!r}")
+                raise ValueError(f"task.source must be 'jsonl', 'datasets' or an import path "
+                                 f"'package.module:factory', got {self.source!r}")
         _check_options("task.options", self.options)
         _check_options("task.reward_options", self.reward_options)
-        if self.source == TASK_JSONL:
-            _check_jsonl_options(self.options)
+        if self.source in TASK_SOURCE_OPTIONS:
+            _check_builtin_options(self.source, self.options)
+        if self.chat_template and self.tokenizer != TASK_HF:
+            raise ValueError(f"task.chat_template=true needs task.tokenizer='hf' (the model's own tokenizer and "
+                             f"its template), got task.tokenizer={self.tokenizer!r}")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("task.system_prompt is a turn of the chat template: it needs task.chat_template=true")
         check_import_path(self.reward, "task.reward")
         if self.tokenizer != TASK_HF:
             if not is_import_path(self.tokenizer):
@@ -185,6 +206,31 @@ class WorkersConfig:
 
 
 @dataclass(frozen=True)
+class ValidationConfig:
+    """Evaluation on held-out prompts every ``every`` RL steps (0: never); see
+    ``nemo_tlt.rl.validation``. The validation source is ``task.source`` built with
+    ``options`` merged over ``task.options`` (e.g. ``{path: data/val.parquet}``).
+    ``num_prompts``: how many of its prompts, the same ones at every evaluation (null:
+    every row; the source must have a length). ``greedy``: decode greedily (else with
+    ``grpo.acceptance`` and ``grpo.temperature``); ``max_new_tokens`` null: the grpo's."""
+
+    every: int = 0
+    options: Dict[str, Any] = field(default_factory=dict)
+    num_prompts: Optional[int] = None
+    greedy: bool = True
+    max_new_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        check_int("ValidationConfig.every", self.every, 0)
+        _check_options("ValidationConfig.options", self.options)
+        if self.num_prompts is not None:
+            check_int("ValidationConfig.num_prompts", self.num_prompts, 1)
+        if self.max_new_tokens is not None:
+            check_int("ValidationConfig.max_new_tokens", self.max_new_tokens, 1)
+        object.__setattr__(self, "options", dict(self.options))
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     dir: str = "checkpoints"  # relative paths are under the run's folder
     keep_last: int = 2
@@ -212,6 +258,7 @@ class TLTConfig:
     drafter: IdleDrafterConfig = field(default_factory=IdleDrafterConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
     def __post_init__(self) -> None:
@@ -230,6 +277,9 @@ class TLTConfig:
         if self.drafter.min_idle_workers > world:
             raise ValueError(f"drafter.min_idle_workers={self.drafter.min_idle_workers} exceeds "
                              f"workers.num_workers={world}")
+        if self.validation.options and self.task.source in TASK_SOURCE_OPTIONS:
+            _check_builtin_options(self.task.source, {**self.task.options, **self.validation.options},
+                                   "validation.options")
         if self.grpo.prompts_per_step < world:
             raise ValueError(f"grpo.prompts_per_step={self.grpo.prompts_per_step} leaves a worker without prompts "
                              f"(workers.num_workers={world}); each worker takes whole groups")

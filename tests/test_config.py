@@ -83,7 +83,7 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
     ("workers.num_workers=0", r"workers\.num_workers"),
     ("workers.start_method=thread", r"workers\.start_method"),
     ("task.reward=nowhere", r"task\.reward must be an import path"),
-    ("task.source=csv", r"task\.source must be 'jsonl' or an import path"),
+    ("task.source=csv", r"task\.source must be 'jsonl', 'datasets' or an import path"),
     ("task.tokenizer=bpe", r"task\.tokenizer must be 'hf' or an import path"),
     ("checkpoint.keep_last=0", r"checkpoint\.keep_last"),
     ("drafter.nice=25", r"drafter\.nice must be in \[0, 19\]"),
