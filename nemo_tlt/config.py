@@ -8,8 +8,9 @@ Contract
   :class:`~nemo_tlt.spot.config.IdleDrafterConfig`); the blocks only the run itself
   reads (task, model, grpo, workers, checkpoint) are defined here. Nothing is
   copied field by field downstream: the loop hands each block to its component.
-* ``load_config(yaml, overrides)`` merges ``defaults <- YAML <- key=value``;
-  unknown keys and values of the wrong type are refused by OmegaConf, and every
+* ``load_config(yaml, overrides)`` merges ``defaults <- YAML <- overrides``
+  (``key=value``, and as Hydra / NeMo users type them ``+key=value``, ``++key=value``,
+  ``~key``: see :func:`load_structured`); unknown keys and values of the wrong type are refused by OmegaConf, and every
   error is a ``ValueError`` naming the key as the user writes it
   (``rollout.bandit.epsilon``): a component names its fields ``ClassName.field``
   and the loader rewrites that to the key path where the class is nested.
@@ -26,13 +27,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.dist.device import DEVICES, DTYPES
 from nemo_tlt.imports import check_import_path, is_import_path
 from nemo_tlt.policy.config import PolicyConfig
+from nemo_tlt.rl.loggers import LoggerConfig
 from nemo_tlt.rollout.config import RolloutConfig
 from nemo_tlt.speculative.sampling import MODES
 from nemo_tlt.speculative.tree_shape import TreeShape
@@ -40,8 +42,14 @@ from nemo_tlt.spot.config import IdleDrafterConfig
 
 START_METHODS = ("spawn", "fork", "forkserver")
 LAUNCHERS = ("auto", "local", "slurm", "torchrun")
-TASK_JSONL, TASK_HF = "jsonl", "hf"  # the built-in task source and tokenizer (nemo_tlt.rl.task)
-TASK_JSONL_OPTIONS = ("path", "prompt_key", "answer_key")
+TASK_JSONL, TASK_DATASETS, TASK_HF = "jsonl", "datasets", "hf"  # built-in sources and tokenizer (nemo_tlt.rl.task)
+# the options each built-in source takes (order / shuffle_seed: nemo_tlt.rl.task.draw_rows)
+TASK_SOURCE_OPTIONS = {
+    TASK_JSONL: ("path", "prompt_key", "answer_key", "order", "shuffle_seed"),
+    TASK_DATASETS: ("path", "format", "prompt_key", "answer_key", "order", "shuffle_seed"),
+}
+_STR_OPTIONS = ("path", "format", "prompt_key", "answer_key", "order")
+TASK_ORDERS = ("epochs", "random")  # epochs without replacement | a fresh draw each step
 
 
 def _check_options(key: str, value: Any) -> None:
@@ -49,16 +57,20 @@ def _check_options(key: str, value: Any) -> None:
         raise ValueError(f"{key} must be a mapping of keyword names to values, got {value!r}")
 
 
-def _check_jsonl_options(options: Mapping[str, Any]) -> None:
-    unknown = sorted(set(options) - set(TASK_JSONL_OPTIONS))
+def _check_builtin_options(source: str, options: Mapping[str, Any], key: str = "task.options") -> None:
+    known = TASK_SOURCE_OPTIONS[source]
+    unknown = sorted(set(options) - set(known))
     if unknown:
-        raise ValueError(f"task.options has keys {unknown} that task.source='jsonl' does not take; "
-                         f"known: {list(TASK_JSONL_OPTIONS)}")
+        raise ValueError(f"{key} has keys {unknown} that task.source={source!r} does not take; known: {list(known)}")
     if "path" not in options:
-        raise ValueError("task.options.path is required with task.source='jsonl' (the JSONL file of prompts)")
-    for key in TASK_JSONL_OPTIONS:
-        if key in options and (not isinstance(options[key], str) or not options[key]):
-            raise ValueError(f"task.options.{key} must be a non-empty string, got {options[key]!r}")
+        raise ValueError(f"{key}.path is required with task.source={source!r} (the file of prompts)")
+    for name in _STR_OPTIONS:
+        if name in options and (not isinstance(options[name], str) or not options[name]):
+            raise ValueError(f"{key}.{name} must be a non-empty string, got {options[name]!r}")
+    if "order" in options and options["order"] not in TASK_ORDERS:
+        raise ValueError(f"{key}.order must be one of {list(TASK_ORDERS)}, got {options['order']!r}")
+    if "shuffle_seed" in options:
+        check_int(f"{key}.shuffle_seed", options["shuffle_seed"], 0)
 
 
 @dataclass(frozen=True)
@@ -71,7 +83,11 @@ class TaskConfig:
     the task its shipped models were trained on). ``reward``: import path of a
     RewardFn, called with ``reward_options`` as keywords. ``tokenizer``: ``"hf"``
     (the tokenizer saved in ``model.target_dir``) or the import path of a
-    zero-argument factory.
+    zero-argument factory. ``source: datasets`` reads a local json / jsonl / parquet
+    file with HF ``datasets`` (options: path, format, prompt_key, answer_key); both
+    built-in sources take ``order`` (``epochs`` | ``random``) and ``shuffle_seed``.
+    ``chat_template``: the ``hf`` tokenizer renders each prompt as a user turn through
+    the model's chat template (after ``system_prompt`` as a system turn, if given).
     """
 
     source: str = "nemo_tlt.demo.tasks:ArithTaskSource"
@@ -79,16 +95,23 @@ class TaskConfig:
     reward: str = "nemo_tlt.demo.rewards:arith_reward"
     reward_options: Dict[str, Any] = field(default_factory=dict)
     tokenizer: str = "nemo_tlt.demo.tokenizer:CharTokenizer"
+    chat_template: bool = False
+    system_prompt: Optional[str] = None
 
     def __post_init__(self) -> None:
-        if self.source != TASK_JSONL:
+        if self.source not in TASK_SOURCE_OPTIONS:
             if not is_import_path(self.source):
-                raise ValueError(f"task.source must be 'jsonl' or an import path 'package.module:factory', "
-                                 f"got {self.source!r}")
+                raise ValueError(f"task.source must be 'jsonl', 'datasets' or an import path "
+                                 f"'package.module:factory', got {self.source!r}")
         _check_options("task.options", self.options)
         _check_options("task.reward_options", self.reward_options)
-        if self.source == TASK_JSONL:
-            _check_jsonl_options(self.options)
+        if self.source in TASK_SOURCE_OPTIONS:
+            _check_builtin_options(self.source, self.options)
+        if self.chat_template and self.tokenizer != TASK_HF:
+            raise ValueError(f"task.chat_template=true needs task.tokenizer='hf' (the model's own tokenizer and "
+                             f"its template), got task.tokenizer={self.tokenizer!r}")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("task.system_prompt is a turn of the chat template: it needs task.chat_template=true")
         check_import_path(self.reward, "task.reward")
         if self.tokenizer != TASK_HF:
             if not is_import_path(self.tokenizer):
@@ -183,6 +206,31 @@ class WorkersConfig:
 
 
 @dataclass(frozen=True)
+class ValidationConfig:
+    """Evaluation on held-out prompts every ``every`` RL steps (0: never); see
+    ``nemo_tlt.rl.validation``. The validation source is ``task.source`` built with
+    ``options`` merged over ``task.options`` (e.g. ``{path: data/val.parquet}``).
+    ``num_prompts``: how many of its prompts, the same ones at every evaluation (null:
+    every row; the source must have a length). ``greedy``: decode greedily (else with
+    ``grpo.acceptance`` and ``grpo.temperature``); ``max_new_tokens`` null: the grpo's."""
+
+    every: int = 0
+    options: Dict[str, Any] = field(default_factory=dict)
+    num_prompts: Optional[int] = None
+    greedy: bool = True
+    max_new_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        check_int("ValidationConfig.every", self.every, 0)
+        _check_options("ValidationConfig.options", self.options)
+        if self.num_prompts is not None:
+            check_int("ValidationConfig.num_prompts", self.num_prompts, 1)
+        if self.max_new_tokens is not None:
+            check_int("ValidationConfig.max_new_tokens", self.max_new_tokens, 1)
+        object.__setattr__(self, "options", dict(self.options))
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     dir: str = "checkpoints"  # relative paths are under the run's folder
     keep_last: int = 2
@@ -210,6 +258,8 @@ class TLTConfig:
     drafter: IdleDrafterConfig = field(default_factory=IdleDrafterConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
     def __post_init__(self) -> None:
         if not self.run_dir:
@@ -227,6 +277,9 @@ class TLTConfig:
         if self.drafter.min_idle_workers > world:
             raise ValueError(f"drafter.min_idle_workers={self.drafter.min_idle_workers} exceeds "
                              f"workers.num_workers={world}")
+        if self.validation.options and self.task.source in TASK_SOURCE_OPTIONS:
+            _check_builtin_options(self.task.source, {**self.task.options, **self.validation.options},
+                                   "validation.options")
         if self.grpo.prompts_per_step < world:
             raise ValueError(f"grpo.prompts_per_step={self.grpo.prompts_per_step} leaves a worker without prompts "
                              f"(workers.num_workers={world}); each worker takes whole groups")
@@ -289,9 +342,90 @@ def build_structured(schema: type, values: dict[str, Any], prefix: str) -> Any:
         raise ValueError(message) from None
 
 
+def _override_error(item: str, key: str, message: str) -> ValueError:
+    return ValueError(f"override {item!r}: config key '{key}': {message}")
+
+
+def _parse_override(item: str) -> tuple[str, str, str | None]:
+    """``(op, key, value)`` of one override: op is ``=`` (set), ``+`` (add), ``++`` (add or
+    set) or ``~`` (remove; value None, or the value the key must hold)."""
+    op = "++" if item.startswith("++") else item[0] if item[:1] in ("+", "~") else "="
+    body = item[len(op) if op != "=" else 0:]
+    key, sep, value = body.partition("=")
+    if op == "~":
+        return op, key.strip(), value if sep else None
+    if not sep:
+        hint = "; ~key removes a key" if op == "=" else ""
+        raise ValueError(f"override {item!r} is not of the form {'' if op == '=' else op}key=value{hint}")
+    return op, key.strip(), value
+
+
+def _walk(cfg: DictConfig, key: str, item: str) -> tuple[Any, str, bool, str]:
+    """The deepest existing node on ``key``'s path, the rest of the key below it, whether
+    that node is a mapping field (``Dict[str, Any]``: keys may come and go) rather than a
+    typed block, and the node's own key. A missing parent under a mapping field is fine
+    for ``+`` (it is created)."""
+    parts = key.split(".")
+    if not key or not all(parts):
+        raise ValueError(f"override {item!r}: malformed key {key!r}")
+    node: Any = cfg
+    for i, part in enumerate(parts[:-1]):
+        if not isinstance(node, DictConfig) or part not in node:
+            is_mapping = isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict
+            return node, ".".join(parts[i:]), is_mapping, ".".join(parts[:i])
+        node = node[part]
+    if not isinstance(node, DictConfig):
+        raise _override_error(item, key, f"'{'.'.join(parts[:-1])}' is a value, not a block")
+    return node, parts[-1], OmegaConf.get_type(node) is dict, ".".join(parts[:-1])
+
+
+def _apply_override(merged: DictConfig, defaults: DictConfig, item: str) -> DictConfig:
+    op, key, value = _parse_override(item)
+    node, last, is_mapping, parent = _walk(merged, key, item)
+    exists = "." not in last and last in node
+    if op == "~":
+        if not exists:
+            raise _override_error(item, key, "cannot remove: there is no such key")
+        if value is not None:
+            expected = OmegaConf.from_dotlist([f"v={value}"])["v"]
+            if node[last] != expected:
+                raise _override_error(item, key, f"cannot remove: it holds {node[last]!r}, not {expected!r}")
+        with read_write(merged), read_write(node):  # a frozen dataclass's config is read-only
+            if is_mapping:  # an entry of a mapping field: dropped
+                del node[last]
+            else:  # a field of a typed block: back to the schema default
+                OmegaConf.update(merged, key, OmegaConf.select(defaults, key), merge=False)
+        return merged
+    if op == "+" and exists:
+        raise _override_error(item, key, f"cannot add: the key exists (holds {node[last]!r}); "
+                                         f"set it with {key}={value} or use ++{key}={value}")
+    if op in ("+", "++") and not exists and not is_mapping:
+        where = parent or "the top level"
+        raise _override_error(item, key, f"cannot add: the typed config has no key '{last.split('.')[0]}' in {where} "
+                                         "(+key=value adds keys only under mapping fields such as "
+                                         "task.options and task.reward_options)")
+    return OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}={value}"]))
+
+
 def load_structured(schema: type, path: str | Path | None = None, overrides: Sequence[str] = ()) -> Any:
-    """defaults of the dataclass ``schema`` <- YAML file <- ``key=value`` overrides, typed
-    and validated; every error is a ValueError naming the file (or "overrides") and the key."""
+    """defaults of the dataclass ``schema`` <- YAML file <- overrides, typed and validated;
+    every error is a ValueError naming the file (or the override) and the key.
+
+    Overrides are read as Hydra / NeMo users type them, applied in order:
+    ``key=value`` sets a key (unknown keys of a typed block are refused; under a mapping
+    field such as ``task.options`` it also adds one, as before), ``+key=value`` adds a key
+    that is not there (refused where it exists, and outside mapping fields, since the typed
+    schema has no room for new keys), ``++key=value`` adds or sets, ``~key`` removes a key
+    (a mapping entry is dropped, a typed field goes back to its schema default) and
+    ``~key=value`` does so only if the key holds that value. Values are parsed as by
+    OmegaConf's dotlist (YAML scalars, ``[a,b]`` lists, ``{k: v}`` mappings).
+
+    Why not hydra-core's ``OverridesParser``: its grammar is mostly about sweeps, config
+    groups and interpolation functions, none of which a single typed run config has; it
+    pins ``omegaconf<2.4`` and an ANTLR runtime, which would downgrade the OmegaConf this
+    project is tested with; and the four operators above are a few lines over OmegaConf.
+    """
+    defaults: DictConfig = OmegaConf.structured(schema)
     merged: DictConfig = OmegaConf.structured(schema)
     if path is not None:
         p = Path(path)
@@ -305,10 +439,11 @@ def load_structured(schema: type, path: str | Path | None = None, overrides: Seq
         except OmegaConfBaseException as err:
             raise _reraise(err, str(p)) from None
     for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} is not of the form key=value")
+        try:
+            merged = _apply_override(merged, defaults, item)
+        except OmegaConfBaseException as err:
+            raise _reraise(err, f"override {item!r}") from None
     try:
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
         values = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as err:
         raise _reraise(err, "overrides") from None

@@ -83,7 +83,7 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
     ("workers.num_workers=0", r"workers\.num_workers"),
     ("workers.start_method=thread", r"workers\.start_method"),
     ("task.reward=nowhere", r"task\.reward must be an import path"),
-    ("task.source=csv", r"task\.source must be 'jsonl' or an import path"),
+    ("task.source=csv", r"task\.source must be 'jsonl', 'datasets' or an import path"),
     ("task.tokenizer=bpe", r"task\.tokenizer must be 'hf' or an import path"),
     ("checkpoint.keep_last=0", r"checkpoint\.keep_last"),
     ("drafter.nice=25", r"drafter\.nice must be in \[0, 19\]"),
@@ -121,3 +121,55 @@ def test_cli_refuses_bad_usage_and_config(capsys, tmp_path):
         parse_argv(["steps=3", str(DEMO)])
     args = parse_argv([str(DEMO), "steps=2", "--compare-baseline"])
     assert (args.config, args.overrides, args.compare_baseline) == (str(DEMO), ["steps=2"], True)
+
+
+# ---- Hydra / NeMo override grammar: +key=value, ++key=value, ~key ------------------------
+
+def test_plus_adds_a_key_under_a_mapping_field():
+    cfg = load_config(DEMO, ["+task.reward_options.format_bonus=0.25", "+task.options.extra.depth=2"])
+    assert cfg.task.reward_options == {"format_bonus": 0.25}
+    assert cfg.task.options["extra"] == {"depth": 2}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("+grpo.bogus=1", r"'grpo\.bogus': cannot add: the typed config has no key 'bogus' in grpo"),
+    ("+nonsense.deep=1", r"'nonsense\.deep': cannot add: the typed config has no key 'nonsense' in the top level"),
+    ("++policy.optim.bogus=1", r"'policy\.optim\.bogus': cannot add"),
+    ("+steps=3", r"'steps': cannot add: the key exists \(holds 8\); set it with steps=3 or use \+\+steps=3"),
+    ("+task.options.name=arith", r"'task\.options\.name': cannot add: the key exists"),
+])
+def test_plus_is_refused_for_typed_and_existing_keys(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(DEMO, [override])
+
+
+def test_plus_plus_adds_or_sets():
+    cfg = load_config(DEMO, ["++steps=3", "++task.reward_options.format_bonus=0.5"])
+    assert cfg.steps == 3 and cfg.task.reward_options == {"format_bonus": 0.5}
+
+
+def test_tilde_drops_a_mapping_entry_and_resets_a_typed_field_to_its_default():
+    assert load_config(DEMO).steps == 8  # demo.yaml sets it; the schema default is TLTConfig.steps
+    cfg = load_config(DEMO, ["~steps", "~task.options.name", "rollout.bandit.epsilon=0.3", "~rollout.bandit"])
+    assert cfg.steps == TLTConfig.steps
+    assert "name" not in cfg.task.options and "tail_exponent" in cfg.task.options
+    assert cfg.rollout.bandit == TLTConfig().rollout.bandit
+    # overrides apply in order: add, then remove again
+    cfg = load_config(DEMO, ["+task.reward_options.format_bonus=0.5", "~task.reward_options.format_bonus"])
+    assert cfg.task.reward_options == {}
+    assert load_config(DEMO, ["~steps=8"]).steps == TLTConfig.steps  # removed only if it holds that value
+
+
+@pytest.mark.parametrize("override, message", [
+    ("~grpo.bogus", r"override '~grpo\.bogus': config key 'grpo\.bogus': cannot remove: there is no such key"),
+    ("~task.options.nope", r"'task\.options\.nope': cannot remove: there is no such key"),
+    ("~steps=7", r"'steps': cannot remove: it holds 8, not 7"),
+    ("~", r"malformed key ''"),
+    ("+grpo..x=1", r"malformed key 'grpo\.\.x'"),
+    ("steps", r"'steps' is not of the form key=value"),
+    ("+steps", r"'\+steps' is not of the form \+key=value"),
+    ("~steps.deep", r"'steps' is a value, not a block"),
+])
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(DEMO, [override])

@@ -4,8 +4,11 @@ TLT-vs-baseline ``report.json`` after it.
 Contract
 --------
 * ``MetricsWriter`` (rank 0 only) appends one JSON object per RL step to
-  ``<run>/metrics.jsonl`` and the numeric fields as TensorBoard scalars under
-  ``<run>/tb``. On resume it rewrites the JSONL from the checkpoint's records, so the
+  ``<run>/metrics.jsonl``, and per validation pass one with ``"split": "validation"``
+  (``nemo_tlt.rl.validation``); the numeric fields go to the sinks the ``logger:``
+  block chooses (``nemo_tlt.rl.loggers``: TensorBoard under ``<run>/tb``, W&B, MLflow)
+  as ``<mode>/<key>`` and ``<mode>/validation/<key>``. On resume it rewrites the JSONL
+  from the checkpoint's records (and the validation records of those steps), so the
   file never holds steps the resumed run will redo.
 * Plots read step records only (the dicts ``nemo_tlt.rl.loop`` produces), of every
   run given (``write_plots``; with ``--compare-baseline`` every run of every pair):
@@ -15,7 +18,8 @@ Contract
   rollout time showing where the worker decoded plainly and where with SD, per tree
   shape, from the records' ``decode_segments``); rows name their node when the run
   spanned several (``rank_nodes``); a resumed run's steps follow its predecessor's,
-  with a mark where it took over (``process_runs``).
+  with a mark where it took over (``process_runs``). Validation records, mixed in or
+  given apart, make a validation curve (``validation_vs_step.png``).
 * TLT and its baseline run in pairs of alternating order. ``pair_figures`` compares
   the two runs of one pair on means over the steps after the first (the first pays
   one-time warm-up); ``compare_pairs`` gives the ``report.json`` figures as medians
@@ -29,11 +33,12 @@ Contract
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from nemo_tlt.rl.loggers import LoggerConfig, build_sinks, finite_scalars
 
 BREAKDOWN = (("rollout_s", "rollout"), ("logprob_s", "log-prob"), ("update_s", "update"),
              ("weight_sync_s", "weight sync"), ("other_s", "other"))
@@ -45,36 +50,86 @@ _SKIP_SCALARS = {"step", "mode", "rewards", "timeline", "decode_segments", "roll
                  "run_started"}
 
 
-class MetricsWriter:
-    """metrics.jsonl + TensorBoard scalars for one run (rank 0)."""
+VALIDATION = "validation"  # the "split" of a validation record (nemo_tlt.rl.validation)
 
-    def __init__(self, out_dir: str | Path, previous: list[dict[str, Any]] = ()) -> None:
+
+def is_validation(record: dict[str, Any]) -> bool:
+    return record.get("split") == VALIDATION
+
+
+def split_records(recs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(step records, validation records), each in the order given."""
+    return [r for r in recs if not is_validation(r)], [r for r in recs if is_validation(r)]
+
+
+def record_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The scalars a record logs: ``<mode>/<key>`` for a step record,
+    ``<mode>/validation/<key>`` for a validation record; finite numbers only."""
+    prefix = f"{record['mode']}/validation/" if is_validation(record) else f"{record['mode']}/"
+    values = {k: v for k, v in record.items() if k not in _SKIP_SCALARS and k != "split"}
+    return {prefix + k: v for k, v in finite_scalars(values).items()}
+
+
+class MetricsWriter:
+    """metrics.jsonl + the configured scalar sinks (TensorBoard, W&B, MLflow) for one run
+    (rank 0). Takes step records and validation records (``"split": "validation"``).
+
+    ``previous``: a resumed run's step records from its checkpoint; the file is rewritten
+    with them, keeping the validation records it held for those steps (so it never holds
+    steps the resumed run will redo). ``logger`` unset: TensorBoard only. ``name``: the
+    run's name in W&B / MLflow (default: the run folder); ``config``: plain config values
+    for them."""
+
+    def __init__(self, out_dir: str | Path, previous: list[dict[str, Any]] = (),
+                 logger: LoggerConfig | None = None, name: str | None = None,
+                 config: dict[str, Any] | None = None) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = self.out_dir / "metrics.jsonl"
+        kept = _kept_validation(self.jsonl, previous)
         with open(self.jsonl, "w") as fh:
-            for record in previous:
+            for record in _interleave(list(previous), kept):
                 fh.write(json.dumps(record) + "\n")
-        from torch.utils.tensorboard import SummaryWriter  # heavy import, only where a run logs
-        self.tb = SummaryWriter(log_dir=str(self.out_dir / "tb"))
+        self.sinks = build_sinks(logger or LoggerConfig(), self.out_dir, name or str(out_dir), config)
 
     def write(self, record: dict[str, Any]) -> None:
         with open(self.jsonl, "a") as fh:
             fh.write(json.dumps(record) + "\n")
-        step = int(record["step"])
-        for key, value in record.items():
-            if key in _SKIP_SCALARS or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if math.isfinite(value):
-                self.tb.add_scalar(f"{record['mode']}/{key}", value, step)
-        self.tb.flush()
+        scalars, step = record_scalars(record), int(record["step"])
+        for sink in self.sinks:
+            sink.log(scalars, step)
 
     def close(self) -> None:
-        self.tb.close()
+        for sink in self.sinks:
+            sink.close()
+
+
+def _kept_validation(path: Path, previous: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The validation records of an earlier process's file for the steps in ``previous``."""
+    if not previous or not path.is_file():
+        return []
+    last = max(int(r["step"]) for r in previous)
+    return [r for r in read_metrics(path) if is_validation(r) and int(r["step"]) <= last]
+
+
+def _interleave(steps: list[dict[str, Any]], validation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Step records with each validation record after the step record of its step."""
+    out, pending = [], list(validation)
+    for record in steps:
+        out.append(record)
+        out.extend(v for v in pending if int(v["step"]) == int(record["step"]))
+        pending = [v for v in pending if int(v["step"]) != int(record["step"])]
+    return out + pending
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def read_validation(out_dir: str | Path) -> list[dict[str, Any]]:
+    """The validation records of a run folder's metrics.jsonl (none if it has no file)."""
+    path = Path(out_dir) / "metrics.jsonl"
+    return [r for r in read_metrics(path) if is_validation(r)] if path.is_file() else []
 
 
 def mean_after_first(values: list[float]) -> float:
@@ -361,14 +416,45 @@ def _save(fig, path: str | Path, layout: bool = True) -> Path:
     return path
 
 
-def write_plots(runs: dict[str, list[dict]], out_dir: str | Path) -> dict[str, str]:
+def plot_validation(runs: dict[str, list[dict]], path: str | Path) -> Path:
+    """Validation curves: mean reward, and accuracy where the reward defines it, vs step."""
+    plt = _plt()
+    has_accuracy = any("accuracy" in r for recs in runs.values() for r in recs)
+    panels = [("mean_reward", "mean reward")] + ([("accuracy", "accuracy")] if has_accuracy else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 3.5), squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
+        for name, recs in runs.items():
+            pts = [(r["step"], r[key]) for r in recs if key in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xlabel("RL step")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_ylabel(label)
+        ax.set_title(f"validation: {label}")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    return _save(fig, path)
+
+
+def write_plots(runs: dict[str, list[dict]], out_dir: str | Path,
+                validation: dict[str, list[dict]] | None = None) -> dict[str, str]:
+    """The PNG plots of ``runs`` (name -> records). Validation records may come mixed into
+    a run's records (``"split": "validation"``) or in ``validation`` (name -> records, e.g.
+    ``read_validation(run folder)``); with any, ``validation_vs_step.png`` is drawn too."""
     out = Path(out_dir)
-    return {
-        "reward_vs_step": str(plot_rewards(runs, out / "reward_vs_step.png")),
-        "step_time_breakdown": str(plot_step_breakdown(runs, out / "step_time_breakdown.png")),
-        "accept_length": str(plot_accept_length(runs, out / "accept_length.png")),
-        "worker_timeline": str(plot_worker_timeline(runs, out / "worker_timeline.png")),
+    steps = {name: split_records(recs)[0] for name, recs in runs.items()}
+    checks = {name: split_records(recs)[1] + list((validation or {}).get(name, [])) for name, recs in runs.items()}
+    steps = {name: recs for name, recs in steps.items() if recs}
+    plots = {
+        "reward_vs_step": str(plot_rewards(steps, out / "reward_vs_step.png")),
+        "step_time_breakdown": str(plot_step_breakdown(steps, out / "step_time_breakdown.png")),
+        "accept_length": str(plot_accept_length(steps, out / "accept_length.png")),
+        "worker_timeline": str(plot_worker_timeline(steps, out / "worker_timeline.png")),
     }
+    checks = {name: sorted(recs, key=lambda r: r["step"]) for name, recs in checks.items() if recs}
+    if checks:
+        plots["validation_vs_step"] = str(plot_validation(checks, out / "validation_vs_step.png"))
+    return plots
 
 
 def progress_bar(cfg, mode: str, start: int):

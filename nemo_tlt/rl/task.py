@@ -11,13 +11,26 @@ user's own task) plugs in without the framework importing it:
   ``decode`` (contract on the class).
 * ``RewardFn`` — ``reward(prompt, response, **options) -> float``, where
   ``response`` is the decoded text generated after the prompt and ``options``
-  come from the config (``task.reward_options``).
+  come from the config (``task.reward_options``). A reward that knows what a correct
+  answer scores says so with an attribute ``correct_at`` (a float: a response is
+  correct when its reward is >= it); validation then reports accuracy.
 
 :class:`~nemo_tlt.config.TaskConfig` (the ``task:`` block of the top-level config) names them by
 import path (``"package.module:attr"``); construction checks only the forms, and
 :func:`build_task` does the imports. Built in: ``task.source: jsonl``
-(:class:`JsonlTaskSource`) and ``task.tokenizer: hf`` (:class:`HFTokenizer`,
-the tokenizer saved in the model folder; needs the ``hf`` extra).
+(:class:`JsonlTaskSource`), ``task.source: datasets`` (local json / jsonl / parquet
+files read with HF ``datasets``: :class:`~nemo_tlt.rl.data_sources.DatasetsTaskSource`,
+the ``datasets`` extra) and ``task.tokenizer: hf`` (:class:`HFTokenizer`, the tokenizer
+saved in the model folder, rendering prompts through its chat template with
+``task.chat_template: true``; needs the ``hf`` extra).
+
+Order of the built-in sources (``order`` option): ``epochs`` (default) walks the rows
+in epochs without replacement, each epoch a permutation drawn from
+(``shuffle_seed``, epoch): step ``s`` of ``n`` prompts takes positions
+``[s*n, (s+1)*n)`` of that endless sequence (:func:`epoch_rows`), a function of
+(shuffle_seed, step, n) only, so a resumed run repeats the same prompts; ``random``
+draws each step's prompts afresh from ``rng`` (with replacement only when ``n``
+exceeds the rows).
 """
 from __future__ import annotations
 
@@ -32,7 +45,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from nemo_tlt.config import TASK_HF, TASK_JSONL, TaskConfig
+from nemo_tlt.config import TASK_DATASETS, TASK_HF, TASK_JSONL, TASK_ORDERS, TaskConfig
 from nemo_tlt.imports import load_object
 
 RewardFn = Callable[..., float]
@@ -93,9 +106,44 @@ class TaskSource(Protocol):
     def prompts(self, step: int, n: int, rng: np.random.Generator) -> list[Prompt]: ...
 
 
+# ---- built in: the order of a source's rows -----------------------------------
+
+ORDERS = TASK_ORDERS
+
+
+def epoch_rows(num_rows: int, step: int, n: int, shuffle_seed: int) -> list[int]:
+    """Row indices of step ``step`` of ``n`` prompts, reading epochs without replacement:
+    positions ``[step*n, (step+1)*n)`` of the concatenated per-epoch permutations, epoch
+    ``e`` being ``permutation(num_rows)`` under the generator of (shuffle_seed, e)."""
+    out, perms = [], {}
+    for pos in range(step * n, (step + 1) * n):
+        epoch, i = divmod(pos, num_rows)
+        if epoch not in perms:
+            perms[epoch] = np.random.default_rng([shuffle_seed, epoch, 0xE9]).permutation(num_rows)
+        out.append(int(perms[epoch][i]))
+    return out
+
+
+def draw_rows(num_rows: int, step: int, n: int, rng: np.random.Generator, order: str,
+              shuffle_seed: int, who: str) -> list[int]:
+    """The rows of one step by ``order`` (see the module docstring)."""
+    if n < 0:
+        raise ValueError(f"{who}.prompts: n must be >= 0, got {n}")
+    if order == "epochs":
+        return epoch_rows(num_rows, step, n, shuffle_seed)
+    return [int(i) for i in rng.choice(num_rows, size=n, replace=n > num_rows)]
+
+
+def check_order(order: str, shuffle_seed: int, who: str) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"{who}: task.options.order must be one of {list(ORDERS)}, got {order!r}")
+    if isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int) or not 0 <= shuffle_seed < 2**63:
+        raise ValueError(f"{who}: task.options.shuffle_seed must be an int >= 0, got {shuffle_seed!r}")
+
+
 # ---- built in: prompts from a JSONL file ------------------------------------
 
-def _answer_text(value: Any) -> str | None:
+def answer_text(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, (bool, numbers.Real)):
@@ -109,12 +157,14 @@ class JsonlTaskSource:
     Each non-blank line is a JSON object with a string ``prompt_key`` and an
     optional ``answer_key`` (a JSON scalar; a number or boolean becomes its JSON
     text, null or absent means no answer); its other keys become ``Prompt.meta``.
-    Errors name the file, the line number and the key. Each step draws ``n``
-    prompts from ``rng``: without replacement when ``n`` <= the number of rows,
-    with replacement otherwise.
+    Errors name the file, the line number and the key. ``order`` and
+    ``shuffle_seed``: see the module docstring.
     """
 
-    def __init__(self, path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> None:
+    def __init__(self, path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
+                 order: str = "epochs", shuffle_seed: int = 0) -> None:
+        check_order(order, shuffle_seed, "JsonlTaskSource")
+        self.order, self.shuffle_seed = order, shuffle_seed
         self.path = Path(path)
         try:
             lines = self.path.read_text(encoding="utf-8").splitlines()
@@ -139,7 +189,7 @@ class JsonlTaskSource:
         if not isinstance(text, str) or not text:
             raise ValueError(f"{where}: key {prompt_key!r} must be a non-empty string, got {text!r}")
         try:
-            answer = _answer_text(obj.get(answer_key))
+            answer = answer_text(obj.get(answer_key))
         except TypeError:
             raise ValueError(f"{where}: key {answer_key!r} must be a JSON scalar or null, "
                              f"got {obj[answer_key]!r}") from None
@@ -150,11 +200,8 @@ class JsonlTaskSource:
         return len(self.rows)
 
     def prompts(self, step: int, n: int, rng: np.random.Generator) -> list[Prompt]:
-        del step  # the loop seeds rng from (seed, step); the draw depends on rng alone
-        if n < 0:
-            raise ValueError(f"JsonlTaskSource.prompts: n must be >= 0, got {n}")
-        picks = rng.choice(len(self.rows), size=n, replace=n > len(self.rows))
-        return [self.rows[int(i)] for i in picks]
+        picks = draw_rows(len(self.rows), step, n, rng, self.order, self.shuffle_seed, "JsonlTaskSource")
+        return [self.rows[i] for i in picks]
 
 
 # ---- built in: the HF tokenizer saved in a model folder ---------------------
@@ -165,11 +212,22 @@ class HFTokenizer:
     ``vocab_size`` counts added tokens (``len(tokenizer)``); ``encode`` adds no
     special tokens of its own (BOS only when asked); ``decode`` cuts at the first
     EOS and skips special tokens.
+
+    ``chat_template``: ``encode`` renders the text as one user turn (after a system turn
+    when ``system_prompt`` is given) through the tokenizer's chat template with the
+    generation prompt (``apply_chat_template``), so the model answers as the assistant;
+    the template places its own special tokens, and BOS is added only when asked and the
+    template did not start with it.
     """
 
-    def __init__(self, tokenizer: Any, source: str) -> None:
+    def __init__(self, tokenizer: Any, source: str, chat_template: bool = False,
+                 system_prompt: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.source = source
+        self.chat_template, self.system_prompt = chat_template, system_prompt
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"task.chat_template=true: the tokenizer in {source} has no chat template "
+                             "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
         self.vocab_size = len(tokenizer)
         self.bos_id = tokenizer.bos_token_id
         self.eos_id = tokenizer.eos_token_id
@@ -177,7 +235,8 @@ class HFTokenizer:
             raise ValueError(f"the tokenizer in {source} has no EOS token; RL responses need one to end")
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> "HFTokenizer":
+    def from_folder(cls, path: str | Path, chat_template: bool = False,
+                    system_prompt: str | None = None) -> "HFTokenizer":
         folder = Path(path)
         if not folder.is_dir() or not any((folder / name).is_file() for name in TOKENIZER_FILES):
             raise ValueError(f"no tokenizer in {folder}: looked for any of {list(TOKENIZER_FILES)}")
@@ -186,11 +245,18 @@ class HFTokenizer:
         except ImportError as err:
             raise ImportError("HFTokenizer needs transformers: pip install 'nemo-tlt[hf]' "
                               f"(or transformers>=4.45) [{err}]") from err
-        return cls(AutoTokenizer.from_pretrained(str(folder), local_files_only=True), str(folder))
+        return cls(AutoTokenizer.from_pretrained(str(folder), local_files_only=True), str(folder),
+                   chat_template, system_prompt)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        if self.chat_template:
+            system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
+            text = self.tokenizer.apply_chat_template([*system, {"role": "user", "content": text}],
+                                                      add_generation_prompt=True, tokenize=False)
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
+        if add_bos and self.bos_id is not None and not (ids and ids[0] == self.bos_id and self.chat_template):
+            return [self.bos_id, *ids]
+        return ids
 
     def decode(self, tokens: Sequence[int]) -> str:
         ids = [int(t) for t in tokens]
@@ -211,6 +277,12 @@ class BoundReward:
 
     def __init__(self, fn: RewardFn, spec: str, options: Mapping[str, Any]) -> None:
         self.fn, self.spec, self.options = fn, spec, dict(options)
+        correct_at = getattr(fn, "correct_at", None)
+        if correct_at is not None and (isinstance(correct_at, bool) or not isinstance(correct_at, numbers.Real)
+                                       or not math.isfinite(correct_at)):
+            raise ValueError(f"task.reward={spec!r}: its correct_at attribute must be a finite float "
+                             f"(the reward from which a response counts as correct), got {correct_at!r}")
+        self.correct_at: float | None = None if correct_at is None else float(correct_at)
 
     def __call__(self, prompt: Prompt, response: str) -> float:
         value = self.fn(prompt, response, **self.options)
@@ -241,16 +313,23 @@ def _check_call(fn: Callable, args: tuple, kwargs: Mapping[str, Any], what: str,
         raise ValueError(f"{key}: {what} cannot be called with {sorted(kwargs)} ({err})") from None
 
 
-def _build_source(cfg: TaskConfig) -> TaskSource:
-    if cfg.source == TASK_JSONL:
-        return JsonlTaskSource(**cfg.options)
-    factory = load_object(cfg.source, "task.source")
+def build_source(source: str, options: Mapping[str, Any]) -> TaskSource:
+    """The task source ``source`` (``jsonl``, ``datasets`` or an import path) built with ``options``."""
+    if source == TASK_JSONL:
+        return JsonlTaskSource(**options)
+    if source == TASK_DATASETS:
+        from nemo_tlt.rl.data_sources import DatasetsTaskSource
+        return DatasetsTaskSource(**options)
+    factory = load_object(source, "task.source")
     if not callable(factory):
-        raise ValueError(f"task.source={cfg.source!r} is not callable")
-    _check_call(factory, (), cfg.options, f"task.source={cfg.source!r}", "task.options")
-    source = factory(**cfg.options)
+        raise ValueError(f"task.source={source!r} is not callable")
+    _check_call(factory, (), options, f"task.source={source!r}", "task.options")
+    return _checked_source(source, factory(**options))
+
+
+def _checked_source(spec: str, source: Any) -> TaskSource:
     if not isinstance(source, TaskSource):
-        raise ValueError(f"task.source={cfg.source!r} returned {type(source).__name__}, "
+        raise ValueError(f"task.source={spec!r} returned {type(source).__name__}, "
                          "which has no prompts(step, n, rng) method")
     return source
 
@@ -258,7 +337,7 @@ def _build_source(cfg: TaskConfig) -> TaskSource:
 def _build_tokenizer(cfg: TaskConfig, model_dir: str) -> Tokenizer:
     if cfg.tokenizer == TASK_HF:
         try:
-            return HFTokenizer.from_folder(model_dir)
+            return HFTokenizer.from_folder(model_dir, cfg.chat_template, cfg.system_prompt)
         except ValueError as err:
             raise ValueError(f"task.tokenizer='hf': {err}") from None
     factory = load_object(cfg.tokenizer, "task.tokenizer")
@@ -281,7 +360,7 @@ def build_task(cfg: TaskConfig, model_dir: str) -> Task:
     raise its own ``ValueError`` (the demo's name ``task.options.<field>``, the
     JSONL source the file, line and key).
     """
-    source = _build_source(cfg)
+    source = build_source(cfg.source, cfg.options)
     fn = load_object(cfg.reward, "task.reward")
     if not callable(fn):
         raise ValueError(f"task.reward={cfg.reward!r} is not callable")

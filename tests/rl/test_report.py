@@ -134,3 +134,45 @@ def test_the_step_record_maps_ranks_to_nodes():
     rec = step_record(0, "tlt", 3, [rank(2, 1), rank(0, 0), rank(1, 0)], times, [], 0.0, 1.0)
     assert rec["rank_nodes"] == [0, 0, 1] and rec["run_started"] == 0.0
     assert rec["idle_s_per_node"] == {"0": 3.0, "1": 3.0}
+
+
+# ---- validation records --------------------------------------------------------------
+
+def _plot_record(step: int) -> dict:
+    return {**_timed(step, 4.0 * step), "mode": "tlt", "reward_mean": 0.1 * step, "rollout_s": 2.0,
+            "logprob_s": 0.5, "update_s": 1.0, "weight_sync_s": 0.1, "other_s": 0.1, "drafter_train_s": 0.0,
+            "sd_steps": 1, "mean_accept_len": 2.0}
+
+
+def _validation(step: int, accuracy: bool = True) -> dict:
+    rec = {"step": step, "mode": "tlt", "split": "validation", "mean_reward": 0.2 * step, "mean_response_len": 9.0,
+           "num_prompts": 4}
+    return {**rec, "accuracy": 0.25 * step} if accuracy else rec
+
+
+def test_validation_records_make_a_validation_curve_mixed_in_or_apart(tmp_path):
+    from nemo_tlt.rl.report import write_plots
+    steps = [_plot_record(k) for k in range(4)]
+    mixed = steps[:2] + [_validation(1)] + steps[2:] + [_validation(3)]
+    plots = write_plots({"tlt": mixed}, tmp_path / "a")
+    assert set(plots) == {"reward_vs_step", "step_time_breakdown", "accept_length", "worker_timeline",
+                          "validation_vs_step"}
+    assert (tmp_path / "a" / "validation_vs_step.png").stat().st_size > 0
+    apart = write_plots({"tlt": steps}, tmp_path / "b", validation={"tlt": [_validation(1, False)]})
+    assert (tmp_path / "b" / "validation_vs_step.png").stat().st_size > 0 and "validation_vs_step" in apart
+    assert "validation_vs_step" not in write_plots({"tlt": steps}, tmp_path / "c")  # none: no curve
+
+
+def test_a_resumed_metrics_file_keeps_the_validation_records_of_the_kept_steps(tmp_path):
+    from nemo_tlt.rl.loggers import LoggerConfig
+    from nemo_tlt.rl.report import MetricsWriter, read_metrics, read_validation
+    first = MetricsWriter(tmp_path, logger=LoggerConfig(tensorboard=False))
+    for rec in [_plot_record(0), _plot_record(1), _validation(1), _plot_record(2), _plot_record(3), _validation(3)]:
+        first.write(rec)
+    first.close()
+    # the checkpoint held steps 0-2: steps 3 (and its validation) will be redone
+    resumed = MetricsWriter(tmp_path, [_plot_record(k) for k in range(3)], logger=LoggerConfig(tensorboard=False))
+    resumed.close()
+    kept = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r.get("split")) for r in kept] == [(0, None), (1, None), (1, "validation"), (2, None)]
+    assert read_validation(tmp_path) == [_validation(1)]

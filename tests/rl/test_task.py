@@ -81,10 +81,10 @@ def test_jsonl_reads_rows_answers_and_meta(jsonl):
     assert [by_text[q].answer for q in ("q5", "q6", "q7")] == ["five", "true", "2.5"]
 
 
-def test_jsonl_draws_depend_on_rng_only_without_replacement_within_a_step(jsonl):
-    src = JsonlTaskSource(jsonl)
+def test_jsonl_random_draws_depend_on_rng_only_without_replacement_within_a_step(jsonl):
+    src = JsonlTaskSource(jsonl, order="random")
     a = src.prompts(3, 6, np.random.default_rng([0, 3, 0x71]))
-    assert a == JsonlTaskSource(jsonl).prompts(3, 6, np.random.default_rng([0, 3, 0x71]))
+    assert a == JsonlTaskSource(jsonl, order="random").prompts(3, 6, np.random.default_rng([0, 3, 0x71]))
     assert a == src.prompts(99, 6, np.random.default_rng([0, 3, 0x71]))  # step is not a second source of randomness
     assert len({p.text for p in a}) == 6
     assert a != src.prompts(4, 6, np.random.default_rng([0, 4, 0x71]))
@@ -93,6 +93,24 @@ def test_jsonl_draws_depend_on_rng_only_without_replacement_within_a_step(jsonl)
     many = src.prompts(0, 25, np.random.default_rng(1))
     assert len(many) == 25 and {p.text for p in many} <= {p.text for p in src.rows}
     assert src.prompts(0, 0, np.random.default_rng(1)) == []
+
+
+def test_jsonl_epochs_read_every_row_once_per_epoch_as_a_function_of_seed_and_step(jsonl):
+    src = JsonlTaskSource(jsonl, shuffle_seed=5)  # order=epochs is the default
+    assert src.order == "epochs"
+    n, rows = 4, len(src)
+
+    def step(k, source=src, rng_seed=0):
+        return [p.text for p in source.prompts(k, n, np.random.default_rng(rng_seed))]
+    stream = [t for k in range(5) for t in step(k)]  # 20 positions: epochs 0 and 1 of 10 rows
+    assert sorted(stream[:rows]) == sorted(p.text for p in src.rows)  # without replacement
+    assert sorted(stream[rows:2 * rows]) == sorted(p.text for p in src.rows)
+    assert stream[:rows] != stream[rows:2 * rows]  # each epoch its own shuffle
+    # a resumed run (a fresh source, any generator) draws the same prompts at the same step
+    assert step(3) == step(3, JsonlTaskSource(jsonl, shuffle_seed=5), 99)
+    assert step(3) != step(3, JsonlTaskSource(jsonl, shuffle_seed=6))  # the stated seed decides
+    with pytest.raises(ValueError, match=r"task.options.order must be one of \['epochs', 'random'\]"):
+        JsonlTaskSource(jsonl, order="sorted")
 
 
 def test_jsonl_custom_keys(tmp_path):
@@ -156,6 +174,45 @@ def test_hf_tokenizer_from_a_saved_folder(hf_folder):
     assert tok.decode([*tok.encode("#15"), 2, 4, 4]) == "#15"  # stops at EOS
 
 
+CHAT = ("{% for m in messages %}<s>{{ m['role'][0] }}={{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>a={% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_folder(hf_folder, tmp_path_factory):
+    """The tokenizer of hf_folder with a chat template (roles by their first letter)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(hf_folder), local_files_only=True)
+    tok.add_tokens(["u", "s", "a", "y"])
+    tok.chat_template = CHAT
+    folder = tmp_path_factory.mktemp("hf_chat")
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_hf_tokenizer_applies_the_chat_template_when_asked(chat_folder, hf_folder):
+    tok = HFTokenizer.from_folder(chat_folder, chat_template=True)
+    raw = tok.tokenizer
+    expected = raw.encode(raw.apply_chat_template([{"role": "user", "content": "1+2="}], add_generation_prompt=True,
+                                                  tokenize=False), add_special_tokens=False)
+    assert expected[0] == tok.bos_id and raw.decode(expected) == "<s>u=1+2=</s><s>a="
+    assert tok.encode("1+2=") == expected
+    assert tok.encode("1+2=", add_bos=True) == expected  # the template's own BOS, not a second one
+    assert HFTokenizer.from_folder(chat_folder).encode("1+2=") == raw.encode("1+2=", add_special_tokens=False)
+    sys_tok = HFTokenizer.from_folder(chat_folder, chat_template=True, system_prompt="3")
+    assert raw.decode(sys_tok.encode("1+2=")) == "<s>s=3</s><s>u=1+2=</s><s>a="
+    with pytest.raises(ValueError, match="task.chat_template=true: the tokenizer in .* has no chat template"):
+        HFTokenizer.from_folder(hf_folder, chat_template=True)
+
+
+def test_build_task_passes_the_chat_template_options(tmp_path, chat_folder):
+    path = write_jsonl(tmp_path / "q.jsonl", [{"prompt": "1+1=", "answer": 2}])
+    cfg = TaskConfig(source="jsonl", options={"path": str(path)}, reward=f"{HERE}:exact_match", tokenizer="hf",
+                     chat_template=True, system_prompt="3")
+    tok = build_task(cfg, str(chat_folder)).tokenizer
+    assert tok.tokenizer.decode(tok.encode("1+1=")) == "<s>s=3</s><s>u=1+1=</s><s>a="
+
+
 def test_hf_tokenizer_folder_without_tokenizer_files(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=rf"no tokenizer in {tmp_path}: looked for .*tokenizer\.json"):
@@ -208,7 +265,14 @@ def test_task_config_keeps_its_own_copy_of_the_options():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"source": "no_colon"}, "task.source must be 'jsonl' or an import path"),
+    ({"source": "no_colon"}, "task.source must be 'jsonl', 'datasets' or an import path"),
+    ({"source": "datasets"}, "task.options.path is required with task.source='datasets'"),
+    ({"source": "jsonl", "options": {"path": "p", "format": "json"}}, r"task.options has keys \['format'\]"),
+    ({"source": "jsonl", "options": {"path": "p", "order": "shuffled"}},
+     r"task.options.order must be one of \['epochs', 'random'\]"),
+    ({"source": "datasets", "options": {"path": "p", "shuffle_seed": -1}}, r"task.options.shuffle_seed must be >= 0"),
+    ({"chat_template": True}, "task.chat_template=true needs task.tokenizer='hf'"),
+    ({"tokenizer": "hf", "system_prompt": "be brief"}, "task.system_prompt .* needs task.chat_template=true"),
     ({"source": "jsonl"}, "task.options.path is required"),
     ({"source": "jsonl", "options": {"path": "p", "prompt": "x"}}, r"task.options has keys \['prompt'\]"),
     ({"source": "jsonl", "options": {"path": 3}}, "task.options.path must be a non-empty string"),
@@ -268,6 +332,27 @@ def test_reward_must_return_a_finite_number(tmp_path):
     task = build_task(TaskConfig(reward=f"{HERE}:not_a_number"), str(tmp_path))
     with pytest.raises(ValueError, match="task.reward=.*returned nan"):
         task.reward(Prompt("1+1=", "2"), "#2")
+
+
+def exact_with_accuracy(prompt: Prompt, response: str) -> float:
+    return 1.0 if response.strip() == prompt.answer else 0.0
+
+
+exact_with_accuracy.correct_at = 1.0
+
+
+def bad_correct_at(prompt: Prompt, response: str) -> float:
+    return 0.0
+
+
+bad_correct_at.correct_at = "yes"
+
+
+def test_a_reward_says_what_correct_scores(tmp_path):
+    assert build_task(TaskConfig(reward=f"{HERE}:exact_with_accuracy"), str(tmp_path)).reward.correct_at == 1.0
+    assert build_task(TaskConfig(reward=f"{HERE}:exact_match"), str(tmp_path)).reward.correct_at is None
+    with pytest.raises(ValueError, match="task.reward=.*bad_correct_at.*correct_at attribute must be a finite float"):
+        build_task(TaskConfig(reward=f"{HERE}:bad_correct_at"), str(tmp_path))
 
 
 def test_check_vocab_names_both_sizes(tmp_path):
