@@ -41,7 +41,8 @@ from nemo_tlt.config import TaskConfig, TLTConfig, load_config
 from nemo_tlt.rl.loop import run_rank
 from nemo_tlt.rl.run import RunSpec, prepare_run_dir
 from nemo_tlt.rl.task import build_task
-from nemo_tlt.rl.report import compare_pairs, format_pairs, run_block, write_plots
+from nemo_tlt.rl.loggers import check_available
+from nemo_tlt.rl.report import compare_pairs, format_pairs, read_validation, run_block, write_plots
 from nemo_tlt.rl.workers import launch, process_rank
 
 log = logging.getLogger(__name__)
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target_dir, drafter_dir = resolve_models(config)
         build_task(config.task, target_dir)  # imports the user's source, reward and tokenizer now, once
+        check_available(config.logger)  # a chosen W&B / MLflow logger is installed
         plan = build_plan(config, args, target_dir, drafter_dir)
         for run in plan if primary else ():
             prepare_run_dir(run.spec)
@@ -240,7 +242,8 @@ def _write_report(run_dir: Path, results: list[tuple[PlannedRun, dict[str, Any]]
     report: dict[str, Any] = {}
     runs = {run.label: s["records"] for run, s in results if s["records"]}
     if runs:
-        report["plots"] = write_plots(runs, run_dir)
+        validation = {run.label: read_validation(s["out_dir"]) for run, s in results}
+        report["plots"] = write_plots(runs, run_dir, validation={k: v for k, v in validation.items() if v})
     if not compare:
         for run, s in results:
             report[run.spec.mode] = {"step_times": [r["step_s"] for r in s["records"]], "wall_s": s["wall_s"],

@@ -60,6 +60,9 @@ def arith_reward(prompt: Prompt, response: str, format_bonus: float = 0.0) -> fl
     return _score(prompt.answer, response, format_bonus, "task.reward_options")
 
 
+arith_reward.correct_at = 1.0  # a correct answer scores 1 (validation reports the share that do)
+
+
 def batch_rewards(
     problems: Sequence[Problem], responses: Sequence[str], format_bonus: float = 0.0
 ) -> list[float]:

@@ -42,6 +42,7 @@ from nemo_tlt.rl.report import MetricsWriter, progress_bar
 from nemo_tlt.rl.run import RunSpec, shard_prompts, step_rng, step_seed
 from nemo_tlt.rl.run_checkpoint import RunCheckpointer, RunState, restore
 from nemo_tlt.rl.task import build_task, check_eos, check_vocab
+from nemo_tlt.rl.validation import is_due, validate, validation_prompts, validation_sampling
 from nemo_tlt.rl.weight_stream import WeightStream
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.factory import build_rollout_engine
@@ -65,6 +66,7 @@ class RLWorker:
         policy_model = load_hf_folder(spec.target_dir)
         model_config, canonical = policy_model.config, policy_model.state_dict()
         self.task = build_task(cfg.task, spec.target_dir)
+        self.validation_prompts = validation_prompts(cfg) if cfg.validation.every > 0 else []
         check_vocab(self.task.tokenizer, model_config.vocab_size, spec.target_dir)
         check_eos(self.task.tokenizer, model_config.eos_token_id, spec.target_dir)
         self.policy = build_policy_backend(cfg.policy, canonical, model_config,
@@ -104,7 +106,8 @@ class RLWorker:
             self.resume()
         status, step, rank0 = "completed", self.start_step, self.comm.rank == 0
         bar = progress_bar(self.cfg, self.spec.mode, self.start_step) if rank0 else None
-        writer = MetricsWriter(self.spec.out_dir, self.records) if rank0 else None
+        writer = (MetricsWriter(self.spec.out_dir, self.records, logger=self.cfg.logger, config=self.cfg.to_dict())
+                  if rank0 else None)
         boundary = StepBoundary(self.comm, self.stop, self.cfg.workers.time_limit_margin_s)
         try:
             for step in range(self.start_step, self.cfg.steps):
@@ -113,11 +116,14 @@ class RLWorker:
                     status = "interrupted" if decision.stop else "time_limit"
                     break
                 record = self.step(step, skip_drafter_round=decision.tight)
+                check = self.validate(step)  # every rank (collective); after the sync: the updated policy
                 if rank0:
                     record.update(time_left_s=boundary.time_left(), drafter_round_skipped=decision.tight)
-                    boundary.budget.add_step(record["step_s"])
+                    boundary.budget.add_step(record["step_s"] + (check["validation_s"] if check else 0.0))
                     t0 = time.perf_counter()
                     self.log_and_checkpoint(step, record, writer, bar)
+                    if check is not None:
+                        writer.write(check)
                     boundary.budget.add_checkpoint(time.perf_counter() - t0)
                 if on_step is not None:
                     on_step(step, record)
@@ -193,6 +199,13 @@ class RLWorker:
         if self.harvest_from is None or skip:
             return idle_without_training(self.coord, step)
         return self.drafter.idle_time(step, self.coord)
+
+    def validate(self, step: int) -> dict[str, Any] | None:
+        """The validation record of this step (rank 0) when one is due (``validation.every``)."""
+        if not is_due(self.cfg.validation, step):
+            return None
+        return validate(self.engine, self.task, self.validation_prompts, validation_sampling(self.cfg, step), step,
+                        self.spec.mode, comm=self.comm)
 
     def score(self, prompts: list, rollout: Rollout) -> list[float]:
         G, task = self.cfg.grpo.group_size, self.task
