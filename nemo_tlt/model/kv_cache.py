@@ -105,7 +105,7 @@ class KVCache:
         return idx
 
     def advance(self, counts: torch.Tensor | int) -> None:
-        self.lengths += counts
+        self._lengths += counts  # in place: row_range views share it
         if isinstance(counts, int) and self.max_length is not None:
             self.max_length += counts
         else:
@@ -140,13 +140,14 @@ class KVCache:
         self._alloc_rows = self.batch
         self._views()
 
-    def select_rows(self, rows: torch.Tensor | list[int]) -> None:
+    def select_rows(self, rows: torch.Tensor | list[int], kept_max_length: int | None = None) -> None:
         """Drop finished rows: keep only `rows` (in that order; a host list saves reading a
-        tensor back). Only committed slots of rows that change position move (see `keep_rows`)."""
-        used = self.known_max_length()
+        tensor back); `kept_max_length` is the longest kept row if the caller knows it.
+        Only committed slots of rows that change position move (see `keep_rows`)."""
+        used = self.known_max_length() if kept_max_length is None else kept_max_length
         self._buf, self._alloc_rows = keep_rows(self._buf, rows, used, 1, 3, self._alloc_rows)
         index = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.long, device=self.device)
-        self.set_lengths(self.lengths.index_select(0, index))
+        self.set_lengths(self.lengths.index_select(0, index), kept_max_length)
         self._views()
 
 

@@ -108,7 +108,7 @@ class _Batch:
         index = torch.tensor(keep, dtype=torch.long, device=self.tokens.device)
         for name in ("rows", "seq_ids", "prompt_len", "lengths", "num_gen"):
             setattr(self, name, getattr(self, name).index_select(0, index))
-        self.cache.select_rows(keep)
+        self.cache.select_rows(keep, used)
         if self.draft_state is not None:
             self.draft_state.select_rows(keep)
 
