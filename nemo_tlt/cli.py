@@ -4,6 +4,7 @@
     nemo-tlt bench rollout --out F.json   # plain vs SD vs HF transformers
     nemo-tlt bench rollout --workload longtail --out F.json
     nemo-tlt bench drafter --out F.json
+    nemo-tlt bench precision --out F.json # SD vs plain token identity and speed per dtype
     nemo-tlt bench reshard --out F.json
     nemo-tlt convert ...                  # checkpoint conversion (Megatron / HF / TensorRT-LLM)
     nemo-tlt plan CONFIG.yaml [key=value ...]   # memory / reshard plan and simulated speedup (or --calibrate RUN_DIR)
@@ -19,6 +20,7 @@ import sys
 _COMMANDS = {
     ("bench", "rollout"): "nemo_tlt.bench.rollout",
     ("bench", "drafter"): "nemo_tlt.bench.drafter",
+    ("bench", "precision"): "nemo_tlt.bench.precision",
     ("bench", "reshard"): "nemo_tlt.bench.reshard",
     ("convert",): "nemo_tlt.convert",
     ("train",): "nemo_tlt.train",

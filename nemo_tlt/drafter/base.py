@@ -13,6 +13,15 @@ hidden state at position t, the one that predicted x_{t+1}.
 A drafter turns its logits into candidate scores with `DraftContext.score`, which
 knows the sampling mode (see nemo_tlt.speculative.draft_scores): in ``coupled``
 mode the candidates are ranked with the very noise the target will sample with.
+
+Devices and dtypes: a drafter lives on the target's device and makes every tensor
+there. Its dtype is its own: the idle-time trainer keeps fp32 master weights, and the
+engine serves that very module, whatever the target's dtype (a one-layer drafter in
+fp32 costs little beside a bf16 target). What it reads from the target (embeddings,
+features) is cast to the drafter's dtype where it enters, and what it hands the
+target's LM head is cast to the head's dtype where it leaves; draft scores are fp32.
+The drafter's dtype changes which candidates are proposed, never which tokens are
+emitted (verification is the target's).
 """
 from __future__ import annotations
 
@@ -43,7 +52,9 @@ class DraftContext:
 
 
 class DraftState(Protocol):
-    def select_rows(self, rows: torch.Tensor) -> None: ...
+    def select_rows(self, rows: torch.Tensor | list[int]) -> None:
+        """Keep only `rows`, in that order (the engine passes a host list)."""
+        ...
 
     def reserve(self, slots: int, limit: int) -> None:
         """Make room for `slots` positions per row (the engine's cache grows alike)."""
@@ -76,7 +87,7 @@ def check_same_dims(kind: str, hidden_size: int, vocab_size: int, target: Decode
 
 
 class NoDraftState:
-    def select_rows(self, rows: torch.Tensor) -> None:
+    def select_rows(self, rows: torch.Tensor | list[int]) -> None:
         return None
 
     def reserve(self, slots: int, limit: int) -> None:

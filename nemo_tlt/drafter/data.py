@@ -49,20 +49,25 @@ def eagle_pairs(sample: DrafterSample) -> tuple[torch.Tensor, torch.Tensor, torc
     return sample.tokens[1: n + 1], sample.hidden[:n], sample.hidden[1: n + 1]
 
 
-def pad_eagle_batch(samples: list[DrafterSample], dtype: torch.dtype = torch.float32) -> EagleBatch:
-    """One row per sample, right-padded; plain causal attention."""
+def pad_eagle_batch(samples: list[DrafterSample], dtype: torch.dtype = torch.float32,
+                    device: torch.device | str | None = None) -> EagleBatch:
+    """One row per sample, right-padded; plain causal attention. Built where the samples
+    are (the host, for harvested ones) and moved to `device` (None: stay) in one copy
+    per tensor."""
     samples = [s for s in samples if s.num_pairs > 0]
     if not samples:
         raise ValueError("pad_eagle_batch: no sample has at least 3 tokens")
     B, T = len(samples), max(s.num_pairs for s in samples)
     H = samples[0].hidden.shape[1]
-    tok = torch.zeros(B, T, dtype=torch.long)
-    fin = torch.zeros(B, T, H, dtype=dtype)
-    ftg = torch.zeros(B, T, H, dtype=dtype)
-    mask = torch.zeros(B, T, dtype=torch.bool)
+    home = samples[0].hidden.device
+    tok = torch.zeros(B, T, dtype=torch.long, device=home)
+    fin = torch.zeros(B, T, H, dtype=dtype, device=home)
+    ftg = torch.zeros(B, T, H, dtype=dtype, device=home)
+    mask = torch.zeros(B, T, dtype=torch.bool, device=home)
     for i, s in enumerate(samples):
         t, a, b = eagle_pairs(s)
         n = t.shape[0]
         tok[i, :n], fin[i, :n], ftg[i, :n], mask[i, :n] = t, a.to(dtype), b.to(dtype), True
-    positions = torch.arange(T).expand(B, T)
-    return EagleBatch(tok, fin, ftg, positions, mask)
+    dev = home if device is None else torch.device(device)
+    positions = torch.arange(T, device=dev).expand(B, T)
+    return EagleBatch(tok.to(dev), fin.to(dev), ftg.to(dev), positions, mask.to(dev))

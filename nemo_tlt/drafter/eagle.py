@@ -46,7 +46,7 @@ class EagleState:
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
 
-    def select_rows(self, rows: torch.Tensor) -> None:
+    def select_rows(self, rows: torch.Tensor | list[int]) -> None:
         self.cache.select_rows(rows)
 
     def reserve(self, slots: int, limit: int) -> None:
@@ -95,7 +95,8 @@ class EagleDrafter(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Predicted (normalised) target features [B, T, H] at positions+1."""
         emb = target.model.embed_tokens(next_tokens).detach()  # shared and frozen: no gradient to the target
-        x = self.fc(torch.cat((emb, features.to(self.fc.weight.dtype)), -1))
+        dtype = self.fc.weight.dtype  # the drafter's own (see nemo_tlt.drafter.base: dtypes)
+        x = self.fc(torch.cat((emb.to(dtype), features.to(dtype)), -1))
         x = target.run_layers(x, self.layers, positions, cache, new_mask, cache_mask, rope)
         return self.norm(x)
 
@@ -114,12 +115,12 @@ class EagleDrafter(nn.Module):
         return self(target, tokens, parent_out, None, cache, None, cache_mask, rope)
 
     def draft_logits(self, target: DecoderLM, out: torch.Tensor) -> torch.Tensor:
-        return target.logits(out)
+        return target.logits(out.to(target.lm_head_weight.dtype))
 
     def catch_up(self, state: EagleState, ctx: DraftContext) -> torch.Tensor:
         """Feed positions [drafter length, L) with the target's true features; return the
         predicted feature at L (the root's), [B, H]."""
-        return catch_up(self, state.cache, ctx)
+        return catch_up(self, state.cache, ctx)[0]
 
     def propose(self, state: EagleState, ctx: DraftContext, shape: TreeShape) -> DraftTree:
         return propose_tree(self, state.cache, ctx, shape)

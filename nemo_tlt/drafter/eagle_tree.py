@@ -14,6 +14,10 @@ here do the cache bookkeeping and grow the tree:
   (the drafter's own feature, as in training-time test). Tree nodes are written to
   the drafter's cache past the committed length and forgotten afterwards; after
   verification the accepted positions are re-fed with the target's true features.
+
+Everything is made on the device of the context's tensors. A draft reads the device
+once (the catch-up's longest gap and the longest committed row, in one transfer;
+nemo_tlt.model.host).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from typing import Protocol
 import torch
 
 from nemo_tlt.drafter.base import DraftContext
+from nemo_tlt.model.host import host_list
 from nemo_tlt.model.kv_cache import KVCache
 from nemo_tlt.model.layers import padded_causal_mask
 from nemo_tlt.model.lm import DecoderLM
@@ -46,28 +51,31 @@ class EagleSteps(Protocol):
         ...
 
 
-def catch_up(steps: EagleSteps, cache: KVCache, ctx: DraftContext) -> torch.Tensor:
+def catch_up(steps: EagleSteps, cache: KVCache, ctx: DraftContext) -> tuple[torch.Tensor, int]:
     """Feed positions [drafter length, L) with the target's true features; return the
-    output at L - 1 (the root's, which predicts depth 1), [B, H]."""
+    output at L - 1 (the root's, which predicts depth 1), [B, H], and max(L)."""
     L = ctx.lengths
     count = L - cache.lengths
-    if bool((count < 1).any()):
+    fewest, T, longest, fed = host_list(torch.stack((count.min(), count.max(), L.max(), cache.lengths.max())))
+    if fewest < 1:
         raise AssertionError("EAGLE catch-up needs at least one new committed position per row")
-    T = int(count.max())
-    offs = torch.arange(T)
+    cache.note_max_length(fed)
+    dev = L.device
+    offs = torch.arange(T, device=dev)
     valid = offs[None, :] < count[:, None]
     pos = torch.where(valid, cache.lengths[:, None] + offs, (L - 1)[:, None])
-    b_idx = torch.arange(L.shape[0])[:, None]
-    out = steps.feed_committed(ctx.target, ctx.tokens[b_idx, pos + 1], ctx.features[b_idx, pos], pos, cache,
-                               padded_causal_mask(count, T))
-    cache.advance(count)
-    return out[torch.arange(L.shape[0]), count - 1]
+    b_idx = torch.arange(L.shape[0], device=dev)
+    out = steps.feed_committed(ctx.target, ctx.tokens[b_idx[:, None], pos + 1], ctx.features[b_idx[:, None], pos],
+                               pos, cache, padded_causal_mask(count, T))
+    cache.set_lengths(L.clone(), longest)
+    return out[b_idx, count - 1], longest
 
 
 def propose_tree(steps: EagleSteps, cache: KVCache, ctx: DraftContext, shape: TreeShape) -> DraftTree:
     target, L = ctx.target, ctx.lengths
-    root_out = catch_up(steps, cache, ctx)
+    root_out, longest = catch_up(steps, cache, ctx)
     B, H = root_out.shape
+    dev = L.device
     k, n_fed = shape.topk, (shape.depth - 1) * shape.topk
     first = ctx.score(steps.draft_logits(target, root_out), 1)
     if n_fed == 0:
@@ -77,11 +85,12 @@ def propose_tree(steps: EagleSteps, cache: KVCache, ctx: DraftContext, shape: Tr
     # verification. A fed node sees the committed prefix, its fed ancestors and
     # itself: its parent's visibility row plus its own slot. Every expansion
     # attends over the same S slots; unwritten ones are masked.
-    S = int(L.max()) + n_fed
-    committed = (torch.arange(S)[None, :] < L[:, None])[:, None, :]                    # [B, 1, S]
-    own_slot = torch.zeros(B, n_fed, S, dtype=torch.bool).scatter_(
-        2, (L[:, None] + torch.arange(n_fed))[..., None], True)                       # [B, n_fed, S]
-    cos, sin = target.rope(L[:, None] + torch.arange(shape.depth - 1))                 # [B, 1, d-1, D]
+    S = longest + n_fed
+    committed = (torch.arange(S, device=dev)[None, :] < L[:, None])[:, None, :]       # [B, 1, S]
+    own_slot = torch.zeros(B, n_fed, S, dtype=torch.bool, device=dev).scatter_(
+        2, (L[:, None] + torch.arange(n_fed, device=dev))[..., None], True)           # [B, n_fed, S]
+    cos, sin = target.rope(L[:, None] + torch.arange(shape.depth - 1, device=dev),
+                           longest + shape.depth - 2)                                   # [B, 1, d-1, D]
     prev: dict[str, torch.Tensor] = {}
 
     def expand(tokens: torch.Tensor, nodes: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:
@@ -93,7 +102,7 @@ def propose_tree(steps: EagleSteps, cache: KVCache, ctx: DraftContext, shape: Tr
             parent_out = prev["out"].gather(1, pos[..., None].expand(B, k, H))
             parent_vis = prev["vis"].gather(1, pos[..., None].expand(B, k, S))
         vis = parent_vis | own_slot[:, j0:j0 + k]
-        cache.lengths = L + j0
+        cache.set_lengths(L + j0, longest + j0)
         rope = (cos[:, :, depth - 1:depth], sin[:, :, depth - 1:depth])
         out = steps.feed_nodes(target, tokens, parent_out, cache, vis, rope)
         prev.update(nodes=nodes, out=out, vis=vis)
@@ -102,7 +111,7 @@ def propose_tree(steps: EagleSteps, cache: KVCache, ctx: DraftContext, shape: Tr
     try:
         return grow_tree(first, expand, shape)
     finally:
-        cache.lengths = L.clone()
+        cache.set_lengths(L.clone(), longest)
 
 
 def _no_expand(tokens: torch.Tensor, nodes: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:

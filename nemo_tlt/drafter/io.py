@@ -63,7 +63,10 @@ def check_weights(state: dict[str, torch.Tensor], expected: dict[str, torch.Tens
                              f"{tuple(expected[name].shape)}")
 
 
-def load_drafter(path: str | os.PathLike, target: DecoderLM | None = None) -> torch.nn.Module:
+def load_drafter(path: str | os.PathLike, target: DecoderLM | None = None, *,
+                 device: torch.device | str | None = None) -> torch.nn.Module:
+    """The drafter saved at `path`, in the dtype it was saved in, on `device` (None: the
+    target's device, or the CPU without a target)."""
     folder = Path(path)
     cfg_path = folder / "drafter.json"
     if not cfg_path.is_file():
@@ -72,6 +75,9 @@ def load_drafter(path: str | os.PathLike, target: DecoderLM | None = None) -> to
     state = load_file(str(folder / "drafter.safetensors"))
     check_weights(state, drafter.state_dict(), folder, "drafter.json")
     drafter.load_state_dict(state)
+    if device is None:
+        device = target.lm_head_weight.device if target is not None else "cpu"
+    drafter.to(device)
     if target is not None:
         drafter.check_target(target)
     return drafter.eval()

@@ -32,9 +32,10 @@ def eagle_loss(pred_feat: torch.Tensor, target_feat: torch.Tensor, lm_head_weigh
     """pred_feat, target_feat: [..., H]; mask: [...] bool. Returns (loss, stats)."""
     target_feat = target_feat.to(pred_feat.dtype)
     reg = F.smooth_l1_loss(pred_feat, target_feat, reduction="none").mean(-1)
-    pred_logits = F.linear(pred_feat, lm_head_weight)
+    # the target's head runs in its own dtype (bf16 for a bf16 target); the loss in fp32
+    pred_logits = F.linear(pred_feat.to(lm_head_weight.dtype), lm_head_weight)
     with torch.no_grad():
-        target_logits = F.linear(target_feat, lm_head_weight)
+        target_logits = F.linear(target_feat.to(lm_head_weight.dtype), lm_head_weight)
     ce = soft_cross_entropy(pred_logits, target_logits)
     loss = reg_weight * masked_mean(reg, mask) + ce_weight * masked_mean(ce, mask)
     with torch.no_grad():
@@ -49,13 +50,13 @@ def medusa_loss(head_feat: torch.Tensor, features: torch.Tensor, lm_head_weight:
     valid feature positions. Head k at t is scored against the target at t+k+1."""
     B, T, K, _ = head_feat.shape
     with torch.no_grad():
-        target_logits = F.linear(features, lm_head_weight)
+        target_logits = F.linear(features.to(lm_head_weight.dtype), lm_head_weight)
     losses, tops = [], []
     for k in range(K):
         shift = k + 1
         if shift >= T:
             break
-        pred = F.linear(head_feat[:, : T - shift, k], lm_head_weight)
+        pred = F.linear(head_feat[:, : T - shift, k].to(lm_head_weight.dtype), lm_head_weight)
         tgt = target_logits[:, shift:]
         m = mask[:, shift:] & mask[:, : T - shift]
         losses.append(masked_mean(soft_cross_entropy(pred, tgt), m))

@@ -64,8 +64,9 @@ class MedusaDrafter(nn.Module):
     def propose(self, state: NoDraftState, ctx: DraftContext, shape: TreeShape) -> DraftTree:
         self.check_shape(shape)
         B = ctx.lengths.shape[0]
-        last = ctx.features[torch.arange(B), ctx.lengths - 1]
-        logits = ctx.target.logits(self(last))                             # [B, K, V]
+        last = ctx.features[torch.arange(B, device=ctx.lengths.device), ctx.lengths - 1]
+        head_dtype = ctx.target.lm_head_weight.dtype  # see nemo_tlt.drafter.base: dtypes
+        logits = ctx.target.logits(self(last.to(self.heads[0].weight.dtype)).to(head_dtype))  # [B, K, V]
         logp = torch.stack([ctx.score(logits[:, d], d + 1) for d in range(shape.depth)], 1)
         k = shape.topk
 

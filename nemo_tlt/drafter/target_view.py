@@ -9,7 +9,9 @@ embedding and head only, so whoever trains a drafter (the RL loop's idle-time
 trainer) needs no second copy of the policy and no access to the rollout engine's
 model. ``update(name, tensor)`` takes canonical (HF-named) tensors from a weight
 stream and keeps the ones the view holds; the others are ignored. The view is
-frozen: nothing trains it.
+frozen: nothing trains it. ``placement`` (keyword; default CPU fp32) is the device
+and dtype of its tensors (a streamed tensor is copied in and cast); its rotary
+tables are computed in fp32 and cast like the target's.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
+from nemo_tlt.dist.device import Placement
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.model.rope import rope_tables_for
@@ -26,13 +29,14 @@ from nemo_tlt.model.rope import rope_tables_for
 class TargetView(DecoderLM):
     """A layer-less ``DecoderLM``: embedding, final norm, LM head and rope of a target."""
 
-    def __init__(self, config: LMConfig) -> None:
+    def __init__(self, config: LMConfig, *, placement: Placement = Placement()) -> None:
         with torch.device("meta"):
             super().__init__(config)
         self.model.layers = nn.ModuleList()
-        self.to_empty(device="cpu")
+        self.to_empty(device=placement.device).to(placement.dtype)
         cos, sin = rope_tables_for(config)
-        self.rope_cos, self.rope_sin = cos, sin
+        self.rope_cos = cos.to(placement.device, placement.dtype)
+        self.rope_sin = sin.to(placement.device, placement.dtype)
         self.requires_grad_(False).eval()
         self._names = set(self.state_dict())
         self._seen: set[str] = set()

@@ -96,7 +96,9 @@ def ttt_outputs(drafter: Eagle3Drafter, target: DecoderLM, batch: EagleBatch, fe
     B, T = batch.next_tokens.shape
     layer, attn = drafter.midlayer, drafter.midlayer.self_attn
     nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    causal = batch.new_mask if batch.new_mask is not None else torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
+    h_dev = batch.next_tokens.device
+    causal = batch.new_mask if batch.new_mask is not None else torch.ones(T, T, dtype=torch.bool,
+                                                                                    device=h_dev).tril().expand(B, T, T)
     h = drafter.fuse(features)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []

@@ -129,13 +129,15 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def cache_attention_mask(lengths: torch.Tensor, write_idx: torch.Tensor, new_mask: torch.Tensor) -> torch.Tensor:
-    """Boolean mask [B, T, S] over cache slots, S = max(write_idx) + 1.
+def cache_attention_mask(lengths: torch.Tensor, write_idx: torch.Tensor, new_mask: torch.Tensor,
+                         slots: int) -> torch.Tensor:
+    """Boolean mask [B, T, S] over cache slots, S = `slots` (max(write_idx) + 1, or more:
+    the extra slots are masked; the caller knows it on the host, so no sync).
 
     Query t of row b sees slot j < lengths[b] and the new block's slot write_idx[b, t']
     iff new_mask[b, t, t']."""
     B, T, _ = new_mask.shape
-    S = int(write_idx.max()) + 1
+    S = slots
     mask = (torch.arange(S, device=lengths.device)[None, :] < lengths[:, None])[:, None, :].repeat(1, T, 1)
     return mask.scatter_(2, write_idx[:, None, :].expand(B, T, T), new_mask)
 

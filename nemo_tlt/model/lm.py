@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.host import host_int
 from nemo_tlt.model.kv_cache import KVCache
 from nemo_tlt.model.layers import DecoderLayer, RMSNorm, cache_attention_mask
 from nemo_tlt.model.rope import rope_tables_for
@@ -56,12 +57,14 @@ class DecoderLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if int(positions.max()) >= self.config.max_position_embeddings:
-            raise ValueError(
-                f"position {int(positions.max())} is beyond max_position_embeddings="
-                f"{self.config.max_position_embeddings}"
-            )
+    def rope(self, positions: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of `positions`; `bound` is a host-known upper bound of them (when it
+        is inside the context, the check needs no read of the device)."""
+        ctx = self.config.max_position_embeddings
+        if bound is None or bound >= ctx:
+            top = host_int(positions.max())
+            if top >= ctx:
+                raise ValueError(f"position {top} is beyond max_position_embeddings={ctx}")
         return self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
 
     def run_layers(self, x: torch.Tensor, layers: nn.ModuleList, positions: torch.Tensor | None,
@@ -76,11 +79,15 @@ class DecoderLM(nn.Module):
         `cache_attention_mask`) replaces the default visibility, and `rope` the
         (cos, sin) of `positions`: the drafter passes both while growing a tree."""
         B, T, _ = x.shape
+        # Slots the block attends: the longest row's committed ones plus the block. A block's
+        # positions never pass its last slot (a tree node sits at most its depth < T past L).
+        slots = cache.known_max_length() + T if cache is not None else T
         if rope is None:
+            bound = slots - 1 if cache is not None or positions is None else None
             if positions is None:
                 start = cache.lengths[:, None] if cache is not None else 0
                 positions = start + torch.arange(T, device=x.device)[None, :].expand(B, T)
-            rope = self.rope(positions)
+            rope = self.rope(positions, bound)
         cos, sin = rope
         mask = write_idx = None
         if cache is not None:
@@ -88,7 +95,7 @@ class DecoderLM(nn.Module):
             if cache_mask is None:
                 if new_mask is None:
                     new_mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, T, T)
-                cache_mask = cache_attention_mask(cache.lengths, write_idx, new_mask)
+                cache_mask = cache_attention_mask(cache.lengths, write_idx, new_mask, slots)
             mask = cache_mask[:, None]
         elif new_mask is not None:
             mask = new_mask[:, None]

@@ -5,6 +5,10 @@ Contract
 * The drafter reads the target's embedding, final norm and LM head through a
   :class:`~nemo_tlt.drafter.target_view.TargetView` that follows every weight sync
   (``view.update`` on the canonical stream), never through the rollout engine.
+* ``placement`` (keyword; default CPU fp32) is the rank's device: the drafter and its
+  optimizer state live there in fp32 (master weights, whatever ``placement.dtype``,
+  the target view's dtype), the harvest buffer on the host; the view must be on the
+  same device.
 * ``harvest(step, tokens, hidden)`` stores one sequence's tokens and hidden states
   (hidden row t predicts token t+1: ``[len(tokens) - 1, H]``), from whichever forward
   produced them; a sequence shorter than ``min_length`` tokens (no training pair) is skipped.
@@ -28,6 +32,7 @@ from typing import Mapping
 import torch
 
 from nemo_tlt.dist import NodeGroups
+from nemo_tlt.dist.device import Placement
 from nemo_tlt.drafter.features import feature_width
 from nemo_tlt.drafter.io import load_drafter
 from nemo_tlt.drafter.target_view import TargetView
@@ -43,9 +48,12 @@ log = logging.getLogger(__name__)
 
 class IdleDrafter:
     def __init__(self, config: IdleDrafterConfig, drafter_dir: str, view: TargetView, rank: int, seed: int,
-                 nodes: NodeGroups | None = None) -> None:
-        self.config, self.view, self.nodes = config, view, nodes
-        self.drafter = load_drafter(drafter_dir, view)
+                 nodes: NodeGroups | None = None, *, placement: Placement = Placement()) -> None:
+        if view.lm_head_weight.device != torch.device(placement.device):
+            raise ValueError(f"IdleDrafter: the target view is on {view.lm_head_weight.device}, the placement on "
+                             f"{placement.device}; build the view with the same placement")
+        self.config, self.view, self.nodes, self.placement = config, view, nodes, placement
+        self.drafter = load_drafter(drafter_dir, view, device=placement.device).float()
         width = feature_width(view.config.hidden_size, getattr(self.drafter, "capture_layers", None))
         self.buffer = HarvestBuffer(HarvestConfig(width, max_bytes=config.harvest_max_mb << 20))
         self.trainer = SpotTrainer(self.drafter, eagle_loss_fn(view), config.trainer, rank=rank, seed=seed)
@@ -58,7 +66,7 @@ class IdleDrafter:
 
     def harvest(self, step: int, tokens: list[int], hidden: torch.Tensor) -> None:
         if len(tokens) >= self.min_length:
-            self.buffer.add(torch.tensor(tokens), hidden, step)
+            self.buffer.add(torch.tensor(tokens, dtype=torch.long, device="cpu"), hidden, step)
 
     def idle_time(self, step: int, coord: WorkerCoordinator) -> IdleResult:
         report = self._thread.submit(train_while_idle, step, coord, self.trainer, self.buffer,
@@ -77,7 +85,7 @@ class IdleDrafter:
         self.view.load(policy_weights)
         self.drafter.load_state_dict(dict(drafter_weights), strict=True)
         self.trainer.load_state_dict(trainer_state)
-        self.trainer.generator.set_state(torch.tensor(generator, dtype=torch.uint8))
+        self.trainer.generator.set_state(torch.tensor(generator, dtype=torch.uint8, device="cpu"))
         self.buffer = HarvestBuffer(self.buffer.config, start_step=next_step)
 
     def close(self) -> None:

@@ -8,10 +8,11 @@ from nemo_tlt.rollout.protocol import RolloutEngine
 
 def build_rollout_engine(config: RolloutConfig, model_dir: str, placement: Placement = Placement()) -> RolloutEngine:
     """The engine ``config.engine`` serving the HF-format model in ``model_dir``, in
-    ``placement``'s dtype on its device."""
+    ``placement``'s dtype on its device (the torch engine computes in ``rollout.compute_dtype``)."""
     if config.engine == "torch":
         from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
-        return TorchRolloutEngine.from_hf_folder(model_dir, device=placement.device, dtype=placement.dtype)
+        return TorchRolloutEngine.from_hf_folder(model_dir, device=placement.device, dtype=placement.dtype,
+                                                 compute_dtype=config.engine_compute_dtype)
     if config.engine == "trtllm":
         return _trtllm_engine(model_dir, placement)
     raise ValueError(f"rollout.engine={config.engine!r} has no factory")  # RolloutConfig refuses it first

@@ -53,6 +53,7 @@ class StepTrace:
     mean_accept: float         # tokens per row in this step
     seconds: float
     kv_bytes: int = 0          # KV cache bytes held (target + drafter) during the step
+    host_syncs: int = 0        # values read back from the device (nemo_tlt.model.host), finished rows' included
 
 
 @dataclass
@@ -70,6 +71,7 @@ class GenerationStats:
     time_other_s: float = 0.0
     prefill_s: float = 0.0       # allocation + prompt forwards + first token (part of time_plain_s and other)
     wall_s: float = 0.0
+    host_syncs: int = 0          # values read back from the device in the whole call (prefill included)
     trace: list[StepTrace] = field(default_factory=list)
 
     @property
@@ -104,6 +106,7 @@ class GenerationStats:
             "prefill_s": self.prefill_s,
             "outside_steps_s": self.outside_steps_s,
             "wall_s": self.wall_s,
+            "host_syncs": self.host_syncs,
         }
 
 

@@ -20,9 +20,25 @@ yet fed to the target) and features[b, :L]. A feature is the target's final hidd
 state, or, for a drafter that declares `capture_layers` (EAGLE-3), the outputs of
 those target layers concatenated, then the final state ([(k+1)*H]), all from the same
 target forward.
+
+Devices and dtypes: the engine computes on the device of the target's parameters and
+makes every tensor there (KV caches, token and feature buffers, tree masks and
+positions, acceptance and sampling tensors, the sampling generator); prompts are
+copied over once. Values leave the device only where they must (the tokens of a
+finished row, the stop decision, metrics), through nemo_tlt.model.host, and
+`StepTrace.host_syncs` counts them per decode step: one per plain step, one more per
+speculative step (the drafter's catch-up), one per tree depth more with rejection
+sampling, and a few where rows finish. ``compute_dtype`` (``rollout.compute_dtype``)
+decouples the arithmetic from the weights' dtype: a bf16 target served with
+``compute_dtype=torch.float32`` keeps bf16-rounded weights (policy weights loaded
+later are rounded to bf16 too) but computes and caches in fp32, so that speculative
+verification and plain decoding agree as often as they do in fp32 (docs/benchmarks.md,
+"Precision"); the cost is an fp32 copy of the weights, an fp32 KV cache and fp32 math.
+The CUDA paths are written for GPUs but, in this repository, run only on CPU.
 """
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Mapping
@@ -36,7 +52,9 @@ from nemo_tlt.drafter.base import DraftContext, Drafter, DraftState
 from nemo_tlt.drafter.features import feature_width, join_features
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import load_hf_folder
-from nemo_tlt.model.kv_cache import KVCache, fill_holes_order, grow_slots, keep_rows
+from nemo_tlt.model.host import host_list, host_syncs
+from nemo_tlt.model.kv_cache import KVCache, fill_holes_order_host, grow_slots, keep_rows
+from nemo_tlt.model.rope import rope_tables_for
 from nemo_tlt.model.layers import padded_causal_mask
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout.prefill import prefill_chunks
@@ -68,27 +86,29 @@ class _Batch:
         draft_cache = getattr(self.draft_state, "cache", None)
         return self.cache.nbytes() + (draft_cache.nbytes() if draft_cache is not None else 0)
 
-    def reserve(self, slots: int) -> None:
-        """Grow every slot-indexed buffer to hold `slots` slots per row (see KVCache.reserve)."""
+    def reserve(self, slots: int, used: int) -> None:
+        """Grow every slot-indexed buffer to hold `slots` slots per row (see KVCache.reserve);
+        `used` is the longest committed length (known on the host)."""
         slots = min(slots, self.max_slots)
         if slots <= self.features.shape[1]:
             return
         self.cache.reserve(slots, self.max_slots)
         if self.draft_state is not None:
             self.draft_state.reserve(slots, self.max_slots)
-        cap, used = self.cache.capacity, int(self.lengths.max())
+        cap = self.cache.capacity
         self.tokens = grow_slots(self.tokens, 1, used + 1, cap + 1)
         self.features = grow_slots(self.features, 1, used, cap)
         self.alloc_rows = self.rows.numel()
 
-    def select(self, keep: torch.Tensor) -> None:
-        used = int(self.lengths.max())  # tokens[b, :L+1] and features[b, :L] are live
-        alloc = self.alloc_rows
+    def select(self, keep: list[int], used: int) -> None:
+        """Keep rows `keep` (host list, in that order); `used` is the longest committed length."""
+        alloc = self.alloc_rows  # tokens[b, :L+1] and features[b, :L] are live
         self.tokens, _ = keep_rows(self.tokens, keep, used + 1, 0, 1, alloc)
         self.features, self.alloc_rows = keep_rows(self.features, keep, used, 0, 1, alloc)
+        index = torch.tensor(keep, dtype=torch.long, device=self.tokens.device)
         for name in ("rows", "seq_ids", "prompt_len", "lengths", "num_gen"):
-            setattr(self, name, getattr(self, name).index_select(0, keep))
-        self.cache.select_rows(keep)
+            setattr(self, name, getattr(self, name).index_select(0, index))
+        self.cache.select_rows(keep, used)
         if self.draft_state is not None:
             self.draft_state.select_rows(keep)
 
@@ -100,10 +120,14 @@ class TorchRolloutEngine:
     slots reserved for a draft tree, ``prefill_overhead_tokens`` prices one more
     prefill forward (see prefill_chunks) and ``initial_slots`` is how many cache slots
     per row are allocated past the longest prompt at first (None: room for
-    max_new_tokens up front); none of them changes a token generated."""
+    max_new_tokens up front); none of them changes a token generated.
+    ``compute_dtype`` (None: the target's own dtype) is the dtype the engine computes
+    and caches in (see the module docstring); a target in another dtype is copied and
+    cast, the caller's model is left as it is."""
 
     def __init__(self, target: DecoderLM, drafter: Drafter | None = None, *, max_tree_nodes: int = 256,
-                 prefill_overhead_tokens: int = 64, initial_slots: int | None = 128) -> None:
+                 prefill_overhead_tokens: int = 64, initial_slots: int | None = 128,
+                 compute_dtype: torch.dtype | None = None) -> None:
         if max_tree_nodes < 1:
             raise ValueError(f"TorchRolloutEngine.max_tree_nodes must be >= 1, got {max_tree_nodes}")
         if prefill_overhead_tokens < 0:
@@ -111,7 +135,8 @@ class TorchRolloutEngine:
                              f"{prefill_overhead_tokens}")
         if initial_slots is not None and initial_slots < 1:
             raise ValueError(f"TorchRolloutEngine.initial_slots must be >= 1 or None, got {initial_slots}")
-        self.target = target.eval()
+        self.weights_dtype = target.lm_head_weight.dtype
+        self.target = _compute_copy(target, compute_dtype).eval()
         self.max_tree_nodes = max_tree_nodes
         self.initial_slots = initial_slots
         self.prefill_overhead_tokens = prefill_overhead_tokens
@@ -120,10 +145,21 @@ class TorchRolloutEngine:
         self.load_drafter(drafter)
 
     @classmethod
-    def from_hf_folder(cls, path: str | os.PathLike, drafter: Drafter | None = None,
+    def from_hf_folder(cls, path: str | os.PathLike, drafter: Drafter | None = None, *,
+                       device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
                        **kwargs: Any) -> "TorchRolloutEngine":
-        """An engine serving the HF-format model folder at `path` (see nemo_tlt.model.hf_io)."""
-        return cls(load_hf_folder(path), drafter, **kwargs)
+        """An engine serving the HF-format model folder at `path` (see nemo_tlt.model.hf_io),
+        its weights in `dtype` on `device` (None: the CPU); ``kwargs`` go to the constructor."""
+        return cls(load_hf_folder(path, dtype).to(device or "cpu"), drafter, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the engine computes: the device of the target's parameters."""
+        return self.target.lm_head_weight.device
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.target.lm_head_weight.dtype
 
     # ---- RolloutEngine protocol -------------------------------------------
     @property
@@ -142,7 +178,7 @@ class TorchRolloutEngine:
             for i, item in enumerate(pairs):
                 name, tensor = _weight_pair(i, item)
                 _check_weight(name, tensor, params, seen)
-                params[name].copy_(tensor)
+                params[name].copy_(tensor.to(self.weights_dtype))  # served weights: rounded to the model dtype
                 seen.add(name)
             missing = [name for name in params if name not in seen]
             if missing:
@@ -168,34 +204,45 @@ class TorchRolloutEngine:
         """See `RolloutEngine.generate`."""
         self._validate(requests, sampling)
         stats = GenerationStats()
-        t_start = time.perf_counter()
-        gen = torch.Generator().manual_seed(sampling.seed)
+        t_start, syncs_start = time.perf_counter(), host_syncs()
+        gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
         results: list[RequestResult | None] = [None] * len(requests)
+        accepted: list[torch.Tensor] = []  # per SD step, tokens per row: read back once at the end
         if policy is not None:
             policy.begin_rollout()
         batch = self._prefill(requests, sampling, gen, stats)
         stats.prefill_s = time.perf_counter() - t_start
-        self._retire(batch, sampling, results, return_hidden)
+        done = self._done(batch, sampling)
+        any_done, longest = host_list(torch.stack((done.any().long(), _longest_running(batch, done))))
+        self._retire(batch, done, bool(any_done), longest, sampling, results, return_hidden)
         while batch.rows.numel():
-            running = batch.rows.numel()
+            running, syncs0 = batch.rows.numel(), host_syncs()
             shape = self._choose(policy, running)
-            longest = int(batch.lengths.max())
             if shape is not None and not self._tree_fits(longest, batch, shape):
                 shape = None  # a tree would run past the context or the cache: finish plainly
             t0 = time.perf_counter()
-            batch.reserve(longest + (self._tree_slots(shape) if shape is not None else 1) + 1)
+            batch.reserve(longest + (self._tree_slots(shape) if shape is not None else 1) + 1, longest)
+            batch.cache.note_max_length(longest)
             if shape is None:
                 emitted, counts = self._plain_step(batch, sampling, gen, stats)
             else:
                 emitted, counts = self._sd_step(batch, sampling, gen, stats, shape)
-            made = self._commit(batch, emitted, counts, sampling)
+                accepted.append(counts)
+            kept = self._commit(batch, emitted, counts, sampling)
+            done = self._done(batch, sampling)
+            # the one read of a step: tokens kept, whether any row is done, the longest running row
+            made, any_done, longest = host_list(torch.stack((kept.sum(), done.any().long(),
+                                                             _longest_running(batch, done))))
             dt = time.perf_counter() - t0
             stats.tokens_generated += made
-            stats.trace.append(StepTrace(running, shape.name if shape else None, made, made / running, dt,
-                                         batch.kv_bytes()))
             if policy is not None:
                 policy.observe(running, shape, made, dt)
-            self._retire(batch, sampling, results, return_hidden)
+            self._retire(batch, done, bool(any_done), longest, sampling, results, return_hidden)
+            stats.trace.append(StepTrace(running, shape.name if shape else None, made, made / running, dt,
+                                         batch.kv_bytes(), host_syncs() - syncs0))
+        if accepted:
+            stats.accept_lengths.extend(host_list(torch.cat(accepted)))
+        stats.host_syncs = host_syncs() - syncs_start
         stats.wall_s = time.perf_counter() - t_start
         stats.time_other_s = stats.wall_s - stats.time_draft_s - stats.time_verify_s - stats.time_plain_s
         return GenerateOutput([r for r in results if r is not None], stats)
@@ -246,42 +293,46 @@ class TorchRolloutEngine:
     def _prefill(self, requests, sampling, gen, stats) -> _Batch:
         """Prompts are sorted by length (row b holds request rows[b]) and prefilled in
         the chunks of `prefill_chunks`, each padded to its own longest prompt."""
-        B = len(requests)
+        B, dev = len(requests), self.device
         order = sorted(range(B), key=lambda i: len(requests[i].prompt))
-        lens = torch.tensor([len(requests[i].prompt) for i in order])
-        T = int(lens[-1])
+        lens_host = [len(requests[i].prompt) for i in order]
+        T = lens_host[-1]
         max_slots = T + sampling.max_new_tokens + self.max_tree_nodes + 2
         cap = max_slots if self.initial_slots is None else min(max_slots, T + self.initial_slots)
-        tokens = torch.zeros(B, cap + 1, dtype=torch.long)
+        prompts = torch.zeros(B, cap + 1, dtype=torch.long, device="cpu")  # the prompts' one trip to the device
         for b, i in enumerate(order):
-            tokens[b, : lens[b]] = torch.tensor(requests[i].prompt)
+            prompts[b, : lens_host[b]] = torch.tensor(requests[i].prompt, dtype=torch.long, device="cpu")
+        tokens = prompts.to(dev)
+        lens = torch.tensor(lens_host, dtype=torch.long, device=dev)
         cache = self.target.new_cache(B, cap)
-        features = torch.zeros(B, cap, self._feature_width(), dtype=self.target.lm_head_weight.dtype)
+        features = torch.zeros(B, cap, self._feature_width(), dtype=self.compute_dtype, device=dev)
         last = features.new_empty(B, self.target.config.hidden_size)
         t0 = time.perf_counter()
-        for start, stop in prefill_chunks(lens.tolist(), self.prefill_overhead_tokens):
-            n, Tc = stop - start, int(lens[stop - 1])
+        for start, stop in prefill_chunks(lens_host, self.prefill_overhead_tokens):
+            n, Tc = stop - start, lens_host[stop - 1]
             hidden, feats = self._forward(tokens[start:stop, :Tc], None, cache.row_range(start, stop),
                                           padded_causal_mask(lens[start:stop], Tc))
             stats.target_forwards += 1
             stats.prefill_forwards += 1
             features[start:stop, :Tc] = feats
-            last[start:stop] = hidden[torch.arange(n), lens[start:stop] - 1]
+            last[start:stop] = hidden[torch.arange(n, device=dev), lens[start:stop] - 1]
         stats.tokens_generated += B
         cache.advance(lens)
-        rows = torch.tensor(order)
-        seq_ids = torch.tensor([requests[i].seq_id if requests[i].seq_id is not None else i for i in order])
+        cache.note_max_length(T)
+        rows = torch.tensor(order, dtype=torch.long, device=dev)
+        seq_ids = torch.tensor([requests[i].seq_id if requests[i].seq_id is not None else i for i in order],
+                               dtype=torch.long, device=dev)
         first = draw(self.target.logits(last), sampling, seq_ids, lens, gen)
         stats.time_plain_s += time.perf_counter() - t0
-        tokens[torch.arange(B), lens] = first
+        tokens[torch.arange(B, device=dev), lens] = first
         dstate = self.drafter.init_state(B, cap) if self.drafter is not None else None
-        return _Batch(rows, seq_ids, lens.clone(), lens.clone(), torch.ones(B, dtype=torch.long),
+        return _Batch(rows, seq_ids, lens.clone(), lens.clone(), torch.ones(B, dtype=torch.long, device=dev),
                       tokens, features, cache, dstate, B, max_slots)
 
     def _plain_step(self, batch: _Batch, sampling, gen, stats) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
         B = batch.rows.numel()
-        b_idx = torch.arange(B)
+        b_idx = torch.arange(B, device=self.device)
         L = batch.lengths
         roots = batch.tokens[b_idx, L]
         hidden, feats = self._forward(roots[:, None], L[:, None], batch.cache)
@@ -292,12 +343,12 @@ class TorchRolloutEngine:
         batch.cache.advance(1)
         stats.plain_steps += 1
         stats.time_plain_s += time.perf_counter() - t0
-        return nxt[:, None], torch.ones(B, dtype=torch.long)
+        return nxt[:, None], torch.ones(B, dtype=torch.long, device=self.device)
 
     def _sd_step(self, batch: _Batch, sampling, gen, stats, shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
-        B = batch.rows.numel()
-        b_idx = torch.arange(B)
+        B, dev = batch.rows.numel(), self.device
+        b_idx = torch.arange(B, device=dev)
         L = batch.lengths
         noise = None
         if sampling.mode == "coupled":  # positions L+1 .. L+depth+1: the drafter ranks with it, the target draws
@@ -325,49 +376,82 @@ class TorchRolloutEngine:
         keep = acc.kept_block_offsets()
         counts = acc.num_accepted + 1
         kept_hidden = feats.gather(1, keep[..., None].expand(-1, -1, feats.shape[-1]))
-        slots = (L[:, None] + torch.arange(keep.shape[1])).clamp(max=batch.features.shape[1] - 1)
+        slots = (L[:, None] + torch.arange(keep.shape[1], device=dev)).clamp(max=batch.features.shape[1] - 1)
         batch.features[b_idx[:, None], slots] = kept_hidden
         batch.cache.compact(keep, counts)
         stats.sd_steps += 1
-        stats.accept_lengths.extend(counts.tolist())
         stats.time_draft_s += t1 - t0
         stats.time_verify_s += time.perf_counter() - t1
         return acc.tokens(tree), counts
 
     # ---- bookkeeping --------------------------------------------------------------
-    def _commit(self, batch: _Batch, emitted: torch.Tensor, counts: torch.Tensor, sampling: SamplingParams) -> int:
+    def _commit(self, batch: _Batch, emitted: torch.Tensor, counts: torch.Tensor,
+                sampling: SamplingParams) -> torch.Tensor:
         """Append each row's emitted tokens (cut at EOS or the token budget); the KV
-        cache was already advanced by `counts`. Returns the number of tokens kept."""
+        cache was already advanced by `counts`. Returns the tokens kept per row [B]."""
         B, W = emitted.shape
+        cols = torch.arange(W, device=emitted.device)
         L_old = batch.lengths.clone()
         budget = sampling.max_new_tokens - batch.num_gen
         n = torch.minimum(counts, budget)
         if sampling.stop_on_eos:
-            is_eos = (emitted == self.target.config.eos_token_id) & (torch.arange(W)[None, :] < n[:, None])
+            is_eos = (emitted == self.target.config.eos_token_id) & (cols[None, :] < n[:, None])
             first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, n)
             n = torch.minimum(n, first_eos)
-        slots = (L_old[:, None] + 1 + torch.arange(W)).clamp(max=batch.tokens.shape[1] - 1)
-        write = torch.arange(W)[None, :] < counts[:, None]
+        slots = (L_old[:, None] + 1 + cols).clamp(max=batch.tokens.shape[1] - 1)
+        write = cols[None, :] < counts[:, None]
         cur = batch.tokens.gather(1, slots)
         batch.tokens.scatter_(1, slots, torch.where(write, emitted.clamp(min=0), cur))
         batch.lengths = L_old + counts
         batch.num_gen = batch.num_gen + n
-        return int(n.sum())
+        return n
 
-    def _retire(self, batch: _Batch, sampling: SamplingParams, results: list, return_hidden: bool) -> None:
-        B = batch.rows.numel()
-        b_idx = torch.arange(B)
-        last_tok = batch.tokens[b_idx, batch.prompt_len + batch.num_gen - 1]
-        hit_eos = (last_tok == self.target.config.eos_token_id) if sampling.stop_on_eos else torch.zeros(B, dtype=torch.bool)
-        done = hit_eos | (batch.num_gen >= sampling.max_new_tokens)
-        if not bool(done.any()):
+    def _done(self, batch: _Batch, sampling: SamplingParams) -> torch.Tensor:
+        """[B] bool: the rows that hit EOS or their token budget."""
+        done = batch.num_gen >= sampling.max_new_tokens
+        if sampling.stop_on_eos:
+            b_idx = torch.arange(batch.rows.numel(), device=self.device)
+            done |= batch.tokens[b_idx, batch.prompt_len + batch.num_gen - 1] == self.target.config.eos_token_id
+        return done
+
+    def _retire(self, batch: _Batch, done: torch.Tensor, any_done: bool, longest: int, sampling: SamplingParams,
+                results: list, return_hidden: bool) -> None:
+        """Hand the finished rows their results and drop them (`longest`: the longest
+        committed length of the rows that stay). Reads the finished rows' bookkeeping and
+        tokens back (two syncs)."""
+        if not any_done:
             return
-        for b in done.nonzero().flatten().tolist():
-            P, G = int(batch.prompt_len[b]), int(batch.num_gen[b])
+        fin = done.nonzero().flatten()
+        info = torch.stack((fin, batch.rows[fin], batch.prompt_len[fin], batch.num_gen[fin]), 1)
+        rows_done = host_list(info)
+        width = max(P + G for _, _, P, G in rows_done)
+        token_rows = host_list(batch.tokens[fin, :width])
+        eos = self.target.config.eos_token_id
+        for (b, row, P, G), toks in zip(rows_done, token_rows):
             hidden = batch.features[b, : P + G - 1].clone() if return_hidden else None
-            results[int(batch.rows[b])] = RequestResult(batch.tokens[b, P: P + G].tolist(),
-                                                        "eos" if bool(hit_eos[b]) else "length", hidden)
-        batch.select(fill_holes_order(~done))
+            out = toks[P: P + G]
+            results[row] = RequestResult(out, "eos" if sampling.stop_on_eos and out[-1] == eos else "length",
+                                         hidden)
+        finished = {b for b, _, _, _ in rows_done}
+        batch.select(fill_holes_order_host([b not in finished for b in range(batch.rows.numel())]), longest)
+
+
+def _longest_running(batch: _Batch, done: torch.Tensor) -> torch.Tensor:
+    """The longest committed length among the rows not done (0 if none), on the device."""
+    return torch.where(done, 0, batch.lengths).max()
+
+
+def _compute_copy(target: DecoderLM, dtype: torch.dtype | None) -> DecoderLM:
+    """`target`, or a copy of it computing in `dtype` (its weights' values kept: a bf16
+    weight is exact in fp32). The rotary tables are recomputed in fp32, as the model
+    builds them, rather than carried over from a lower precision."""
+    if dtype is None or dtype == target.lm_head_weight.dtype:
+        return target
+    out = copy.deepcopy(target).to(dtype)
+    cos, sin = rope_tables_for(target.config)
+    device = target.lm_head_weight.device
+    out.rope_cos, out.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
+    return out
 
 
 def _weight_pair(i: int, item: Any) -> tuple[str, torch.Tensor]:

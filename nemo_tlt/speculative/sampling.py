@@ -11,6 +11,16 @@ Three modes, each with its speculative-decoding counterpart:
   vocab index). Gumbel-max makes that an exact sample of the processed
   distribution, and because the noise does not depend on the batch, the tree or
   the step, SD and plain decoding produce the same tokens for the same seed.
+
+Devices: every tensor is made on the device of the logits / sequence ids, and a
+draw's generator must live there too. The coupled noise is computed on that device,
+elementwise from the key (exact 64-bit integer hashing, then a double-precision
+``-log(-log(u))`` rounded to fp32), so plain and speculative decoding on one device
+draw bit-identical noise whatever the batch or tree. Across devices the integer
+hash is identical, but the device's double ``log`` may differ from the host's in
+the last bit, which changes the fp32 noise very rarely (about 2**-29 per value); the
+logits differ across devices anyway, so tokens are promised identical within one
+device and engine configuration, and equal in distribution across devices.
 """
 from __future__ import annotations
 

@@ -153,4 +153,4 @@ def _set_step(optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter
         if "step" in state and isinstance(state["step"], torch.Tensor):
             state["step"] = torch.full_like(state["step"], step)
         else:
-            state["step"] = torch.tensor(step, dtype=torch.float32)
+            state["step"] = torch.tensor(step, dtype=torch.float32, device="cpu")  # Adam's host-side step

@@ -14,7 +14,10 @@ Contract
   distillation losses; when ``HarvestConfig.topk > 0`` every sample carries them.
 * Hidden states are stored compactly on the host (bf16 or fp16, per config), always
   as a private copy: a row sliced out of an engine's big batch tensor would
-  otherwise keep the whole batch alive and the byte accounting would lie.
+  otherwise keep the whole batch alive and the byte accounting would lie. On a GPU
+  rank that is one device-to-host copy per harvested sequence: the rollout's device
+  memory is not held for drafter data; the loss moves each training batch to the
+  drafter's device (``spot.losses``).
 * The buffer is bounded by bytes; when full it evicts the oldest samples first.
 * It is recency-weighted: every sample is tagged with the RL step that produced it.
   ``advance_step()`` moves to the next step and drops samples ``keep_steps`` or more
@@ -201,12 +204,13 @@ class HarvestBuffer:
 
     def sampling_weights(self) -> torch.Tensor:
         """Per-sample weights `recency_decay ** age`, in the order of `samples()` (float64)."""
-        ages = torch.tensor([self._current_step - s.step for s in self._samples], dtype=torch.float64)
-        return torch.pow(torch.tensor(float(self.config.recency_decay), dtype=torch.float64), ages)
+        ages = torch.tensor([self._current_step - s.step for s in self._samples], dtype=torch.float64, device="cpu")
+        return torch.pow(torch.tensor(float(self.config.recency_decay), dtype=torch.float64, device="cpu"), ages)
 
     def sample_batch(self, n: int, generator: torch.Generator) -> list[HarvestSample]:
         """Draw `n` samples with recency weights: without replacement while the buffer has
-        at least `n` samples (no duplicates inside one batch), with replacement otherwise."""
+        at least `n` samples (no duplicates inside one batch), with replacement otherwise.
+        The buffer is on the host, so `generator` is a CPU generator."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"HarvestBuffer.sample_batch: n must be a positive int, got {n!r}")
         if not self._samples:

@@ -24,10 +24,12 @@ def eagle_loss_fn(
     ce_weight: float = 0.1,
     dtype: torch.dtype = torch.float32,
 ) -> Callable[[nn.Module, list[HarvestSample]], tuple[torch.Tensor, dict[str, float]]]:
-    """Loss for `SpotTrainer` over harvested samples (hidden states are upcast to `dtype`)."""
+    """Loss for `SpotTrainer` over harvested samples (hidden states are upcast to `dtype`,
+    the drafter's master dtype, and moved to the target's device batch by batch)."""
+    device = target.lm_head_weight.device
 
     def loss_fn(drafter: nn.Module, samples: list[HarvestSample]) -> tuple[torch.Tensor, dict[str, float]]:
-        batch = pad_eagle_batch([s.to_drafter_sample() for s in samples], dtype=dtype)
+        batch = pad_eagle_batch([s.to_drafter_sample() for s in samples], dtype=dtype, device=device)
         loss, stats = drafter_loss(drafter, target, batch, reg_weight=reg_weight, ce_weight=ce_weight)
         return loss, {**stats, "tokens": float(batch.num_tokens)}
 

@@ -18,8 +18,11 @@ Contract
   mark idle, wait for enough idle workers, train until preempted, meet, average
   (through the node leaders when given a multi-node ``NodeGroups``).
   Every rank calls it once its rollout share is done, whether or not it will train.
-* All randomness (batch sampling) comes from a ``torch.Generator`` seeded by
-  ``(seed, rank)``; ``state_dict`` / ``load_state_dict`` cover optimizer,
+* The model's trainable parameters are its fp32 master weights (a ValueError
+  otherwise), on whatever device they live; the optimizer state follows them. A
+  bf16 target is read through casts at the drafter's boundary (nemo_tlt.drafter.base).
+* All randomness (batch sampling from the host-resident buffer) comes from a CPU
+  ``torch.Generator`` seeded by ``(seed, rank)``; ``state_dict`` / ``load_state_dict`` cover optimizer,
   step, generator and counters for exact resume through ``CheckpointManager``.
 """
 from __future__ import annotations
@@ -112,9 +115,13 @@ class SpotTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("SpotTrainer: the model has no trainable parameters")
+        low = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
+        if low:
+            raise ValueError(f"SpotTrainer: the model's trainable parameters are {low}; the trainer keeps fp32 "
+                             "master weights (train the fp32 drafter, serve it as it is or a cast copy)")
         self.params = params
         self.optimizer, self.schedule = build_optimizer(params, config.optim)
-        self.generator = torch.Generator().manual_seed(seed * 100_003 + rank)
+        self.generator = torch.Generator(device="cpu").manual_seed(seed * 100_003 + rank)
         self.step = 0  # optimizer steps over the whole run (drives the schedule)
         self.samples_since_sync = 0
         self.tokens_trained = 0

@@ -1,0 +1,133 @@
+"""Nothing the engine, the drafters or the spot trainer make lives off the configured device.
+
+A CPU stand-in for a GPU run: models are built on the CPU, then everything runs with
+torch's default device set to ``meta`` under a dispatch mode that fails on any op whose
+output lands on ``meta``. A tensor made without ``device=`` (which on a GPU would land
+on the host and fail, or silently cost a copy) lands there and fails here, naming the op.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
+from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
+from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
+from nemo_tlt.rollout.protocol import Request
+from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
+from nemo_tlt.speculative.sampling import SamplingParams
+from nemo_tlt.speculative.tree_shape import TreeShape
+from nemo_tlt.spot.coordinator import WorkerCoordinator
+from nemo_tlt.spot.harvest import HarvestBuffer, HarvestConfig
+from nemo_tlt.spot.losses import eagle_loss_fn
+from nemo_tlt.spot.trainer import DrafterOptimConfig, SpotTrainer, SpotTrainerConfig
+from tiny import tiny_target
+
+
+class NoMetaOutputs(TorchDispatchMode):
+    """Fails on the first op that produces a tensor on the meta device."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                raise AssertionError(f"{func} made a tensor without the configured device")
+        return out
+
+
+class off_device:
+    """Default device ``meta`` plus `NoMetaOutputs`, for the duration of a block."""
+
+    def __enter__(self):
+        self._device = torch.device("meta")
+        self._device.__enter__()
+        self._mode = NoMetaOutputs()
+        self._mode.__enter__()
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        self._device.__exit__(*exc)
+
+
+def _drafters(cfg):
+    eagle = EagleDrafter(EagleConfig.from_target(cfg), generator=torch.Generator().manual_seed(1))
+    draft_vocab = 3 * cfg.vocab_size // 4
+    eagle3 = Eagle3Drafter(Eagle3Config.from_target(cfg, draft_vocab_size=draft_vocab),
+                           generator=torch.Generator().manual_seed(1))
+    eagle3.set_draft_vocab(torch.arange(cfg.vocab_size - draft_vocab, cfg.vocab_size))
+    return {"eagle2": eagle, "eagle3": eagle3}
+
+
+def _requests() -> list[Request]:
+    return [Request(tuple(range(3, 3 + n)), seq_id=i) for i, n in enumerate((4, 7, 5))]
+
+
+def test_the_guard_catches_a_tensor_made_without_a_device():
+    with pytest.raises(AssertionError, match="without the configured device"):
+        with off_device():
+            torch.arange(3) + 1
+
+
+def test_plain_and_speculative_generation_make_nothing_off_device():
+    target = tiny_target(seed=0)
+    drafters = _drafters(target.config)
+    policy = FixedSDPolicy(TreeShape(3, 2, 4))
+    with off_device():
+        TorchRolloutEngine(target).generate(_requests(), SamplingParams("greedy", max_new_tokens=12))
+        for drafter in drafters.values():
+            engine = TorchRolloutEngine(target, drafter)
+            for mode in ("greedy", "rejection", "coupled"):
+                out = engine.generate(_requests(), SamplingParams(mode, max_new_tokens=12, seed=3), policy=policy,
+                                      return_hidden=True)
+                assert out.stats.sd_steps > 0
+
+
+def _open_coordinator() -> WorkerCoordinator:
+    store = dist.HashStore()
+    coord = WorkerCoordinator(store, 0, 2, min_idle_workers=1)
+    WorkerCoordinator(store, 1, 2, min_idle_workers=1)
+    coord.mark_idle()
+    coord.start_training()
+    return coord
+
+
+def test_a_drafter_training_round_on_harvested_samples_makes_nothing_off_device():
+    target = tiny_target(seed=0)
+    drafter = _drafters(target.config)["eagle2"]
+    engine = TorchRolloutEngine(target, drafter)
+    buffer = HarvestBuffer(HarvestConfig(hidden_size=target.config.hidden_size))
+    trainer = SpotTrainer(drafter, eagle_loss_fn(target),
+                          SpotTrainerConfig(batch_size=2, max_steps_per_round=2, optim=DrafterOptimConfig(lr=1e-3)))
+    coord = _open_coordinator()
+    with off_device():
+        out = engine.generate(_requests(), SamplingParams("greedy", max_new_tokens=10), return_hidden=True)
+        for req, res in zip(_requests(), out.results):
+            buffer.add(torch.tensor(req.prompt + tuple(res.tokens), device="cpu"), res.hidden_states, step=0)
+        stats = trainer.run(coord, buffer)
+    assert stats.optimizer_steps == 2
+
+
+@pytest.mark.parametrize("mode", ["greedy", "coupled", "rejection"])
+def test_host_syncs_per_decode_step_are_bounded(mode):
+    """One read per plain step; one more per SD step (the drafter's catch-up), plus one per
+    tree depth with rejection; a step where rows finish reads their tokens (two more)."""
+    target = tiny_target(seed=0)
+    shape = TreeShape(3, 2, 4)
+    sampling = SamplingParams(mode, max_new_tokens=24, seed=5)
+    reqs = [Request(tuple(range(3, 3 + n)), seq_id=i) for i, n in enumerate((4, 7, 5, 9, 6))]
+    plain = TorchRolloutEngine(target).generate(reqs, sampling)
+    sd = TorchRolloutEngine(target, _drafters(target.config)["eagle2"]).generate(
+        reqs, sampling, policy=FixedSDPolicy(shape))
+    for out, base in ((plain, 1), (sd, 2 + (shape.depth if mode == "rejection" else 0))):
+        trace = out.stats.trace
+        finishing = [i + 1 == len(trace) or trace[i + 1].running < t.running for i, t in enumerate(trace)]
+        quiet = [t.host_syncs for t, f in zip(trace, finishing) if not f]
+        assert quiet and max(quiet) <= base, (mode, base, quiet)
+        assert max(t.host_syncs for t in trace) <= base + 2
+        assert out.stats.host_syncs >= sum(t.host_syncs for t in trace)
+        if mode != "rejection":  # exact where nothing depends on acceptance
+            assert set(quiet) == {base}, (mode, quiet)
+    assert sd.stats.sd_steps == len(sd.stats.trace)
