@@ -41,6 +41,11 @@ class RequestResult:
     # capture_layers concatenated, then the final state (F = (k+1)*H): the very rows
     # the drafter trains on
     hidden_states: torch.Tensor | None = None
+    # one float per token of `tokens`: the target's log-probability of that token under the
+    # sampling transform that drew it (speculative.sampling.token_logprobs: temperature,
+    # top-k, top-p for rejection / coupled; the raw log-softmax at temperature 1 for greedy),
+    # from the logits that predicted it (with SD: the verify forward's, no extra forward)
+    logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -126,6 +131,12 @@ class RolloutEngine(Protocol):
       ``coupled`` output is identical to plain ``coupled`` for the same seed and
       ``Request.seq_id``, whatever the tree shapes and the batch composition;
       ``rejection`` samples exactly the plain sampling distribution.
+    * Log-probs: every result carries ``logprobs``, one float per generated token, the
+      target's log-probability of that token under the sampling transform used
+      (``speculative.sampling.token_logprobs``); with SD they come from the verify
+      forward and equal plain decoding's within fp32 rounding (the conformance suite
+      holds them to 1e-5 in fp32 and to an independent full forward). An engine that
+      cannot compute them so says where in its docstring.
     * Calls do not leak into each other: the output of `generate` depends only on its
       arguments, the loaded policy weights and (for speed, never for tokens) the drafter.
     * Errors are ``ValueError`` naming the field or tensor at fault, raised before any

@@ -16,7 +16,10 @@ start at the longest prompt + `initial_slots` and double only as rows lengthen.
 
 Per row b the engine keeps (see nemo_tlt.drafter.base): committed length L[b]
 (slots in the target KV cache), tokens[b, :L+1] (x_L is the root, produced but not
-yet fed to the target) and features[b, :L]. A feature is the target's final hidden
+yet fed to the target), features[b, :L] and logprobs[b, :L+1] (beside each generated
+token, the log-probability it was reported with: ``speculative.sampling.token_logprobs``
+of the target's logits that predicted it, the plain step's or, with SD, the verify
+forward's at the accepted node; no extra forward). A feature is the target's final hidden
 state, or, for a drafter that declares `capture_layers` (EAGLE-3), the outputs of
 those target layers concatenated, then the final state ([(k+1)*H]), all from the same
 target forward.
@@ -25,7 +28,8 @@ Devices and dtypes: the engine computes on the device of the target's parameters
 makes every tensor there (KV caches, token and feature buffers, tree masks and
 positions, acceptance and sampling tensors, the sampling generator); prompts are
 copied over once. Values leave the device only where they must (the tokens of a
-finished row, the stop decision, metrics), through nemo_tlt.model.host, and
+finished row, with their log-probs in the same read, the stop decision, metrics),
+through nemo_tlt.model.host, and
 `StepTrace.host_syncs` counts them per decode step: one per plain step, one more per
 speculative step (the drafter's catch-up), one per tree depth more with rejection
 sampling, and a few where rows finish. ``compute_dtype`` (``rollout.compute_dtype``)
@@ -63,7 +67,7 @@ from nemo_tlt.rollout.protocol import (GenerateOutput, GenerationStats, PolicyWe
 from nemo_tlt.rollout.validate import validate_requests
 from nemo_tlt.speculative.acceptance import accept_greedy, accept_rejection
 from nemo_tlt.speculative.sampling import (SamplingParams, coupled_draw, coupled_noise_table, draw,
-                                           process_logits)
+                                           process_logits, token_logprobs)
 from nemo_tlt.speculative.tree import block_tokens, tree_block_mask, tree_block_positions
 from nemo_tlt.speculative.tree_shape import TreeShape
 
@@ -77,6 +81,7 @@ class _Batch:
     num_gen: torch.Tensor       # [B] tokens generated so far
     tokens: torch.Tensor        # [B, C+1]
     features: torch.Tensor      # [B, C, H]
+    logprobs: torch.Tensor      # [B, C+1] fp32: logprobs[b, t] is the reported log-prob of tokens[b, t]
     cache: KVCache
     draft_state: DraftState | None
     alloc_rows: int = 0         # rows of the tokens / features allocations (see keep_rows)
@@ -97,6 +102,7 @@ class _Batch:
             self.draft_state.reserve(slots, self.max_slots)
         cap = self.cache.capacity
         self.tokens = grow_slots(self.tokens, 1, used + 1, cap + 1)
+        self.logprobs = grow_slots(self.logprobs, 1, used + 1, cap + 1)
         self.features = grow_slots(self.features, 1, used, cap)
         self.alloc_rows = self.rows.numel()
 
@@ -104,6 +110,7 @@ class _Batch:
         """Keep rows `keep` (host list, in that order); `used` is the longest committed length."""
         alloc = self.alloc_rows  # tokens[b, :L+1] and features[b, :L] are live
         self.tokens, _ = keep_rows(self.tokens, keep, used + 1, 0, 1, alloc)
+        self.logprobs, _ = keep_rows(self.logprobs, keep, used + 1, 0, 1, alloc)
         self.features, self.alloc_rows = keep_rows(self.features, keep, used, 0, 1, alloc)
         index = torch.tensor(keep, dtype=torch.long, device=self.tokens.device)
         for name in ("rows", "seq_ids", "prompt_len", "lengths", "num_gen"):
@@ -224,11 +231,11 @@ class TorchRolloutEngine:
             batch.reserve(longest + (self._tree_slots(shape) if shape is not None else 1) + 1, longest)
             batch.cache.note_max_length(longest)
             if shape is None:
-                emitted, counts = self._plain_step(batch, sampling, gen, stats)
+                emitted, logprobs, counts = self._plain_step(batch, sampling, gen, stats)
             else:
-                emitted, counts = self._sd_step(batch, sampling, gen, stats, shape)
+                emitted, logprobs, counts = self._sd_step(batch, sampling, gen, stats, shape)
                 accepted.append(counts)
-            kept = self._commit(batch, emitted, counts, sampling)
+            kept = self._commit(batch, emitted, logprobs, counts, sampling)
             done = self._done(batch, sampling)
             # the one read of a step: tokens kept, whether any row is done, the longest running row
             made, any_done, longest = host_list(torch.stack((kept.sum(), done.any().long(),
@@ -322,14 +329,18 @@ class TorchRolloutEngine:
         rows = torch.tensor(order, dtype=torch.long, device=dev)
         seq_ids = torch.tensor([requests[i].seq_id if requests[i].seq_id is not None else i for i in order],
                                dtype=torch.long, device=dev)
-        first = draw(self.target.logits(last), sampling, seq_ids, lens, gen)
+        logits = self.target.logits(last)
+        first = draw(logits, sampling, seq_ids, lens, gen)
         stats.time_plain_s += time.perf_counter() - t0
         tokens[torch.arange(B, device=dev), lens] = first
+        logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=dev)
+        logprobs[torch.arange(B, device=dev), lens] = token_logprobs(logits, sampling, first)
         dstate = self.drafter.init_state(B, cap) if self.drafter is not None else None
         return _Batch(rows, seq_ids, lens.clone(), lens.clone(), torch.ones(B, dtype=torch.long, device=dev),
-                      tokens, features, cache, dstate, B, max_slots)
+                      tokens, features, logprobs, cache, dstate, B, max_slots)
 
-    def _plain_step(self, batch: _Batch, sampling, gen, stats) -> tuple[torch.Tensor, torch.Tensor]:
+    def _plain_step(self, batch: _Batch, sampling, gen, stats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(emitted [B, 1], their log-probs [B, 1], counts [B])."""
         t0 = time.perf_counter()
         B = batch.rows.numel()
         b_idx = torch.arange(B, device=self.device)
@@ -339,13 +350,19 @@ class TorchRolloutEngine:
         hidden = hidden[:, 0]
         stats.target_forwards += 1
         batch.features[b_idx, L] = feats[:, 0]
-        nxt = draw(self.target.logits(hidden), sampling, batch.seq_ids, L + 1, gen)
+        logits = self.target.logits(hidden)
+        nxt = draw(logits, sampling, batch.seq_ids, L + 1, gen)
         batch.cache.advance(1)
         stats.plain_steps += 1
         stats.time_plain_s += time.perf_counter() - t0
-        return nxt[:, None], torch.ones(B, dtype=torch.long, device=self.device)
+        return (nxt[:, None], token_logprobs(logits, sampling, nxt)[:, None],
+                torch.ones(B, dtype=torch.long, device=self.device))
 
-    def _sd_step(self, batch: _Batch, sampling, gen, stats, shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sd_step(self, batch: _Batch, sampling, gen, stats,
+                 shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(emitted [B, D+1], -1 padded; their log-probs [B, D+1]; counts [B]). Emitted token
+        j was predicted at the j-th kept node (root, then the accepted path), so its
+        log-prob comes from the verify forward's logits there."""
         t0 = time.perf_counter()
         B, dev = batch.rows.numel(), self.device
         b_idx = torch.arange(B, device=dev)
@@ -379,16 +396,19 @@ class TorchRolloutEngine:
         slots = (L[:, None] + torch.arange(keep.shape[1], device=dev)).clamp(max=batch.features.shape[1] - 1)
         batch.features[b_idx[:, None], slots] = kept_hidden
         batch.cache.compact(keep, counts)
+        emitted = acc.tokens(tree)
+        kept_logits = logits.gather(1, keep[..., None].expand(-1, -1, logits.shape[-1]))
+        logprobs = token_logprobs(kept_logits, sampling, emitted)
         stats.sd_steps += 1
         stats.time_draft_s += t1 - t0
         stats.time_verify_s += time.perf_counter() - t1
-        return acc.tokens(tree), counts
+        return emitted, logprobs, counts
 
     # ---- bookkeeping --------------------------------------------------------------
-    def _commit(self, batch: _Batch, emitted: torch.Tensor, counts: torch.Tensor,
+    def _commit(self, batch: _Batch, emitted: torch.Tensor, logprobs: torch.Tensor, counts: torch.Tensor,
                 sampling: SamplingParams) -> torch.Tensor:
-        """Append each row's emitted tokens (cut at EOS or the token budget); the KV
-        cache was already advanced by `counts`. Returns the tokens kept per row [B]."""
+        """Append each row's emitted tokens and their log-probs (cut at EOS or the token
+        budget); the KV cache was already advanced by `counts`. Returns the tokens kept per row [B]."""
         B, W = emitted.shape
         cols = torch.arange(W, device=emitted.device)
         L_old = batch.lengths.clone()
@@ -402,6 +422,7 @@ class TorchRolloutEngine:
         write = cols[None, :] < counts[:, None]
         cur = batch.tokens.gather(1, slots)
         batch.tokens.scatter_(1, slots, torch.where(write, emitted.clamp(min=0), cur))
+        batch.logprobs.scatter_(1, slots, torch.where(write, logprobs, batch.logprobs.gather(1, slots)))
         batch.lengths = L_old + counts
         batch.num_gen = batch.num_gen + n
         return n
@@ -417,21 +438,23 @@ class TorchRolloutEngine:
     def _retire(self, batch: _Batch, done: torch.Tensor, any_done: bool, longest: int, sampling: SamplingParams,
                 results: list, return_hidden: bool) -> None:
         """Hand the finished rows their results and drop them (`longest`: the longest
-        committed length of the rows that stay). Reads the finished rows' bookkeeping and
-        tokens back (two syncs)."""
+        committed length of the rows that stay). Reads the finished rows' bookkeeping, then
+        their tokens and log-probs together, back (two syncs): both as float64, exact for
+        token ids (< 2**53) and fp32 log-probs."""
         if not any_done:
             return
         fin = done.nonzero().flatten()
         info = torch.stack((fin, batch.rows[fin], batch.prompt_len[fin], batch.num_gen[fin]), 1)
         rows_done = host_list(info)
         width = max(P + G for _, _, P, G in rows_done)
-        token_rows = host_list(batch.tokens[fin, :width])
+        token_rows, logprob_rows = host_list(torch.stack((batch.tokens[fin, :width].double(),
+                                                          batch.logprobs[fin, :width].double())))
         eos = self.target.config.eos_token_id
-        for (b, row, P, G), toks in zip(rows_done, token_rows):
+        for (b, row, P, G), toks, lps in zip(rows_done, token_rows, logprob_rows):
             hidden = batch.features[b, : P + G - 1].clone() if return_hidden else None
-            out = toks[P: P + G]
+            out = [int(t) for t in toks[P: P + G]]
             results[row] = RequestResult(out, "eos" if sampling.stop_on_eos and out[-1] == eos else "length",
-                                         hidden)
+                                         hidden, lps[P: P + G])
         finished = {b for b, _, _, _ in rows_done}
         batch.select(fill_holes_order_host([b not in finished for b in range(batch.rows.numel())]), longest)
 

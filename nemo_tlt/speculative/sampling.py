@@ -12,6 +12,12 @@ Three modes, each with its speculative-decoding counterpart:
   distribution, and because the noise does not depend on the batch, the tree or
   the step, SD and plain decoding produce the same tokens for the same seed.
 
+The log-probability reported for a generated token (`sampling_logprobs`, `token_logprobs`)
+is the one of the transform that drew it: ``process_logits`` (temperature, top-k,
+top-p) for ``rejection`` and ``coupled``; for ``greedy``, which has no distribution of
+its own, the log-softmax of the raw logits (temperature 1, no filter), as vLLM's
+``raw_logprobs`` reports them. Always computed in fp32.
+
 Devices: every tensor is made on the device of the logits / sequence ids, and a
 draw's generator must live there too. The coupled noise is computed on that device,
 elementwise from the key (exact 64-bit integer hashing, then a double-precision
@@ -71,6 +77,21 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.log_softmax(-1)
+
+
+def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The log-probabilities (fp32, over the last dim) under which ``params.mode`` draws:
+    ``process_logits`` for rejection / coupled, the raw log-softmax for greedy."""
+    if params.mode == "greedy":
+        return logits.float().log_softmax(-1)
+    return process_logits(logits, params)
+
+
+def token_logprobs(logits: torch.Tensor, params: SamplingParams, tokens: torch.Tensor) -> torch.Tensor:
+    """The `sampling_logprobs` of ``tokens`` (logits [..., V], tokens [...]; a negative id,
+    a padding slot, reads token 0): the log-probability each generated token is reported with."""
+    logp = sampling_logprobs(logits, params)
+    return logp.gather(-1, tokens.clamp(min=0)[..., None]).squeeze(-1)
 
 
 _M32 = 0xFFFFFFFF
