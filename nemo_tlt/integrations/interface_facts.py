@@ -24,6 +24,7 @@ TRTLLM_LLM_ARGS_SOURCE = "NVIDIA/TensorRT-LLM@0004396720054fd8e205cbf616f21f0b57
 TRTLLM_SAMPLING_SOURCE = "NVIDIA/TensorRT-LLM@000a01de66f0eab4ab05640711f0253f50f5209c"
 TRTLLM_LLM_SOURCE = "NVIDIA/TensorRT-LLM@00966934ce32e0603a33f8c922525cf3678afab4"
 TRTLLM_RLHF_SOURCE = "NVIDIA/TensorRT-LLM@04762f3b82e2410c84ccdfd7901844831147668a"
+TRTLLM_RESULT_SOURCE = "NVIDIA/TensorRT-LLM@005bc848893f575ec14b45d6b13139360d67c790"
 
 POSITIONAL = "POSITIONAL_OR_KEYWORD"
 KEYWORD_ONLY = "KEYWORD_ONLY"
@@ -177,6 +178,15 @@ TRTLLM_LLM_FIELDS = frozenset({
     "model", "tensor_parallel_size", "pipeline_parallel_size", "max_batch_size", "orchestrator_type",
     "ray_worker_extension_cls", "load_format", "skip_tokenizer_init", "speculative_config",
 })
+# SamplingParams.logprobs (Optional[int], "number of log probabilities to return per output token")
+# is among the fields above; what comes back (tensorrt_llm/executor/result.py at TRTLLM_RESULT_SOURCE):
+# CompletionOutput.logprobs: LogprobResults = list[dict[int, Logprob]], one dict per generated token
+# (asserted len == len(token_ids) unless cancelled), Logprob(logprob: float, rank: Optional[int]).
+# Which logits they are computed from (raw or after temperature / top-k / top-p) is NOT stated there;
+# a later TensorRT-LLM test reads "LogprobMode.RAW (the default) computes them from the unprocessed
+# logits" (a logprobs_mode field not in the SamplingParams read above): unverified for our pin.
+TRTLLM_COMPLETION_FIELDS = frozenset({"token_ids", "finish_reason", "logprobs"})  # the ones we read
+TRTLLM_LOGPROB_FIELDS = frozenset({"logprob", "rank"})
 # tensorrt_llm/llmapi/llm.py: LLM.generate(inputs, sampling_params=None, use_tqdm=True, ...) returning
 # one RequestOutput per prompt (.outputs[0].token_ids, .outputs[0].finish_reason)
 TRTLLM_GENERATE = Method("generate", (Param("inputs"), Param("sampling_params", default=None),

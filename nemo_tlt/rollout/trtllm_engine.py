@@ -28,6 +28,16 @@ Lossless guarantee (the part of the contract this engine keeps):
   that advances per step, not noise keyed by (seed, sequence, position), so SD and
   plain decoding would not give the same tokens. Refused with a ValueError.
 
+Log-probs (UNTESTED with TensorRT-LLM): each request asks ``SamplingParams(logprobs=1)``
+and the generated token's entry of ``CompletionOutput.logprobs`` becomes
+``RequestResult.logprobs`` (`completion_logprobs`). Which logits TensorRT-LLM computes
+them from is not stated in the source read (interface_facts): if raw (a later
+TensorRT-LLM's documented default), they are our ``greedy`` definition (the raw
+log-softmax) but not the processed transform of ``rejection`` at a temperature other
+than 1 or with top-k / top-p; if processed, greedy (top_k=1) reports 0. An EOS that
+TensorRT-LLM did not return (appended here) has log-prob NaN. The conformance suite's
+``test_logprobs`` checks them on a GPU node.
+
 Stats: ``tokens_generated`` and ``wall_s`` (= ``time_other_s``) are measured; the
 LLM API reports no per-step split, so forwards, SD/plain steps, accept lengths and
 the time split stay 0 and ``trace`` stays empty (see ``UNAVAILABLE_STATS``).
@@ -102,7 +112,8 @@ def sampling_kwargs(sampling: SamplingParams, eos_token_id: int, seq_id: int) ->
     """Keyword arguments of ``tensorrt_llm.SamplingParams`` for one request."""
     check_sampling(sampling)
     kwargs: dict[str, Any] = {"max_tokens": sampling.max_new_tokens,
-                              "end_id": eos_token_id if sampling.stop_on_eos else -1, "detokenize": False}
+                              "end_id": eos_token_id if sampling.stop_on_eos else -1, "detokenize": False,
+                              "logprobs": 1}  # the generated token's own log-prob (see completion_logprobs)
     if sampling.mode == "greedy":
         kwargs.update(top_k=1, temperature=0.0)
     else:
@@ -117,20 +128,43 @@ def validate_requests(requests: list[Request], sampling: SamplingParams, cfg: LM
     _refuse_coupled(sampling)
 
 
+def completion_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
+    """The generated tokens' log-probs from ``CompletionOutput.logprobs`` (interface_facts:
+    one ``{token id: Logprob(logprob, rank)}`` per token; a bare float per token is
+    taken too). A missing entry or a count other than the tokens' is a ValueError."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        got = "none" if logprobs is None else len(logprobs)
+        raise ValueError(f"TensorRT-LLM returned {got} log-probs for {len(token_ids)} tokens "
+                         "(SamplingParams.logprobs=1 asks for one per generated token)")
+    out = []
+    for i, (tok, entry) in enumerate(zip(token_ids, logprobs)):
+        if isinstance(entry, dict):
+            if int(tok) not in entry:
+                raise ValueError(f"TensorRT-LLM's log-probs of token {i} do not include the token generated "
+                                 f"there ({int(tok)}): got ids {sorted(entry)}")
+            entry = entry[int(tok)]
+        out.append(float(getattr(entry, "logprob", entry)))
+    return out
+
+
 def completion_to_result(token_ids: list[int], finish_reason: str | None, sampling: SamplingParams,
-                         eos_token_id: int) -> RequestResult:
+                         eos_token_id: int, logprobs: Any) -> RequestResult:
     """Our result from one TensorRT-LLM completion: EOS kept as the last token with
     stop reason "eos" (TensorRT-LLM's "stop"; the EOS is appended when it is not
-    among the returned ids), anything else "length"."""
+    among the returned ids, with log-prob NaN: TensorRT-LLM reported none for it),
+    anything else "length". ``logprobs``: the completion's (see `completion_logprobs`)."""
     tokens = [int(t) for t in token_ids]
+    lps = completion_logprobs(tokens, logprobs)
     if finish_reason == "stop" and sampling.stop_on_eos:
         if not tokens or tokens[-1] != eos_token_id:
             tokens.append(eos_token_id)
-        return RequestResult(tokens[:sampling.max_new_tokens], "eos")
+            lps.append(float("nan"))
+        n = sampling.max_new_tokens
+        return RequestResult(tokens[:n], "eos", logprobs=lps[:n])
     if finish_reason not in ("length", "stop"):
         raise ValueError(f"TensorRT-LLM finished a request with reason {finish_reason!r}; expected 'stop' or "
                          "'length'")
-    return RequestResult(tokens, "length")
+    return RequestResult(tokens, "length", logprobs=lps)
 
 
 def trtllm_capture_layers(config: TRTLLMEngineConfig, num_layers: int) -> tuple[int, ...]:
@@ -316,8 +350,8 @@ class TRTLLMRolloutEngine:
         params = [self._trtllm.SamplingParams(**sampling_kwargs(sampling, eos, r.seq_id if r.seq_id is not None else i))
                   for i, r in enumerate(requests)]
         outputs = self.llm.generate([list(r.prompt) for r in requests], params, use_tqdm=False)
-        results = [completion_to_result(o.outputs[0].token_ids, o.outputs[0].finish_reason, sampling, eos)
-                   for o in outputs]
+        results = [completion_to_result(o.outputs[0].token_ids, o.outputs[0].finish_reason, sampling, eos,
+                                        o.outputs[0].logprobs) for o in outputs]
         stats = GenerationStats(tokens_generated=sum(len(r.tokens) for r in results))
         stats.wall_s = stats.time_other_s = time.perf_counter() - t0
         self.last_decoded_per_iter = _decoded_per_iter(outputs, results)

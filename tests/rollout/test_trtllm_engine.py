@@ -5,6 +5,7 @@ records what our code hands to the LLM API."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import types
 from pathlib import Path
@@ -17,7 +18,8 @@ from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.dist.device import Placement
 from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.eagle3_hf import write_eagle3_hf
-from nemo_tlt.integrations.interface_facts import (TRTLLM_EAGLE3_FIELDS, TRTLLM_GENERATE, TRTLLM_LLM_FIELDS,
+from nemo_tlt.integrations.interface_facts import (TRTLLM_COMPLETION_FIELDS, TRTLLM_EAGLE3_FIELDS,
+                                                   TRTLLM_LOGPROB_FIELDS, TRTLLM_GENERATE, TRTLLM_LLM_FIELDS,
                                                    TRTLLM_SAMPLING_FIELDS, TRTLLM_WORKER_RPCS, refuse_unknown,
                                                    signature_deviations)
 from nemo_tlt.model.hf_io import save_hf_folder
@@ -79,7 +81,7 @@ def test_coupled_sampling_is_refused_with_the_reason():
 
 def test_sampling_kwargs_greedy_and_sampled():
     g = sampling_kwargs(SamplingParams(mode="greedy", max_new_tokens=7), eos_token_id=2, seq_id=5)
-    assert g == {"max_tokens": 7, "end_id": 2, "detokenize": False, "top_k": 1, "temperature": 0.0}
+    assert g == {"max_tokens": 7, "end_id": 2, "detokenize": False, "logprobs": 1, "top_k": 1, "temperature": 0.0}
     s = sampling_kwargs(SamplingParams(mode="rejection", temperature=0.7, top_p=0.9, seed=3, stop_on_eos=False),
                         eos_token_id=2, seq_id=5)
     assert s["end_id"] == -1 and s["top_k"] is None and s["top_p"] == 0.9 and s["temperature"] == 0.7
@@ -87,14 +89,35 @@ def test_sampling_kwargs_greedy_and_sampled():
     assert s["seed"] != other["seed"]  # one random stream per sequence
 
 
+def trtllm_logprobs(token_ids, values=None):
+    """CompletionOutput.logprobs as interface_facts records it: one {token id: Logprob} per token
+    (with logprobs=1: the generated token's, and another when it is not the top one)."""
+    values = values or [-0.5 - i for i in range(len(token_ids))]
+    return [{t: SimpleNamespace(logprob=v, rank=1), t + 1: SimpleNamespace(logprob=-9.0, rank=2)}
+            for t, v in zip(token_ids, values)]
+
+
 def test_completion_keeps_eos_as_last_token():
     sp = SamplingParams(max_new_tokens=5)
-    assert completion_to_result([7, 8], "stop", sp, 2).tokens == [7, 8, 2]
-    assert completion_to_result([7, 2], "stop", sp, 2).tokens == [7, 2]
-    r = completion_to_result([7, 8, 9, 9, 9], "length", sp, 2)
-    assert (r.tokens, r.stop_reason) == ([7, 8, 9, 9, 9], "length")
+    r = completion_to_result([7, 8], "stop", sp, 2, trtllm_logprobs([7, 8]))
+    assert r.tokens == [7, 8, 2] and r.logprobs[:2] == [-0.5, -1.5] and math.isnan(r.logprobs[2])
+    r = completion_to_result([7, 2], "stop", sp, 2, trtllm_logprobs([7, 2]))
+    assert (r.tokens, r.logprobs) == ([7, 2], [-0.5, -1.5])
+    r = completion_to_result([7, 8, 9, 9, 9], "length", sp, 2, trtllm_logprobs([7, 8, 9, 9, 9]))
+    assert (r.tokens, r.stop_reason, r.logprobs) == ([7, 8, 9, 9, 9], "length", [-0.5, -1.5, -2.5, -3.5, -4.5])
     with pytest.raises(ValueError, match="reason 'cancelled'"):
-        completion_to_result([7], "cancelled", sp, 2)
+        completion_to_result([7], "cancelled", sp, 2, trtllm_logprobs([7]))
+
+
+def test_completion_logprobs_are_the_generated_tokens_or_refused():
+    sp = SamplingParams(max_new_tokens=5)
+    assert completion_to_result([7, 8], "length", sp, 2, [-0.25, -0.75]).logprobs == [-0.25, -0.75]
+    with pytest.raises(ValueError, match="returned none log-probs for 2 tokens"):
+        completion_to_result([7, 8], "length", sp, 2, None)
+    with pytest.raises(ValueError, match="1 log-probs for 2 tokens"):
+        completion_to_result([7, 8], "length", sp, 2, trtllm_logprobs([7]))
+    with pytest.raises(ValueError, match=r"token 1 do not include the token generated there \(8\)"):
+        completion_to_result([7, 8], "length", sp, 2, trtllm_logprobs([7, 5]))
 
 
 def test_weight_stream_is_strict_and_bucketed():
@@ -201,8 +224,13 @@ class FakeLLM:
 
     def generate(self, inputs, sampling_params=None, use_tqdm=True):
         self.calls.append((inputs, sampling_params))
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5, 6], finish_reason="stop")],
-                                avg_decoded_tokens_per_iter=2.0) for _ in inputs]
+        assert all(p.get("logprobs") == 1 for p in sampling_params)  # one log-prob per generated token
+        outputs = [SimpleNamespace(token_ids=[5, 6], finish_reason="stop", logprobs=trtllm_logprobs([5, 6]))
+                   for _ in inputs]
+        for out in outputs:
+            refuse_unknown("CompletionOutput", vars(out), TRTLLM_COMPLETION_FIELDS)
+            refuse_unknown("Logprob", vars(out.logprobs[0][5]), TRTLLM_LOGPROB_FIELDS)
+        return [SimpleNamespace(outputs=[out], avg_decoded_tokens_per_iter=2.0) for out in outputs]
 
 
 def fake_sampling_params(**kw):
@@ -253,6 +281,7 @@ def test_engine_conversion_and_schedule_updates_against_a_fake_module(monkeypatc
     out = engine.generate([Request([3, 4]), Request([5], seq_id=9)], SamplingParams(max_new_tokens=4),
                           policy=FixedSDPolicy(TreeShape(2, 1, 2)))
     assert [r.tokens for r in out.results] == [[5, 6, 2], [5, 6, 2]]
+    assert [r.logprobs[:2] for r in out.results] == [[-0.5, -1.5]] * 2  # EOS appended: NaN
     assert out.stats.tokens_generated == 6 and engine.last_decoded_per_iter == 2.0
     prompts, params = engine.llm.calls[-1]
     assert prompts == [[3, 4], [5]] and params[0]["max_tokens"] == 4
