@@ -91,9 +91,9 @@ def test_sampling_kwargs_greedy_and_sampled():
 
 def trtllm_logprobs(token_ids, values=None):
     """CompletionOutput.logprobs as interface_facts records it: one {token id: Logprob} per token
-    (with logprobs=1: the generated token's, and another when it is not the top one)."""
+    (with logprobs=1: the top token's and, when it is another, the generated token's: here always)."""
     values = values or [-0.5 - i for i in range(len(token_ids))]
-    return [{t: SimpleNamespace(logprob=v, rank=1), t + 1: SimpleNamespace(logprob=-9.0, rank=2)}
+    return [{t + 1: SimpleNamespace(logprob=-0.1, rank=1), t: SimpleNamespace(logprob=v, rank=2)}
             for t, v in zip(token_ids, values)]
 
 
