@@ -10,8 +10,14 @@ int64, ``logprobs`` [B, S] float32 and ``truncated`` [B] bool. Where NeMo-RL is
 importable the output is its ``BatchedDataDict``; elsewhere a plain dict of the same
 tensors.
 
-``logprobs`` values are NOT YET REAL: zeros of the right key, dtype and shape (the
-`RolloutEngine` contract returns tokens without their log-probabilities yet).
+``logprobs`` are the engine's (``RequestResult.logprobs``) in NeMo-RL's layout, as its
+vLLM and SGLang backends write them: ``logprobs[b, P_b + i]`` is the log-prob of the
+i-th generated token (``output_ids[b, P_b + i]``, P_b the prompt length), zeros over the
+prompt and the padding. They are the sampling transform's (temperature, top-k, top-p),
+or the raw log-softmax under ``greedy=True`` (``speculative.sampling.token_logprobs``);
+NeMo-RL's policy computes its own at its temperature, so its ``token_mult_prob_error``
+compares like with like when the generation temperature is the policy's and no top-k /
+top-p is set.
 ``stop_strings`` in the datum is refused (the engines stop on EOS and length only).
 Weights: ``prepare_refit_info`` keeps the {name: (shape, dtype)} map;
 ``update_weights_from_collective`` loads the canonical stream that the
@@ -80,11 +86,12 @@ class TLTGeneration:
         gen = torch.tensor([len(r.tokens) for r in out.results], dtype=torch.long)
         total = torch.tensor(lengths, dtype=torch.long) + gen
         output_ids = torch.full((len(requests), int(total.max())), self.pad_token_id, dtype=ids.dtype)
+        logprobs = torch.zeros(output_ids.shape, dtype=torch.float32)  # zeros over prompts and padding
         for b, (req, res) in enumerate(zip(requests, out.results)):
             output_ids[b, :int(total[b])] = torch.tensor(list(req.prompt) + res.tokens, dtype=ids.dtype)
+            logprobs[b, len(req.prompt): int(total[b])] = torch.tensor(res.logprobs, dtype=torch.float32)
         out_spec = {"output_ids": output_ids, "generation_lengths": gen, "unpadded_sequence_lengths": total,
-                    # not yet real: zeros of NeMo-RL's shape and dtype (see the module docstring)
-                    "logprobs": torch.zeros(output_ids.shape, dtype=torch.float32),
+                    "logprobs": logprobs,
                     "truncated": torch.tensor([r.stop_reason == "length" for r in out.results], dtype=torch.bool)}
         if importlib.util.find_spec("nemo_rl") is None:
             return out_spec

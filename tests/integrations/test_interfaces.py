@@ -40,7 +40,9 @@ def test_nemo_rl_output_spec_keys_dtypes_shapes(dtype, greedy):
     out = nemo_rl_adapter().generate(data, greedy)
     sizes = {"B": 2, "S": int(out["unpadded_sequence_lengths"].max())}
     assert output_deviations(out, NEMO_RL_GENERATION.outputs, sizes, data) == []
-    assert not out["logprobs"].any()  # not yet real (docs/nemo.md): zeros of the right shape
+    for b, (P, n) in enumerate(zip(data["input_lengths"].tolist(), out["unpadded_sequence_lengths"].tolist())):
+        assert (out["logprobs"][b, P:n] < 0).all() and not out["logprobs"][b, :P].any()
+        assert not out["logprobs"][b, n:].any()  # zeros over the prompt and the padding
 
 
 def test_nemo_rl_init_collective_takes_train_world_size_by_keyword_and_shutdown_repeats():

@@ -99,4 +99,9 @@ def test_nemo_rl_adapter_keys_padding_and_refit(tmp_path):
     assert out["output_ids"][0, :n0].tolist() == [3, 4] + want[0].tokens
     assert (out["output_ids"][0, n0:] == 0).all()
     assert out["truncated"].tolist() == [w.stop_reason == "length" for w in want]
+    # the engine's log-probs in NeMo-RL's layout: at the generated tokens' positions, zeros elsewhere
+    for b, (P, w) in enumerate(zip([2, 3], want)):
+        n = P + len(w.tokens)
+        assert out["logprobs"][b, P:n].tolist() == w.logprobs and len(w.logprobs) == len(w.tokens)
+        assert not out["logprobs"][b, :P].any() and not out["logprobs"][b, n:].any()
     assert gen.finish_generation()
