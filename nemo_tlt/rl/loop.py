@@ -37,6 +37,7 @@ from nemo_tlt.rl.boundary import StepBoundary
 from nemo_tlt.rl.decode_segments import decode_segments
 from nemo_tlt.rl.grpo import group_advantages
 from nemo_tlt.rl.idle_drafter import IdleDrafter, idle_without_training
+from nemo_tlt.rl.logprob_gap import comparable, gap_sums
 from nemo_tlt.rl.records import IdleResult, RankState, RankStep, Rollout, step_record
 from nemo_tlt.rl.report import MetricsWriter, progress_bar
 from nemo_tlt.rl.run import RunSpec, shard_prompts, step_rng, step_seed
@@ -152,7 +153,8 @@ class RLWorker:
         self.coord.mark_busy()
         rewards = self.score(prompts, rollout)
         batch = [(req.prompt, r.tokens) for req, r in zip(rollout.requests, rollout.out.results)]
-        update, t_logprob, t_update = self.update_policy(step, batch, rewards)
+        gen_logprobs = [r.logprobs for r in rollout.out.results]  # the logprob_gap metric's generation side
+        update, t_logprob, t_update = self.update_policy(step, batch, rewards, gen_logprobs)
         t0 = time.perf_counter()
         weights = self.sync_weights(idle)
         t_sync = time.perf_counter() - t0
@@ -212,8 +214,10 @@ class RLWorker:
         return [float(task.reward(prompts[i // G], task.tokenizer.decode(r.tokens)))
                 for i, r in zip(rollout.ids, rollout.out.results)]
 
-    def update_policy(self, step: int, batch: list, rewards: list[float]) -> tuple[dict[str, float], float, float]:
-        """Log-probs and one optimizer step on the union of this rank's training group's rollouts."""
+    def update_policy(self, step: int, batch: list, rewards: list[float], gen_logprobs: list | None = None
+                      ) -> tuple[dict[str, float], float, float]:
+        """Log-probs and one optimizer step on the union of this rank's training group's rollouts;
+        with ``gen_logprobs`` (this rank's rollout's) the logprob_gap sums go into the update's dict."""
         group, rank = self.policy.train_ranks, self.comm.rank
         # every response token of the step, counted once (each rank counts its own rollout)
         global_tokens = int(self.comm.sum_(torch.tensor([float(sum(len(r) for _, r in batch))], device="cpu")).item())
@@ -231,6 +235,10 @@ class RLWorker:
         advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32, device="cpu"), self.cfg.grpo.group_size)
         update = self.policy.update(batch, advantages, logp_old, logp_ref, global_tokens, on_hidden=on_hidden,
                                     capture_layers=self.capture_layers if on_hidden is not None else None)
+        # health metric (nemo_tlt.rl.logprob_gap): needs the separate log-prob pass's logp_old
+        if gen_logprobs is not None and logp_old is not None and comparable(self.cfg.grpo.acceptance,
+                                                                            self.cfg.grpo.temperature):
+            update = {**update, **gap_sums(gen_logprobs, [logp_old[i] for i in own])}
         return update, t_logprob, time.perf_counter() - t0
 
     def _harvest_sink(self, step: int, own: range) -> Callable:

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from nemo_tlt.rl.logprob_gap import gap_metrics
 from nemo_tlt.rl.run import digest
 from nemo_tlt.rollout.protocol import GenerateOutput, Request
 
@@ -109,6 +110,8 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
         "mean_accept_len": float(np.mean(accept)) if accept else 0.0,
         **{k: sum(r.update[k] for r in ranks) for k in UPDATE_SUMS},
         "grad_norm": ranks[0].update["grad_norm"],
+        # generation vs policy log-probs of the step's tokens (nemo_tlt.rl.logprob_gap); None without them
+        **gap_metrics([r.update for r in ranks]),
         # data parallelism must keep every rank's policy and drafter bit-identical
         "replicas_identical": all(r.weights == ranks[0].weights for r in ranks),
         "rewards": rewards, "rollout_digest": digest(tokens),
