@@ -53,7 +53,7 @@ from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, padde
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty
 from nemo_tlt.policy.master_weights import MasterWeights
-from nemo_tlt.policy.protocol import STATS, HiddenSink, check_capture_layers, check_update_args
+from nemo_tlt.policy.protocol import STATS, HiddenSink, LogprobSink, check_capture_layers, check_update_args
 from nemo_tlt.weights.layout import ParallelLayout
 from nemo_tlt.weights.megatron_layout import canonical_to_megatron, check_tp
 
@@ -286,7 +286,8 @@ class MegatronPolicy:
     # ---- update --------------------------------------------------------------------------
     def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None,
-               capture_layers: tuple[int, ...] | None = None) -> dict[str, float]:
+               capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None
+               ) -> dict[str, float]:
         from megatron.core import parallel_state
 
         check_update_args("MegatronPolicy", batch, advantages, global_tokens)
@@ -300,7 +301,8 @@ class MegatronPolicy:
             totals = torch.zeros(len(STATS), dtype=torch.float64, device=self.device)
             for mb in micro_batches(batch, self.config.micro_batch):
                 self._schedule(self.model, mb, self._loss_fn(mb, advantages, logp_old, logp_ref, global_tokens,
-                                                             totals), False, batch, on_hidden, capture_layers)
+                                                             totals, on_logprobs), False, batch, on_hidden,
+                               capture_layers)
             self._from_last_stage(totals)
             allreduce_tied_embedding_grads(self.model, self.model_config.tie_word_embeddings, self.layout.pp)
             self.master.grads_to_masters()
@@ -314,8 +316,10 @@ class MegatronPolicy:
         return {**dict(zip(STATS, totals.tolist())), "grad_norm": norm, "lr": lr}
 
     def _loss_fn(self, mb: MicroBatch, advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
-                 logp_ref: list[torch.Tensor] | None, global_tokens: int, totals: torch.Tensor) -> Callable:
-        """The last stage's loss for one micro-batch; accumulates the step stats into ``totals``."""
+                 logp_ref: list[torch.Tensor] | None, global_tokens: int, totals: torch.Tensor,
+                 on_logprobs: LogprobSink | None = None) -> Callable:
+        """The last stage's loss for one micro-batch; accumulates the step stats into ``totals``
+        and hands ``on_logprobs`` each sequence's response log-probs."""
         idx = mb.index.tolist()
         mask = mb.mask.to(self.device)
         ids = mb.input_ids.to(self.device)
@@ -326,6 +330,10 @@ class MegatronPolicy:
 
         def loss_fn(output: torch.Tensor, non_loss_data: bool = False):
             new = self._token_logprobs(output, ids)
+            if on_logprobs is not None:
+                detached = new.detach()
+                for row, i in enumerate(idx):
+                    on_logprobs(i, detached[row][mask[row].bool()])
             pg, stats = clipped_pg_loss(new, new.detach() if old is None else old, adv, mask, self.config.clip_eps)
             loss, kl = pg, None
             if ref is not None:

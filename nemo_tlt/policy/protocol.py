@@ -15,6 +15,10 @@ Contract (every implementation)
   replica takes the same step and stays identical. ``logp_old=None``: the update
   forward's own log-probs, detached (ratio 1). Returns ``loss, pg_loss, kl, clip_frac,
   approx_kl`` (this rank's share of the token mean), ``grad_norm`` and ``lr``.
+* ``on_logprobs(index, logprobs[R])``, if given to ``update``, receives the update
+  forward's log-probs of every sequence's response tokens (detached, before the step:
+  those of the weights the rollout was served), on every rank holding the last pipeline
+  stage (the torch backend: every rank); a health metric compares them with the engine's.
 * ``on_hidden(index, tokens[L], hidden[L, H])``, if given and ``captures_hidden``, is
   called for every sequence of the batch, on every rank that called, with the final
   hidden states (after the final norm, detached, float) of the same forward that
@@ -48,6 +52,8 @@ from nemo_tlt.policy.batching import Sequence2
 
 # (batch index, tokens [L], hidden [L, H], or [L, (k + 1) * H] with capture_layers)
 HiddenSink = Callable[[int, torch.Tensor, torch.Tensor], None]
+# (batch index, the update forward's detached log-probs of that sequence's response tokens [R])
+LogprobSink = Callable[[int, torch.Tensor], None]
 STATS = ("loss", "pg_loss", "kl", "clip_frac", "approx_kl")
 
 
@@ -71,7 +77,8 @@ class PolicyBackend(Protocol):
 
     def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None,
-               capture_layers: tuple[int, ...] | None = None) -> dict[str, float]: ...
+               capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None
+               ) -> dict[str, float]: ...
 
     def canonical_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 

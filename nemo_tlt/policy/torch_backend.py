@@ -32,7 +32,7 @@ from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, padde
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty, token_logprobs
 from nemo_tlt.policy.master_weights import MasterWeights
-from nemo_tlt.policy.protocol import STATS, HiddenSink, check_capture_layers, check_update_args
+from nemo_tlt.policy.protocol import STATS, HiddenSink, LogprobSink, check_capture_layers, check_update_args
 
 
 def build_decoder(canonical: Mapping[str, torch.Tensor], model_config: LMConfig,
@@ -120,7 +120,8 @@ class TorchPolicy:
     # ---- update -------------------------------------------------------------------
     def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None,
-               capture_layers: tuple[int, ...] | None = None) -> dict[str, float]:
+               capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None
+               ) -> dict[str, float]:
         check_update_args("TorchPolicy", batch, advantages, global_tokens)
         capture_layers = check_capture_layers("TorchPolicy.update", capture_layers, self.model_config.num_layers)
         self.model.zero_grad(set_to_none=False)  # the masters' grads are overwritten
@@ -129,6 +130,8 @@ class TorchPolicy:
         for mb in micro_batches(batch, self.config.micro_batch, self.device):
             idx = mb.index.tolist()
             new = self._token_logprobs(self.model, mb, batch, on_hidden, capture_layers)
+            if on_logprobs is not None:
+                _emit_logprobs(on_logprobs, new, mb)
             old = new.detach() if logp_old is None else padded([logp_old[i].to(mb.mask) for i in idx], mb.mask)
             pg, stats = clipped_pg_loss(new, old, advantages[mb.index], mb.mask, self.config.clip_eps)
             n_local = float(mb.mask.sum())
@@ -172,6 +175,13 @@ class TorchPolicy:
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.step = int(state.get("step", 0))  # checkpoints without it predate the LR schedule
         self.master.load_state_dict(state.get("master"))  # absent in checkpoints of fp32-only versions
+
+
+def _emit_logprobs(on_logprobs: LogprobSink, logprobs: torch.Tensor, mb: MicroBatch) -> None:
+    """Each sequence's response-token log-probs of a micro-batch (detached), in batch indices."""
+    values = logprobs.detach()
+    for row, i in enumerate(mb.index.tolist()):
+        on_logprobs(i, values[row][mb.mask[row].bool()])
 
 
 def _emit_hidden(on_hidden: HiddenSink, hidden: torch.Tensor, mb: MicroBatch, batch: Sequence[Sequence2]) -> None:

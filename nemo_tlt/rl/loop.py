@@ -233,12 +233,18 @@ class RLWorker:
         logp_old, logp_ref = self.policy.logprobs(batch, self.cfg.policy.separate_logprob_pass)
         t_logprob, t0 = time.perf_counter() - t0, time.perf_counter()
         advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32, device="cpu"), self.cfg.grpo.group_size)
+        # health metric (nemo_tlt.rl.logprob_gap): the policy's log-probs of this rank's own
+        # sequences, from the separate pass or else from the update forward (before its step)
+        policy_lp: dict[int, torch.Tensor] = {}
+        wanted = gen_logprobs is not None and comparable(self.cfg.grpo.acceptance, self.cfg.grpo.temperature)
+        sink = policy_lp.__setitem__ if wanted and logp_old is None else None
         update = self.policy.update(batch, advantages, logp_old, logp_ref, global_tokens, on_hidden=on_hidden,
-                                    capture_layers=self.capture_layers if on_hidden is not None else None)
-        # health metric (nemo_tlt.rl.logprob_gap): needs the separate log-prob pass's logp_old
-        if gen_logprobs is not None and logp_old is not None and comparable(self.cfg.grpo.acceptance,
-                                                                            self.cfg.grpo.temperature):
-            update = {**update, **gap_sums(gen_logprobs, [logp_old[i] for i in own])}
+                                    capture_layers=self.capture_layers if on_hidden is not None else None,
+                                    on_logprobs=sink)
+        if wanted and logp_old is not None:
+            policy_lp = {i: logp_old[i] for i in own}
+        if wanted and all(i in policy_lp for i in own):  # a megatron rank off the last stage has none
+            update = {**update, **gap_sums(gen_logprobs, [policy_lp[i] for i in own])}
         return update, t_logprob, time.perf_counter() - t0
 
     def _harvest_sink(self, step: int, own: range) -> Callable:

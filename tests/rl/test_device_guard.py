@@ -55,3 +55,6 @@ def test_rl_steps_create_nothing_off_the_configured_device(tiny_models, tmp_path
     record = ranks[0]["records"][-1]
     assert record["sd_steps"] > 0  # speculation ran under the guard
     assert all(r == r for r in record["rewards"])  # finite rewards came back
+    # the engine's generation log-probs against the update forward's (default: no separate pass)
+    gap = record["logprob_gap"]
+    assert gap is not None and gap < (1e-4 if dtype == "float32" else 0.05), gap
