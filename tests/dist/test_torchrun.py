@@ -12,9 +12,12 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
+import datetime
 
-from nemo_tlt.dist.torchrun import TorchrunEnvError, TorchrunTask, torchrun_rendezvous
+import pytest
+import torch.distributed as dist
+
+from nemo_tlt.dist.torchrun import TorchrunEnvError, TorchrunTask, launch_torchrun, torchrun_rendezvous
 from nemo_tlt.rl.workers import launch_mode, process_rank
 from nemo_tlt.train import main
 from rl.test_loop_e2e import tiny_assets, tiny_overrides
@@ -64,6 +67,28 @@ def test_the_agent_hosts_the_store_else_rank_0_and_each_launch_has_its_own_keys(
     rdzv, _ = torchrun_rendezvous(2, {**env, "RANK": "0", "LOCAL_WORLD_SIZE": "1"})
     assert rdzv.host_store and rdzv.node == 0
     assert TorchrunTask.from_env({**env, "LOCAL_WORLD_SIZE": "1"}).node == 1
+
+
+def _set_key(ctx):
+    ctx.store.set("coordinator/state", "left by the first launch")
+    return ctx.store.num_keys()
+
+
+def _sees_key(ctx):
+    return ctx.store.check(["coordinator/state"])
+
+
+@pytest.mark.timeout(60)
+def test_each_launch_rendezvouses_again_in_the_agents_store_under_its_own_keys():
+    """torchrun's agent store (stood in for by a TCPStore on an OS-picked port) outlives
+    every launch of the process: a second launch joins again and does not see the keys of
+    the first."""
+    agent = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    env = {**TORCHRUN, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": str(agent.port)}
+    assert launch_torchrun(_set_key, 1, env=env) >= 1
+    assert not dist.is_initialized()
+    assert launch_torchrun(_sees_key, 1, env=env) is False
+    assert agent.check(["coordinator/state"]) is False  # nothing unprefixed in the agent's store
 
 
 @pytest.fixture(scope="module")
