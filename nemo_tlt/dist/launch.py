@@ -23,9 +23,11 @@ key-value channel every rank shares) and ``stop`` (a ``StopFlag``).
   more collective ``new_group`` every rank must call in the same order, and every
   object call would have to name it), and ``new_group`` without a backend (the node
   groups) inherits both backends.
-* Rendezvous: the launcher hosts the ``TCPStore`` itself (the OS picks a free port, so
-  no port is raced); each rank connects to it and joins the group over it, with
-  ``collective_timeout_s`` as the store's and the group's timeout.
+* Rendezvous: the launcher hosts the ``TCPStore`` itself, once every rank has started
+  (no rank is ever forked while the store's server thread runs), on a port the OS picks
+  (no port is raced), and sends each rank the port over a pipe; each rank connects to
+  it and joins the group over it, with ``collective_timeout_s`` as the store's and the
+  group's timeout.
 * ``hide_cuda=True``: the children start with ``CUDA_VISIBLE_DEVICES=""`` (set from exec
   on, so before they import torch): CPU processes on a GPU host, where megatron's CPU
   shims may run; ``auto`` then means ``cpu`` and ``cuda`` is refused. The launcher's
@@ -62,7 +64,7 @@ import signal
 import socket
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -171,9 +173,10 @@ def _leave(store: Any, rdzv: Rendezvous, timeout_s: float) -> None:
                 time.sleep(0.01)
 
 
-def _child(rdzv: Rendezvous, fn: Callable, args: tuple, results: Any, timeout_s: float, threads: int,
+def _child(rdzv: Rendezvous, port: Any, fn: Callable, args: tuple, results: Any, timeout_s: float, threads: int,
            device: str, stop_event: Any, install_signals: bool) -> None:
     try:
+        rdzv = replace(rdzv, port=port.recv())  # the launcher opens its store once every rank has started
         value = run_rank(fn, rdzv, args, timeout_s=timeout_s, threads=threads, device=device,
                          stop_event=stop_event, install_signals=install_signals)
         # Tensors sent through a multiprocessing queue travel as shared-memory file
@@ -198,18 +201,23 @@ def launch_local(fn: Callable, world_size: int, *args: Any, timeout_s: float | N
         return [_run_in_process(fn, args, threads, forward_signals, device)]
     ctx = mp.get_context(start_method)
     results, stop_event = ctx.Queue(), ctx.Event()
-    store = dist.TCPStore("127.0.0.1", 0, world_size, True, datetime.timedelta(seconds=collective_timeout_s),
-                          wait_for_workers=False)
+    ports = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # (reader, writer) per rank
     procs = [ctx.Process(target=_child, name=f"tlt-rank-{r}",
-                         args=(Rendezvous("127.0.0.1", store.port, r, world_size, r), fn, args, results,
+                         args=(Rendezvous("127.0.0.1", 0, r, world_size, r), ports[r][0], fn, args, results,
                                collective_timeout_s, threads, device, stop_event, forward_signals))
              for r in range(world_size)]
     forwarded = _forward_signals(stop_event) if forward_signals else {}
-    ok = False
+    ok, store = False, None
     try:
         with _spawn_environment(hide_cuda):
             for p in procs:
                 p.start()
+        # Only now: the store's server thread must not exist while the ranks are forked
+        # (start_method="fork" copies the launcher with that thread's locks as they are;
+        # a lock it held mid-request stays held for ever in the child). See _host_store.
+        store = _host_store(world_size, collective_timeout_s)
+        for _, writer in ports:
+            writer.send(store.port)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         values = _collect(procs, results, world_size, deadline, timeout_s)
         ok = True
@@ -220,6 +228,19 @@ def launch_local(fn: Callable, world_size: int, *args: Any, timeout_s: float | N
         # After a failure the other ranks may be blocked in a collective forever: kill at once.
         _reap(procs, grace_s=30.0 if ok else 0.0)
         del store
+
+
+def _host_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The launch's rendezvous store on a port the OS picks (no port is raced).
+
+    Hosted after the ranks have started, never before: a ``TCPStore`` server runs a
+    thread (``pt_tcpstore_uv``) that serves every rank's requests, and ``fork`` copies only
+    the calling thread, so a rank forked while that thread holds a lock (serving the
+    ranks forked before it) inherits the lock held, with no thread to release it, and
+    hangs on its first use of it: no timeout applies, and the launch waits until its own
+    ``timeout_s`` ends."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, True, datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
 def local_device_kind(kind: str, world_size: int, hide_cuda: bool) -> str:
