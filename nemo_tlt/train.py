@@ -21,11 +21,13 @@
   whose ``summary.json`` says it completed all ``steps``.
 * Exit status: 0 done, 2 bad usage or config, 130 interrupted (SIGINT/SIGTERM; the
   run was checkpointed: rerun with ``resume=true`` to continue).
-* Under ``srun`` (SLURM launch mode, ``nemo_tlt.rl.workers.launch_mode``) every task
-  runs this command as one worker; only rank 0 prints the config, writes the run's
-  files (config, summaries, report, plots) and exits with the status above (the
-  other ranks exit 0 once their part ended, interrupted or not). The run folder must
-  be on a file system every node shares.
+* Under ``srun`` or ``torchrun`` (SLURM / torchrun launch mode,
+  ``nemo_tlt.rl.workers.launch_mode``) every task runs this command as one worker; only
+  rank 0 prints the config, writes the run's files (config, summaries, report, plots)
+  and exits with the status above (the other ranks exit 0 once their part ended,
+  interrupted or not). The run folder must be on a file system every node shares.
+  The saved ``config.yaml`` names the launcher and device kind actually used
+  (``workers.launcher``: local, slurm or torchrun; ``workers.device``: cpu or cuda).
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ from nemo_tlt.rl.run import RunSpec, prepare_run_dir
 from nemo_tlt.rl.task import build_task
 from nemo_tlt.rl.loggers import check_available
 from nemo_tlt.rl.report import compare_pairs, format_pairs, read_validation, run_block, write_plots
-from nemo_tlt.rl.workers import launch, process_rank
+from nemo_tlt.rl.workers import launch, process_rank, resolved_workers
 
 log = logging.getLogger(__name__)
 USAGE = "usage: nemo-tlt train CONFIG.yaml [key=value ...] [--compare-baseline [--pairs N]]"
@@ -203,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"nemo-tlt train: error: {refusal}", file=sys.stderr)
             return 2
     try:
-        primary = process_rank(config.workers) == 0  # the launch mode is chosen here (local or SLURM)
+        # The launcher (local, SLURM or torchrun) and the device kind are chosen here, once:
+        # the runs and their config.yaml get what is used, never `auto`.
+        config = replace(config, workers=resolved_workers(config.workers))
+        primary = process_rank(config.workers) == 0
     except ValueError as err:
         print(f"nemo-tlt train: error: {err}", file=sys.stderr)
         return 2

@@ -14,8 +14,29 @@
 #     (`scontrol requeue`, needs `#SBATCH --requeue`) and its next start resumes.
 # Environment (optional):
 #   TLT_PYTHON      the python that has nemo-tlt installed (default: python)
-#   TLT_SRUN_FLAGS  more srun flags, word-split: container flags, GPU binding, ...
+#   TLT_SRUN_FLAGS  more srun flags, word-split: container flags, ... (no per-task GPU
+#                   binding: every task sees its node's GPUs and binds cuda:SLURM_LOCALID)
 #   TLT_RDZV_PORT   rendezvous port (default: derived from the job id)
+# Network interfaces (GPU jobs; read by `tlt_network_env`): NCCL carries the tensor
+# collectives, gloo the Python objects and coordination. Both pick an interface
+# themselves, which is right on most clusters, so nothing is set by default; export one
+# before sbatch (srun passes the environment to every task) where the pick is wrong,
+# e.g. nodes with several NICs or a container bridge:
+#   NCCL_SOCKET_IFNAME  NCCL's bootstrap / socket interface: ib0, eth0, or an exclusion
+#                       list such as ^docker0,lo
+#   GLOO_SOCKET_IFNAME  gloo's interface (one name, no exclusions): ib0, eth0
+#   NCCL_IB_HCA         the InfiniBand adapters NCCL may use: mlx5, or mlx5_0:1,mlx5_1:1
+#   NCCL_DEBUG=INFO     NCCL prints the interfaces and transports it chose
+
+tlt_network_env() {
+    local name
+    for name in NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME NCCL_IB_HCA NCCL_DEBUG; do
+        if [ -n "${!name:-}" ]; then
+            export "${name?}"
+            echo "tlt: $name=${!name}" >&2
+        fi
+    done
+}
 
 tlt_forward_usr1() {
     TLT_SIGNALLED=1

@@ -2,10 +2,14 @@
 
 Contract
 --------
-* ``Comm(rank, world, store)``: collectives of one rank over the default process
-  group; every one is a no-op (or the trivial answer) when ``world == 1``, so a single
-  rank needs no process group. ``store`` is the rendezvous store (the worker
-  coordinator's key-value channel).
+* ``Comm(rank, world, store, node, device)``: collectives of one rank over the default
+  process group; every one is a no-op (or the trivial answer) when ``world == 1``, so a
+  single rank needs no process group. ``store`` is the rendezvous store (the worker
+  coordinator's key-value channel). ``device`` is the ``torch.device`` the launcher bound
+  this rank to (``cuda:LOCAL_RANK`` or ``cpu``): what the rank builds lives there. On a
+  CUDA rank the group reduces CUDA tensors over NCCL and CPU tensors over gloo, so
+  ``sum_`` takes tensors where they live; ``any`` and ``gather`` stay on the CPU (a flag,
+  Python objects) and go over gloo.
 * ``StopFlag``: SIGINT / SIGTERM / SIGUSR1 never kill a rank mid-step (SIGUSR1 is
   SLURM's warning before a time limit or preemption, ``--signal=USR1@N``, which the
   sbatch scripts forward to their tasks); the flag records the signal (or a launcher's shared ``event``, so a signal that reached the launcher while

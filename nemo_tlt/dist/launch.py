@@ -1,19 +1,37 @@
-"""Start N local processes joined by a gloo process group; return what each returns.
+"""Start N local processes joined by one process group; return what each returns.
 
 Contract
 --------
 ``launch_local(fn, world_size, *args, ...)`` calls ``fn(ctx, *args)`` once per rank and
 returns the ranks' return values in rank order (picklable values; tensors arrive intact).
-``ctx`` is a ``RankContext``: ``rank``, ``world``, ``local_rank``, ``store`` (the
-rendezvous ``TCPStore``, a key-value channel every rank shares) and ``stop`` (a
-``StopFlag``).
+``ctx`` is a ``RankContext``: ``rank``, ``world``, ``local_rank``, ``device`` (the
+``torch.device`` the rank computes on), ``store`` (the rendezvous ``TCPStore``, a
+key-value channel every rank shares) and ``stop`` (a ``StopFlag``).
 
-* Rendezvous: the launcher hosts the ``TCPStore`` itself (the OS picks a free port, so
-  no port is raced); each rank connects to it and joins a gloo process group over it
-  (``join``), with ``collective_timeout_s`` as the store's and the group's timeout.
+* Device (``device``: a ``workers.device`` kind, ``cpu`` by default): every rank binds
+  ``resolve_device(kind, local_rank)``; a CUDA rank calls ``torch.cuda.set_device``
+  before it joins, so NCCL and every tensor made without a device land on its own GPU.
+  The whole launch is checked in the launcher before any rank starts (``cuda`` without
+  CUDA, more local ranks than GPUs: ``ValueError`` naming ``workers.device``).
+* Process group (``join``): CPU ranks join a plain gloo group. CUDA ranks join one
+  group with two backends, ``"cpu:gloo,cuda:nccl"``, bound to their device
+  (``device_id``): torch dispatches each collective by the device of its tensors, so
+  CUDA tensors go over NCCL and CPU tensors over gloo; object collectives
+  (``all_gather_object``, ``broadcast_object_list``) pickle to a CPU tensor, because
+  ``_get_object_coll_device`` picks ``cpu`` whenever the group has a CPU backend; the
+  barrier runs on the bound device. So no separate gloo group is made (it would be one
+  more collective ``new_group`` every rank must call in the same order, and every
+  object call would have to name it), and ``new_group`` without a backend (the node
+  groups) inherits both backends.
+* Rendezvous: the launcher hosts the ``TCPStore`` itself, once every rank has started
+  (no rank is ever forked while the store's server thread runs), on a port the OS picks
+  (no port is raced), and sends each rank the port over a pipe; each rank connects to
+  it and joins the group over it, with ``collective_timeout_s`` as the store's and the
+  group's timeout.
 * ``hide_cuda=True``: the children start with ``CUDA_VISIBLE_DEVICES=""`` (set from exec
   on, so before they import torch): CPU processes on a GPU host, where megatron's CPU
-  shims may run. The launcher's environment is restored at once.
+  shims may run; ``auto`` then means ``cpu`` and ``cuda`` is refused. The launcher's
+  environment is restored at once.
 * ``threads``: torch intra-op threads of every rank.
 * A failing rank is never silent: its traceback reaches the launcher, which stops the
   other ranks and raises ``RuntimeError("rank R failed: ...")``; a rank that dies
@@ -24,12 +42,16 @@ rendezvous ``TCPStore``, a key-value channel every rank shares) and ``stop`` (a
   every rank's ``ctx.stop`` reads (installed as the ranks' signal handler too), so the
   ranks stop at a boundary of their choosing instead of dying mid-step.
 * ``in_process=True`` with ``world_size == 1``: ``fn`` runs in the calling process with
-  a ``HashStore`` and no process group (the caller's torch thread count is restored).
+  a ``HashStore`` and no process group, on its resolved device (the caller's torch
+  thread count is restored).
 
 A cluster launch (``nemo_tlt.dist.slurm.launch_slurm``: rank / world / local rank / node
-from SLURM's variables, the store at the first host of the node list, hosted by rank 0)
-is one more producer of a ``Rendezvous`` handed to ``run_rank``; the ranks' side is the
-same.
+from SLURM's variables, the store at the first host of the node list, hosted by rank 0;
+``nemo_tlt.dist.torchrun.launch_torchrun``: torchrun's variables and store) is one more
+producer of a ``Rendezvous`` handed to ``run_rank``; the ranks' side is the same.
+
+GPU paths (NCCL, ``set_device``) are written to torch's documented contract and tested on
+a simulated CUDA host only; they have not been run on a GPU.
 """
 from __future__ import annotations
 
@@ -42,7 +64,7 @@ import signal
 import socket
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -50,6 +72,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nemo_tlt.dist.comm import SIGNALS, StopFlag
+from nemo_tlt.dist.device import resolve_device
+
+CPU_BACKEND = "gloo"
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"  # one group: CUDA tensors over NCCL, CPU tensors and objects over gloo
 
 
 def free_port() -> int:
@@ -81,27 +107,49 @@ class RankContext:
     store: Any  # torch.distributed.Store
     stop: StopFlag
     node: int = 0  # index of this rank's node: ranks with equal `node` share a host
+    device: torch.device = torch.device("cpu")  # bound by the launcher (cuda:LOCAL_RANK or cpu)
 
 
-def join(rdzv: Rendezvous, timeout_s: float) -> dist.Store:
-    """Connect to (or host) the rendezvous store and join the gloo process group over it."""
+def bind_device(kind: str, local_rank: int) -> torch.device:
+    """This rank's device; a CUDA device becomes the current one (before any group exists)."""
+    device = resolve_device(kind, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def process_group_backend(device: torch.device) -> str:
+    return CUDA_BACKEND if device.type == "cuda" else CPU_BACKEND
+
+
+def join(rdzv: Rendezvous, timeout_s: float, device: torch.device = torch.device("cpu"),
+         store: dist.Store | None = None) -> dist.Store:
+    """Join the process group of `device` (see the module docstring) over the rendezvous
+    store: `store` when given (torchrun: the launch's part of the agent's store), else the
+    ``TCPStore`` at ``rdzv.host:rdzv.port`` (hosted here when ``rdzv.host_store``)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(rdzv.host, rdzv.port, rdzv.world, rdzv.host_store, timeout, wait_for_workers=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rdzv.rank, world_size=rdzv.world,
-                            timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(rdzv.host, rdzv.port, rdzv.world, rdzv.host_store, timeout, wait_for_workers=False)
+    bound = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(process_group_backend(device), store=dist.PrefixStore("pg", store), rank=rdzv.rank,
+                            world_size=rdzv.world, timeout=timeout, **bound)
     return store
 
 
 def run_rank(fn: Callable, rdzv: Rendezvous, args: tuple, *, timeout_s: float, threads: int,
-             stop_event: Any = None, install_signals: bool = False) -> Any:
-    """One rank's whole life: threads, rendezvous, ``fn(ctx, *args)``, leave the group."""
+             device: str = "cpu", stop_event: Any = None, install_signals: bool = False,
+             store: dist.Store | None = None) -> Any:
+    """One rank's whole life: threads, device, rendezvous, ``fn(ctx, *args)``, leave the group.
+
+    `device` is a ``workers.device`` kind, resolved with this rank's local rank."""
     torch.set_num_threads(threads)
     stop = StopFlag(stop_event)
     if install_signals:
         stop.install()
     try:
-        store = join(rdzv, timeout_s)
-        value = fn(RankContext(rdzv.rank, rdzv.world, rdzv.local_rank, store, stop, rdzv.node), *args)
+        bound = bind_device(device, rdzv.local_rank)
+        store = join(rdzv, timeout_s, bound, store)
+        value = fn(RankContext(rdzv.rank, rdzv.world, rdzv.local_rank, store, stop, rdzv.node, bound), *args)
         # Only after success: a failing rank reports first and leaves its peers blocked, not
         # reset (a reset would make a peer's error race the real one to the launcher).
         _leave(store, rdzv, timeout_s)
@@ -125,11 +173,12 @@ def _leave(store: Any, rdzv: Rendezvous, timeout_s: float) -> None:
                 time.sleep(0.01)
 
 
-def _child(rdzv: Rendezvous, fn: Callable, args: tuple, results: Any, timeout_s: float, threads: int,
-           stop_event: Any, install_signals: bool) -> None:
+def _child(rdzv: Rendezvous, port: Any, fn: Callable, args: tuple, results: Any, timeout_s: float, threads: int,
+           device: str, stop_event: Any, install_signals: bool) -> None:
     try:
-        value = run_rank(fn, rdzv, args, timeout_s=timeout_s, threads=threads, stop_event=stop_event,
-                         install_signals=install_signals)
+        rdzv = replace(rdzv, port=port.recv())  # the launcher opens its store once every rank has started
+        value = run_rank(fn, rdzv, args, timeout_s=timeout_s, threads=threads, device=device,
+                         stop_event=stop_event, install_signals=install_signals)
         # Tensors sent through a multiprocessing queue travel as shared-memory file
         # descriptors that die with this process; plain bytes survive it.
         buf = io.BytesIO()
@@ -142,27 +191,33 @@ def _child(rdzv: Rendezvous, fn: Callable, args: tuple, results: Any, timeout_s:
 
 def launch_local(fn: Callable, world_size: int, *args: Any, timeout_s: float | None = 300.0,
                  collective_timeout_s: float = 300.0, threads: int = 1, hide_cuda: bool = True,
-                 start_method: str = "spawn", forward_signals: bool = False, in_process: bool = False
-                 ) -> list[Any]:
+                 start_method: str = "spawn", forward_signals: bool = False, in_process: bool = False,
+                 device: str = "cpu") -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` local ranks; their return values in rank order."""
     if world_size < 1:
         raise ValueError(f"launch_local: world_size must be >= 1, got {world_size}")
+    device = local_device_kind(device, world_size, hide_cuda and not (in_process and world_size == 1))
     if in_process and world_size == 1:
-        return [_run_in_process(fn, args, threads, forward_signals)]
+        return [_run_in_process(fn, args, threads, forward_signals, device)]
     ctx = mp.get_context(start_method)
     results, stop_event = ctx.Queue(), ctx.Event()
-    store = dist.TCPStore("127.0.0.1", 0, world_size, True, datetime.timedelta(seconds=collective_timeout_s),
-                          wait_for_workers=False)
+    ports = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # (reader, writer) per rank
     procs = [ctx.Process(target=_child, name=f"tlt-rank-{r}",
-                         args=(Rendezvous("127.0.0.1", store.port, r, world_size, r), fn, args, results,
-                               collective_timeout_s, threads, stop_event, forward_signals))
+                         args=(Rendezvous("127.0.0.1", 0, r, world_size, r), ports[r][0], fn, args, results,
+                               collective_timeout_s, threads, device, stop_event, forward_signals))
              for r in range(world_size)]
     forwarded = _forward_signals(stop_event) if forward_signals else {}
-    ok = False
+    ok, store = False, None
     try:
         with _spawn_environment(hide_cuda):
             for p in procs:
                 p.start()
+        # Only now: the store's server thread must not exist while the ranks are forked
+        # (start_method="fork" copies the launcher with that thread's locks as they are;
+        # a lock it held mid-request stays held for ever in the child). See _host_store.
+        store = _host_store(world_size, collective_timeout_s)
+        for _, writer in ports:
+            writer.send(store.port)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         values = _collect(procs, results, world_size, deadline, timeout_s)
         ok = True
@@ -175,14 +230,39 @@ def launch_local(fn: Callable, world_size: int, *args: Any, timeout_s: float | N
         del store
 
 
-def _run_in_process(fn: Callable, args: tuple, threads: int, install_signals: bool) -> Any:
+def _host_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The launch's rendezvous store on a port the OS picks (no port is raced).
+
+    Hosted after the ranks have started, never before: a ``TCPStore`` server runs a
+    thread (``pt_tcpstore_uv``) that serves every rank's requests, and ``fork`` copies only
+    the calling thread, so a rank forked while that thread holds a lock (serving the
+    ranks forked before it) inherits the lock held, with no thread to release it, and
+    hangs on its first use of it: no timeout applies, and the launch waits until its own
+    ``timeout_s`` ends."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, True, datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def local_device_kind(kind: str, world_size: int, hide_cuda: bool) -> str:
+    """The device kind local ranks 0..world_size-1 run with (``cpu`` or ``cuda``), checked
+    in the launcher: a wrong ``workers.device`` fails before any rank starts."""
+    if hide_cuda:
+        if kind == "cuda":
+            raise ValueError("workers.device=cuda, but this launch hides CUDA from its ranks (hide_cuda=True: "
+                             "CUDA_VISIBLE_DEVICES=\"\"); use workers.device=cpu or auto")
+        return resolve_device(kind, 0, cuda_available=False).type
+    resolve_device(kind, world_size - 1)  # every local rank has a GPU of its own
+    return resolve_device(kind, 0).type
+
+
+def _run_in_process(fn: Callable, args: tuple, threads: int, install_signals: bool, device: str) -> Any:
     stop = StopFlag()
     if install_signals:
         stop.install()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return fn(RankContext(0, 1, 0, dist.HashStore(), stop), *args)
+        return fn(RankContext(0, 1, 0, dist.HashStore(), stop, 0, bind_device(device, 0)), *args)
     finally:
         torch.set_num_threads(before)
         stop.restore()

@@ -26,8 +26,10 @@ Contract
   ``TLT_RDZV_PORT`` set apart.
 * ``slurm_rendezvous(expected_world, env, launch_index)``: the ``Rendezvous`` of this
   task; a task count that differs from ``expected_world`` is refused naming both.
-* ``launch_slurm(fn, world_size, *args, ...)``: runs ``fn(ctx, *args)`` as this task's
-  rank through ``run_rank`` (SIGINT / SIGTERM, which ``srun`` forwards to its tasks, set
+* ``launch_slurm(fn, world_size, *args, device=kind, ...)``: runs ``fn(ctx, *args)`` as
+  this task's rank through ``run_rank`` on ``resolve_device(kind, SLURM_LOCALID)`` (one GPU
+  per task by local rank; every GPU of the node stays visible to every task, so NCCL can
+  use NVLink peer-to-peer) (SIGINT / SIGTERM, which ``srun`` forwards to its tasks, set
   ``ctx.stop``) and returns this rank's value. Peers that fail are not reported here:
   ``srun --kill-on-bad-exit=1`` ends the step when one task fails.
 """
@@ -190,7 +192,8 @@ def slurm_rendezvous(expected_world: int, env: Mapping[str, str] | None = None, 
 
 
 def launch_slurm(fn: Callable, world_size: int, *args: Any, collective_timeout_s: float = 300.0,
-                 threads: int = 1, env: Mapping[str, str] | None = None) -> Any:
+                 threads: int = 1, env: Mapping[str, str] | None = None, device: str = "cpu") -> Any:
     """Run ``fn(ctx, *args)`` as this srun task's rank; returns this rank's value."""
     rdzv = slurm_rendezvous(world_size, env, next(_launches))
-    return run_rank(fn, rdzv, args, timeout_s=collective_timeout_s, threads=threads, install_signals=True)
+    return run_rank(fn, rdzv, args, timeout_s=collective_timeout_s, threads=threads, device=device,
+                    install_signals=True)

@@ -104,3 +104,24 @@ def test_children_start_with_cuda_hidden(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert launch_local(_cuda_view, 1, timeout_s=90)[0][0] == ""
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def _native_threads() -> list[str]:
+    return [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc")
+def test_no_rank_is_forked_while_the_store_serves():
+    """fork copies only the calling thread: a rank forked while the store's server thread
+    (pt_tcpstore_uv) held a lock would inherit it held for ever. The launcher hosts its
+    store only after every rank has started."""
+    at_fork: list[list[str]] = []
+    recording = [True]
+    os.register_at_fork(before=lambda: at_fork.append(_native_threads()) if recording[0] else None)
+    try:
+        out = launch_local(_sum_ranks, 2, 10, timeout_s=90, start_method="fork")
+    finally:
+        recording[0] = False  # an at-fork hook cannot be removed: it stops recording
+    assert [v.item() for v in out] == [10.0, 10.0]
+    assert len(at_fork) == 2 and not [n for names in at_fork for n in names if n.startswith("pt_tcpstore")], at_fork

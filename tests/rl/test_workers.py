@@ -13,7 +13,8 @@ def test_single_worker_runs_with_threads_per_worker():
     before = torch.get_num_threads()
     want = before + 1
     spec = SimpleNamespace(config=SimpleNamespace(workers=SimpleNamespace(
-        num_workers=1, threads_per_worker=want, timeout_s=60.0, start_method="spawn", launcher="local")))
+        num_workers=1, threads_per_worker=want, timeout_s=60.0, start_method="spawn", launcher="local",
+        device="cpu")))
     seen = launch(spec, lambda spec, comm, stop, on_step: {"threads": torch.get_num_threads(), "world": comm.world})
     assert seen == {"threads": want, "world": 1}
     assert torch.get_num_threads() == before

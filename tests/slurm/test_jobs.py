@@ -25,6 +25,7 @@ from rl.test_loop_e2e import _final_policy as final_policy
 from rl.test_loop_e2e import tiny_assets, tiny_overrides
 
 from .cluster import FINAL_STATES
+from .compare import assert_same_runs, metrics
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
@@ -61,10 +62,6 @@ def finished(cluster, job: int, out: Path, timeout_s: float = 240.0, want: str =
     return log
 
 
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 
 
 def test_demo_job_writes_its_report(cluster, tiny_models, tmp_path):
@@ -95,14 +92,8 @@ def slurm_and_spawn(cluster, tiny_models, tmp_path, nodes: int, tasks_per_node: 
     finished(cluster, job, tmp_path / "multi.out", timeout_s=timeout_s)
     info = cluster.run(["scontrol", "show", "job", "-o", str(job)]).stdout
     assert re.search(rf"NumNodes={nodes} ", info) and re.search(rf"NumTasks={workers} ", info), info
-    a, b = metrics(slurm_run / "tlt"), metrics(local_run / "tlt")
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1]
-    assert [r["rollout_digest"] for r in a] == [r["rollout_digest"] for r in b]
-    assert [r["rewards"] for r in a] == [r["rewards"] for r in b]
-    pa, pb = final_policy(slurm_run / "tlt"), final_policy(local_run / "tlt")
-    assert pa.keys() == pb.keys() and pa
-    for k in pa:
-        assert torch.equal(pa[k], pb[k]), k
+    a, b = assert_same_runs(slurm_run / "tlt", local_run / "tlt", steps=2)
+    assert "launcher: slurm" in (slurm_run / "config.yaml").read_text()
     return slurm_run, local_run, a, b
 
 

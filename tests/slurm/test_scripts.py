@@ -41,6 +41,11 @@ def test_h100_script_config_validates_and_matches_its_tasks(name):
     assert int(opts["nodes"]) == H100[name] and opts["gpus-per-node"] == "8"
     assert int(opts["nodes"]) * int(opts["ntasks-per-node"]) == cfg.workers.num_workers
     assert cfg.policy.backend == "megatron"
+    # one GPU per task by local rank, every GPU of the node visible (NCCL peer-to-peer), bf16
+    assert (cfg.workers.device, cfg.model.dtype) == ("cuda", "bfloat16")
+    text = script.read_text() + (REPO / "slurm" / "tlt_job.sh").read_text()
+    assert not re.search(r"^[^#]*(--gpus-per-task|--gpu-bind|CUDA_VISIBLE_DEVICES=)", text, re.M)
+    assert "tlt_network_env" in script.read_text()
 
 
 @pytest.mark.parametrize("name", sorted(H100))
