@@ -131,3 +131,36 @@ def test_bad_inputs_exit_2_naming_the_file_or_key(target_dir, prompts, tmp_path,
     assert "--tokenizer" in capsys.readouterr().err
     # nothing was left behind by the refused runs
     assert not any((tmp_path / name).exists() for name in "abce")
+
+
+def test_hf_tokenizer_in_the_target_folder_and_its_chat_template(tmp_path):
+    """`--tokenizer auto` takes the HF tokenizer saved beside the weights; `--chat-template`
+    renders each prompt through it, as the RL loop's task.chat_template does."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers.decoders import Fuse
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Split
+    from transformers import PreTrainedTokenizerFast
+
+    from nemo_tlt.first_drafter.data import load_samples
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{ch: 3 + i for i, ch in enumerate("0123456789+=#ua")}}
+    raw = RawTokenizer(WordLevel(vocab, unk_token="<pad>"))
+    raw.pre_tokenizer = Split("", behavior="isolated")
+    raw.decoder = Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok.chat_template = "{% for m in messages %}{{ bos_token }}{{ m['role'][0] }}={{ m['content'] }}{% endfor %}" \
+                        "{% if add_generation_prompt %}{{ bos_token }}a={% endif %}"
+    folder = tmp_path / "target"
+    save_hf_folder(tiny_target(vocab_size=len(vocab), bos_token_id=1, eos_token_id=2, pad_token_id=0), folder)
+    tok.save_pretrained(folder)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("1+2=", "3+4=", "5+6=")))
+    assert cli_main(_args(folder, prompts, tmp_path / "d", "--chat-template")) == 0
+    report = json.loads((tmp_path / "d" / "report.json").read_text())
+    assert report["tokenizer"].startswith("HFTokenizer(")
+    samples = load_samples(tmp_path / "d" / "data" / "samples.safetensors")
+    rendered = [tok.encode(f"<s>u={p}<s>a=", add_special_tokens=False) for p in ("1+2=", "3+4=", "5+6=")]
+    assert len(rendered[0]) == 10  # <s> u = 1 + 2 = <s> a =
+    assert samples and all(s.tokens[:10].tolist() in rendered for s in samples)
