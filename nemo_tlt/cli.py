@@ -7,6 +7,7 @@
     nemo-tlt bench precision --out F.json # SD vs plain token identity and speed per dtype
     nemo-tlt bench reshard --out F.json
     nemo-tlt convert ...                  # checkpoint conversion (Megatron / HF / TensorRT-LLM)
+    nemo-tlt drafter train --target DIR --prompts F.jsonl --out DIR   # a first drafter for your target
     nemo-tlt plan CONFIG.yaml [key=value ...]   # memory / reshard plan and simulated speedup (or --calibrate RUN_DIR)
     nemo-tlt train CONFIG.yaml [key=value ...] [--compare-baseline]
     nemo-tlt selfcheck --gpu --out F.json       # the GPU acceptance run (docs/gpu.md); --cpu-dry-run on a CPU
@@ -23,6 +24,7 @@ _COMMANDS = {
     ("bench", "precision"): "nemo_tlt.bench.precision",
     ("bench", "reshard"): "nemo_tlt.bench.reshard",
     ("convert",): "nemo_tlt.convert",
+    ("drafter", "train"): "nemo_tlt.first_drafter.cli",
     ("train",): "nemo_tlt.train",
     ("prepare",): "nemo_tlt.demo.prepare",
     ("plan",): "nemo_tlt.plan.cli",

@@ -15,7 +15,8 @@ Contract: ``main(argv) -> int`` (also ``tools/convert_checkpoint.py``). Supporte
 * ``--from hf --to trtllm --tp T``: TensorRT-LLM checkpoint folder;
 * ``--from drafter --to eagle3-hf``: a saved EAGLE-3 drafter (``drafter.json``) in
   the EAGLE-3 HF checkpoint layout vLLM, SGLang and TensorRT-LLM load
-  (nemo_tlt.drafter.eagle3_hf); ``--from eagle3-hf --to drafter`` reads one back.
+  (nemo_tlt.drafter.eagle3_hf); ``--from eagle3-hf --to drafter`` reads one back, or a
+  published one (``--target MODEL_DIR`` when its config does not record the captured layers).
 
 Errors are clear and early (unknown architecture, mismatched tensor shapes, a TP
 that does not divide heads / kv groups / MLP width, a model the Megatron routes
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers on the last pipeline stage (uneven PP; torch_dist)")
     p.add_argument("--hf-config", default=None,
                    help="config.json describing the model (legacy checkpoints; torch_dist ones of other tools)")
+    p.add_argument("--target", default=None,
+                   help="eagle3-hf: the target model folder; its layer count gives the captured layers when the "
+                        "checkpoint does not record them (as SafeAILab's do), and the drafter is checked against it")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="cast the weights written (default: keep their dtype)")
     p.add_argument("--overwrite", action="store_true")
@@ -201,6 +205,8 @@ def _convert_drafter(args: argparse.Namespace, dtype: torch.dtype | None) -> Non
     from nemo_tlt.drafter.eagle3 import Eagle3Drafter
     from nemo_tlt.drafter.eagle3_hf import read_eagle3_hf, write_eagle3_hf
     from nemo_tlt.drafter.io import load_drafter, save_drafter
+    from nemo_tlt.model.hf_io import read_config
+    from nemo_tlt.model.lm import DecoderLM
 
     if args.src == "drafter":
         drafter = load_drafter(args.input)
@@ -210,7 +216,11 @@ def _convert_drafter(args: argparse.Namespace, dtype: torch.dtype | None) -> Non
         with atomic_output_dir(args.output, overwrite=args.overwrite) as tmp:
             write_eagle3_hf(drafter, tmp, dtype)
     else:
-        drafter = read_eagle3_hf(args.input)
+        target = read_config(args.target) if args.target is not None else None
+        drafter = read_eagle3_hf(args.input, target.num_layers if target is not None else None)
+        if target is not None:
+            with torch.device("meta"):
+                drafter.check_target(DecoderLM(target))
         if dtype is not None:
             drafter.to(dtype)
         if os.path.exists(args.output) and not args.overwrite:

@@ -11,7 +11,7 @@ LAYERS = [
     {"checks", "atomic", "imports", "optim"},
     {"model"}, {"speculative"}, {"drafter"}, {"adaptive"}, {"rollout"}, {"dist"}, {"spot"}, {"weights"},
     {"megatron"}, {"policy"}, {"config"}, {"rl"}, {"demo"}, {"integrations"},
-    {"cli", "train", "convert", "bench", "plan"},
+    {"cli", "train", "convert", "bench", "plan", "first_drafter"},
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 

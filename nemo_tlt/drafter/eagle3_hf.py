@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
+from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter, default_capture_layers
 from nemo_tlt.drafter.io import check_weights
 from nemo_tlt.model.config import LMConfig
 
@@ -75,9 +76,43 @@ def write_eagle3_hf(drafter: Eagle3Drafter, folder: str | os.PathLike, dtype: to
     save_file(state, str(folder / "model.safetensors"))
 
 
-def read_eagle3_hf(folder: str | os.PathLike) -> Eagle3Drafter:
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # SafeAILab's own checkpoints ship the .bin
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The first of WEIGHT_FILES present; a .bin is unpickled with tensors and containers only."""
+    for name in WEIGHT_FILES:
+        path = folder / name
+        if path.is_file():
+            if name.endswith(".safetensors"):
+                return load_file(str(path))
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as err:
+                raise ValueError(f"{path}: not a plain tensor dict ({err})") from None
+    raise FileNotFoundError(f"{folder}: no weights (looked for {list(WEIGHT_FILES)})")
+
+
+def _capture_layers(hf: dict, cfg_path: Path, target_num_layers: int | None) -> tuple[int, ...]:
+    ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return tuple(i - 1 for i in ids)
+    if target_num_layers is None:
+        raise ValueError(f"{cfg_path}: no eagle_config.eagle_aux_hidden_state_layer_ids: the captured target "
+                         "layers are not recorded (SafeAILab's checkpoints leave them to the serving engine's "
+                         "default); give the target (--target MODEL_DIR) to use that default")
+    # vLLM's default (2, L//2, L-3) in its numbering is TensorRT-LLM's and ours
+    return default_capture_layers(target_num_layers)
+
+
+def read_eagle3_hf(folder: str | os.PathLike, target_num_layers: int | None = None) -> Eagle3Drafter:
     """An EAGLE-3 HF folder -> the drafter, every tensor name and shape checked; weights
-    keep the file's dtype. A target embedding in the file is not read (ours is shared)."""
+    keep the file's dtype. A target embedding in the file is not read (ours is shared).
+
+    Folders as SafeAILab publishes them read too: weights in ``pytorch_model.bin``, no
+    ``eagle_config`` (the captured layers are then the serving engines' default for a
+    target of ``target_num_layers`` layers), and, for a full draft vocabulary, no
+    ``d2t`` / ``t2d`` maps (the identity)."""
     folder = Path(folder)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
@@ -86,19 +121,21 @@ def read_eagle3_hf(folder: str | os.PathLike) -> Eagle3Drafter:
     if ARCHITECTURE not in (hf.get("architectures") or []):
         raise ValueError(f"{cfg_path}: architectures={hf.get('architectures')!r}, expected [{ARCHITECTURE!r}]")
     layer = LMConfig.from_hf_config({**hf, "architectures": ["LlamaForCausalLM"]}, str(cfg_path))
+    if hf.get("target_hidden_size") not in (None, layer.hidden_size):
+        raise ValueError(f"{cfg_path}: target_hidden_size {hf['target_hidden_size']} differs from hidden_size "
+                         f"{layer.hidden_size}; a drafter narrower than its target is not supported")
     ours = hf.get("nemo_tlt")
     if ours is not None:
         capture, ttt = tuple(ours["capture_layers"]), {"ttt_steps": ours["ttt_steps"], "ttt_decay": ours["ttt_decay"]}
     else:
-        ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if not ids:
-            raise ValueError(f"{cfg_path}: no eagle_config.eagle_aux_hidden_state_layer_ids: the captured target "
-                             "layers are not recorded")
-        capture, ttt = tuple(i - 1 for i in ids), {}
+        capture, ttt = _capture_layers(hf, cfg_path, target_num_layers), {}
     config = Eagle3Config(layer, capture, hf.get("draft_vocab_size") or layer.vocab_size, **ttt)
-    state = load_file(str(folder / "model.safetensors"))
+    state = _read_weights(folder)
     state.pop("embed_tokens.weight", None)
     drafter = Eagle3Drafter(config)
+    if config.draft_vocab_size == layer.vocab_size:
+        for name in ("d2t", "t2d"):  # the identity maps the drafter starts with
+            state.setdefault(name, getattr(drafter, name))
     check_weights(state, drafter.state_dict(), folder, "config.json")
     drafter.to(state["fc.weight"].dtype)
     drafter.load_state_dict(state)

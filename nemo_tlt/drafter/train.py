@@ -2,11 +2,14 @@
 
 `drafter_loss` is the one loss entry point (EAGLE, EAGLE-3 or Medusa, padded or
 packed batch) that the idle-time spot trainer reuses; `train_drafter` is a minimal AdamW
-loop over padded batches for a drafter trained once, e.g. for the benchmark.
+loop over padded batches for a drafter trained once, e.g. for the benchmark, built on
+`drafter_step` (one optimizer step), which `nemo-tlt drafter train` drives with packing
+and checkpoints.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -96,17 +99,27 @@ def train_drafter(drafter: nn.Module, target: DecoderLM, samples: list[DrafterSa
                disable=not progress, leave=False)
     for step in bar:
         schedule.apply(step)
-        idx = torch.randint(len(samples), (config.batch_size,), generator=gen).tolist()
-        batch = pad_eagle_batch([samples[i] for i in idx])
-        loss, stats = drafter_loss(drafter, target, batch, config.reg_weight, config.ce_weight,
-                                   config.feature_noise, gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-        opt.step()
-        stats["loss"] = float(loss.detach())
+        stats = drafter_step(drafter, target, samples, pad_eagle_batch, opt, config, gen)
         history.append(stats)
         bar.set_postfix(loss=f"{stats['loss']:.3f}")
     drafter.eval()
     return history
+
+
+def drafter_step(drafter: nn.Module, target: DecoderLM, samples: list[DrafterSample],
+                 make_batch: Callable[[list[DrafterSample]], EagleBatch], opt: torch.optim.Optimizer,
+                 config: DrafterTrainConfig, gen: torch.Generator) -> dict[str, float]:
+    """One optimizer step on ``config.batch_size`` samples drawn with replacement from
+    ``gen``, laid out by ``make_batch`` (``pad_eagle_batch``, or a packing of
+    nemo_tlt.drafter.packing); the caller sets the step's learning rate first."""
+    idx = torch.randint(len(samples), (config.batch_size,), generator=gen).tolist()
+    batch = make_batch([samples[i] for i in idx])
+    loss, stats = drafter_loss(drafter, target, batch, config.reg_weight, config.ce_weight,
+                               config.feature_noise, gen)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if config.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], config.grad_clip)
+    opt.step()
+    stats["loss"] = float(loss.detach())
+    return stats

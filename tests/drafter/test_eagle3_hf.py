@@ -107,3 +107,50 @@ def test_a_drafter_no_serving_engine_feeds_correctly_is_not_exported(tmp_path, l
     with pytest.raises(ValueError, match=rf"captures target layers \[{', '.join(map(str, layers))}\]"):
         write_eagle3_hf(drafter, tmp_path / "hf")
     assert not any((tmp_path / "hf").iterdir())
+
+
+def _published_folder(drafter: Eagle3Drafter, folder, maps: bool = True) -> None:
+    """``drafter`` laid out as SafeAILab publishes EAGLE-3 drafters (e.g. EAGLE3-LLaMA3.1-Instruct-8B):
+    a plain Llama config.json with the Eagle3 architecture and draft_vocab_size, no eagle_config and
+    none of our keys; fp16 weights in pytorch_model.bin, the target's embedding included."""
+    c = drafter.config.layer
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id, "hidden_act": "silu", "hidden_size": c.hidden_size,
+        "initializer_range": 0.02, "intermediate_size": c.intermediate_size,
+        "max_position_embeddings": c.max_position_embeddings, "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads, "num_hidden_layers": 1, "pad_token_id": 0,
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "tie_word_embeddings": False,
+        "torch_dtype": "float16", "transformers_version": "4.28.1", "use_cache": True,
+        "vocab_size": c.vocab_size, "draft_vocab_size": drafter.config.draft_vocab_size}))
+    state = {k: v.half() if v.is_floating_point() else v for k, v in drafter.state_dict().items()
+             if maps or k not in ("d2t", "t2d")}
+    state["embed_tokens.weight"] = torch.randn(c.vocab_size, c.hidden_size).half()
+    torch.save(state, folder / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize("full_vocab", [False, True], ids=["draft-vocab", "full-vocab-no-maps"])
+def test_published_folder_imports_with_the_target(tmp_path, capsys, full_vocab):
+    from nemo_tlt.model.hf_io import save_hf_folder
+    from nemo_tlt.model.lm import DecoderLM
+
+    cfg = tiny_config(num_layers=8, num_heads=4, num_kv_heads=2)
+    drafter = Eagle3Drafter(Eagle3Config.from_target(cfg), generator=torch.Generator().manual_seed(1)) \
+        if full_vocab else _drafter()
+    _published_folder(drafter, tmp_path / "hf", maps=not full_vocab)
+    save_hf_folder(DecoderLM(cfg), tmp_path / "target")
+    args = ["--from", "eagle3-hf", "--to", "drafter", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "d")]
+    assert main(args) == 2
+    assert "--target" in capsys.readouterr().err and not (tmp_path / "d").exists()
+    assert main([*args, "--target", str(tmp_path / "target")]) == 0
+    back = load_drafter(tmp_path / "d")
+    # the serving engines' default captures for an 8-layer target: vLLM's (2, 4, 5) are our (1, 3, 4)
+    assert back.capture_layers == (1, 3, 4)
+    saved = load_file(str(tmp_path / "d" / "drafter.safetensors"))  # the file's fp16, bit for bit
+    assert set(saved) == set(drafter.state_dict())
+    assert all(torch.equal(v.half() if v.is_floating_point() else v, saved[k]) for k, v in drafter.state_dict().items())
+    # a target it was not made for is refused
+    save_hf_folder(DecoderLM(tiny_config(num_layers=8, hidden_size=64)), tmp_path / "other")
+    assert main([*args, "--target", str(tmp_path / "other"), "--overwrite"]) == 2
+    assert "hidden_size" in capsys.readouterr().err
