@@ -31,10 +31,9 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_tlt.checks import check_float, check_int
-from nemo_tlt.dist.device import DEVICES, DTYPES
+from nemo_tlt.device import DEVICES, DTYPES
 from nemo_tlt.imports import check_import_path, is_import_path
 from nemo_tlt.policy.config import PolicyConfig
-from nemo_tlt.rl.loggers import LoggerConfig
 from nemo_tlt.rollout.config import RolloutConfig
 from nemo_tlt.speculative.sampling import MODES
 from nemo_tlt.speculative.tree_shape import TreeShape
@@ -241,6 +240,53 @@ class CheckpointConfig:
             raise ValueError("CheckpointConfig.dir must not be empty")
         check_int("CheckpointConfig.keep_last", self.keep_last, 1)
         check_int("CheckpointConfig.every", self.every, 1)
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases (``pip install 'nemo-tlt[wandb]'``). ``name`` unset: the run
+    folder; ``mode`` unset: W&B's own choice (``WANDB_MODE``, else online)."""
+
+    enabled: bool = False
+    project: str = "nemo-tlt"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    mode: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not self.project:
+            raise ValueError("WandbConfig.project must not be empty")
+        if self.mode is not None and self.mode not in WANDB_MODES:
+            raise ValueError(f"WandbConfig.mode must be one of {list(WANDB_MODES)} (or null), got {self.mode!r}")
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    """MLflow (``pip install 'nemo-tlt[mlflow]'``). ``tracking_uri`` unset: MLflow's own
+    (``MLFLOW_TRACKING_URI``, else its default); ``run_name`` unset: the run folder."""
+
+    enabled: bool = False
+    tracking_uri: Optional[str] = None
+    experiment: str = "nemo-tlt"
+    run_name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not self.experiment:
+            raise ValueError("MlflowConfig.experiment must not be empty")
+        if self.tracking_uri is not None and not self.tracking_uri:
+            raise ValueError("MlflowConfig.tracking_uri must be a URI (file:/path, http://host:5000, ...) or null")
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    """The ``logger:`` block: metrics.jsonl always; TensorBoard, W&B, MLflow as chosen."""
+
+    tensorboard: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 @dataclass(frozen=True)

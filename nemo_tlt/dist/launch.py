@@ -72,7 +72,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nemo_tlt.dist.comm import SIGNALS, StopFlag
-from nemo_tlt.dist.device import resolve_device
+from nemo_tlt.device import resolve_device
 
 CPU_BACKEND = "gloo"
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"  # one group: CUDA tensors over NCCL, CPU tensors and objects over gloo

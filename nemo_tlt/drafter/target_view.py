@@ -20,7 +20,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from nemo_tlt.dist.device import Placement
+from nemo_tlt.device import Placement
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.model.rope import rope_tables_for

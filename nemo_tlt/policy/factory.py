@@ -10,7 +10,7 @@ from typing import Mapping
 
 import torch
 
-from nemo_tlt.dist import Placement
+from nemo_tlt.device import Placement
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.policy.protocol import PolicyBackend

@@ -45,7 +45,8 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_tlt.dist import Placement, allreduce_flat
+from nemo_tlt.device import Placement
+from nemo_tlt.dist import allreduce_flat
 from nemo_tlt.megatron.grads import allreduce_tied_embedding_grads, clip_grads
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.optim import build_optimizer

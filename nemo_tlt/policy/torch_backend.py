@@ -23,7 +23,8 @@ from typing import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_tlt.dist import Placement, allreduce_flat
+from nemo_tlt.device import Placement
+from nemo_tlt.dist import allreduce_flat
 from nemo_tlt.drafter.features import join_features
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.lm import DecoderLM

@@ -32,7 +32,7 @@ from typing import Mapping
 import torch
 
 from nemo_tlt.dist import NodeGroups
-from nemo_tlt.dist.device import Placement
+from nemo_tlt.device import Placement
 from nemo_tlt.drafter.features import feature_width
 from nemo_tlt.drafter.io import load_drafter
 from nemo_tlt.drafter.target_view import TargetView

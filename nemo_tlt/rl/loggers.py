@@ -27,54 +27,9 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
-WANDB_MODES = ("online", "offline", "disabled")
-
-
-@dataclass(frozen=True)
-class WandbConfig:
-    """Weights & Biases (``pip install 'nemo-tlt[wandb]'``). ``name`` unset: the run
-    folder; ``mode`` unset: W&B's own choice (``WANDB_MODE``, else online)."""
-
-    enabled: bool = False
-    project: str = "nemo-tlt"
-    entity: Optional[str] = None
-    name: Optional[str] = None
-    mode: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        if not self.project:
-            raise ValueError("WandbConfig.project must not be empty")
-        if self.mode is not None and self.mode not in WANDB_MODES:
-            raise ValueError(f"WandbConfig.mode must be one of {list(WANDB_MODES)} (or null), got {self.mode!r}")
-
-
-@dataclass(frozen=True)
-class MlflowConfig:
-    """MLflow (``pip install 'nemo-tlt[mlflow]'``). ``tracking_uri`` unset: MLflow's own
-    (``MLFLOW_TRACKING_URI``, else its default); ``run_name`` unset: the run folder."""
-
-    enabled: bool = False
-    tracking_uri: Optional[str] = None
-    experiment: str = "nemo-tlt"
-    run_name: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        if not self.experiment:
-            raise ValueError("MlflowConfig.experiment must not be empty")
-        if self.tracking_uri is not None and not self.tracking_uri:
-            raise ValueError("MlflowConfig.tracking_uri must be a URI (file:/path, http://host:5000, ...) or null")
-
-
-@dataclass(frozen=True)
-class LoggerConfig:
-    """The ``logger:`` block: metrics.jsonl always; TensorBoard, W&B, MLflow as chosen."""
-
-    tensorboard: bool = True
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
-
+from nemo_tlt.config import LoggerConfig, MlflowConfig, WandbConfig
 
 class ScalarSink(Protocol):
     def log(self, scalars: dict[str, float], step: int) -> None: ...

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from nemo_tlt.dist import Placement, build_node_groups, gather_topology, torch_dtype
+from nemo_tlt.device import Placement, torch_dtype
+from nemo_tlt.dist import build_node_groups, gather_topology
 from nemo_tlt.drafter.target_view import TargetView
 from nemo_tlt.model.hf_io import load_hf_folder
 from nemo_tlt.policy.factory import build_policy_backend

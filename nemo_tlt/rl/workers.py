@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from nemo_tlt.dist import (Comm, RankContext, SlurmEnvError, StopFlag, in_srun_step, in_torchrun, launch_local,
                            launch_slurm, launch_torchrun)
-from nemo_tlt.dist.device import resolve_device
+from nemo_tlt.device import resolve_device
 from nemo_tlt.dist.launch import local_device_kind
 from nemo_tlt.dist.slurm import SlurmTask
 from nemo_tlt.dist.torchrun import TorchrunEnvError, TorchrunTask

@@ -1,7 +1,7 @@
 """One factory from config to a rollout engine (the loop never names an engine class)."""
 from __future__ import annotations
 
-from nemo_tlt.dist.device import Placement
+from nemo_tlt.device import Placement
 from nemo_tlt.rollout.config import RolloutConfig
 from nemo_tlt.rollout.protocol import RolloutEngine
 

@@ -43,7 +43,7 @@ def main_job_check(device_kind: str, out_dir: Path, overrides: tuple[str, ...] =
 
 
 def _megatron_worker(ctx, canonical: dict, cfg, batch: list, advantages: torch.Tensor) -> dict[str, Any]:
-    from nemo_tlt.dist import Placement
+    from nemo_tlt.device import Placement
     from nemo_tlt.policy import PolicyConfig, PolicyOptimConfig, build_policy_backend
 
     placement = Placement(ctx.device, torch.float32)

@@ -79,7 +79,7 @@ def bf16_update(ctx: RankContext, cfg: LMConfig, canonical: dict, policy: Policy
     """One update of a bf16 megatron policy (fp32 masters); rank 0 returns what the test compares."""
     from megatron.core import parallel_state
 
-    from nemo_tlt.dist import Placement
+    from nemo_tlt.device import Placement
 
     trainer = build_policy_backend(policy, canonical, cfg, temperature=1.0, seed=1234,
                                    placement=Placement.cpu(torch.bfloat16))

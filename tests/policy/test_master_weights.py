@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_tlt.dist import Placement
+from nemo_tlt.device import Placement
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.policy import PolicyConfig, PolicyOptimConfig, build_policy_backend
 from nemo_tlt.policy.master_weights import MasterWeights

@@ -12,7 +12,8 @@ pytest.importorskip("megatron.core")
 sys.path.insert(0, str(Path(__file__).parent))
 from megatron_backend_workers import bf16_update  # noqa: E402
 
-from nemo_tlt.dist import Placement, launch_local  # noqa: E402
+from nemo_tlt.device import Placement
+from nemo_tlt.dist import launch_local  # noqa: E402
 from nemo_tlt.model.config import LMConfig  # noqa: E402
 from nemo_tlt.model.lm import DecoderLM  # noqa: E402
 from nemo_tlt.policy import PolicyConfig, PolicyOptimConfig, build_policy_backend  # noqa: E402

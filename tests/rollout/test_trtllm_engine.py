@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
-from nemo_tlt.dist.device import Placement
+from nemo_tlt.device import Placement
 from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.eagle3_hf import write_eagle3_hf
 from nemo_tlt.integrations.interface_facts import (TRTLLM_COMPLETION_FIELDS, TRTLLM_EAGLE3_FIELDS,
