@@ -43,6 +43,7 @@ from nemo_tlt.config import TaskConfig, TLTConfig, load_config
 from nemo_tlt.rl.loop import run_rank
 from nemo_tlt.rl.run import RunSpec, prepare_run_dir
 from nemo_tlt.rl.task import build_task
+from nemo_tlt.rl.validation import validation_prompts
 from nemo_tlt.rl.loggers import check_available
 from nemo_tlt.rl.report import compare_pairs, format_pairs, read_validation, run_block, write_plots
 from nemo_tlt.rl.workers import launch, process_rank, resolved_workers
@@ -222,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         target_dir, drafter_dir = resolve_models(config)
         build_task(config.task, target_dir)  # imports the user's source, reward and tokenizer now, once
         check_available(config.logger)  # a chosen W&B / MLflow logger is installed
+        if config.validation.every > 0:
+            validation_prompts(config)  # the validation split can be read (a bad file or count fails here)
         plan = build_plan(config, args, target_dir, drafter_dir)
         for run in plan if primary else ():
             prepare_run_dir(run.spec)
