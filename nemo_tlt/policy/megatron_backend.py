@@ -29,12 +29,12 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
   ``capture_layers`` hooks on those decoder layers capture them on the stages holding them
   (``nemo_tlt.megatron.forward_features``). With PP > 1 each is broadcast from its stage to
   every stage of the pipeline, so ``on_hidden`` runs on every rank with the whole feature.
-* Weights out: ``canonical_weights()`` yields the full canonical weights on every rank;
-  the reshard (``nemo_tlt.weights.reshard.stream_reshard``) moves them layer by layer,
-  but collects them into one dict per rank before the first is yielded, so each rank
-  holds one full copy at that moment (a generator reshard would not; not done yet).
-  ``rollout_state_dict(rollout_tp, receivers)`` does the same in a rollout engine's TP
-  layout; ``canonical_state_dict()`` gathers on global rank 0.
+* Weights out: ``canonical_weights()`` yields the full canonical weights on every rank,
+  tensor by tensor as the slice-only reshard (``nemo_tlt.weights.reshard.iter_reshard``)
+  delivers them, so no rank holds a copy of the model beside the one its consumer
+  builds (a collective: every rank consumes the stream to its end).
+  ``rollout_state_dict(rollout_tp, receivers)`` collects a rollout engine's TP shard
+  (each receiver receives only its slice); ``canonical_state_dict()`` gathers on global rank 0.
 """
 from __future__ import annotations
 
@@ -341,9 +341,20 @@ class MegatronPolicy:
 
     # ---- weights out / in ----------------------------------------------------------------
     def canonical_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full canonical weights on every rank (a collective; see the module docstring
-        for the one full copy per rank it holds)."""
-        yield from self.rollout_state_dict(rollout_tp=1).items()
+        """The full canonical weights on every rank, one tensor at a time, as the reshard delivers
+        them (a collective: every rank must consume the stream to its end)."""
+        from nemo_tlt.megatron.live import local_shard
+        from nemo_tlt.weights.reshard import ReshardPlan, iter_reshard
+
+        plan = ReshardPlan(self.model_config, self.layout, 1, dtype=self.dtype, device=self.device.type)
+        stream = iter_reshard(local_shard(self.model), plan)
+        while True:
+            # the CPU shims are on only while the reshard runs, never while the consumer does
+            with self._device_context():
+                item = next(stream, None)
+            if item is None:
+                return
+            yield item
 
     def canonical_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Every rank calls; global rank 0 gets the gathered canonical weights, the others None."""
