@@ -384,6 +384,49 @@ class MegatronPolicy:
             load_shard(self.model, {k: v.to(self.device, self.dtype) for k, v in shard.items()})
         self.master.params_to_masters()
 
+    # ---- sharded checkpoints ---------------------------------------------------------------
+    def _sharded_state(self) -> dict:
+        from nemo_tlt.megatron.policy_checkpoint import layout_common, policy_sharded_state
+
+        common = layout_common(self.model_config, self.layout, self.dtype, self.step)
+        return policy_sharded_state(self.model, self.params, self.master.masters if self.master.mixed else None,
+                                    self.optimizer, common)
+
+    def save_sharded(self, directory: str) -> None:
+        """Collective: every rank writes its own shard of the weights, fp32 masters and AdamW state
+        into ``directory`` (megatron-core ``dist_checkpointing``; nothing gathered on any rank)."""
+        from nemo_tlt.megatron.policy_checkpoint import save_policy_shards
+
+        with self._device_context():
+            save_policy_shards(self._sharded_state(), directory)
+
+    def load_sharded(self, directory: str) -> None:
+        """Collective: this rank's slice of a ``save_sharded`` checkpoint, written at any data-parallel
+        size (and TP / PP where the padded vocabulary agrees; refused otherwise, naming both)."""
+        from nemo_tlt.megatron.policy_checkpoint import COMMON, load_policy_shards
+
+        with self._device_context():
+            template = self._sharded_state()
+            loaded = load_policy_shards(template, directory)
+        opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        adam_step = torch.tensor(float(loaded[COMMON]["adam_step"]))
+        with torch.no_grad():
+            result = self.model.load_state_dict(
+                {k: v for k, v in loaded["model"].items() if isinstance(v, torch.Tensor)}, strict=False)
+            missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+            if missing or result.unexpected_keys:
+                raise ValueError(f"load_sharded: missing {missing}, unexpected {result.unexpected_keys}")
+            for i, p in enumerate(opt_params):
+                state = self.optimizer.state[p]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key].copy_(loaded["optimizer"][i][key])
+                state["step"] = adam_step.clone()
+            if self.master.mixed:
+                for m, saved in zip(self.master.masters, (loaded["master"][i] for i in range(len(opt_params)))):
+                    m.copy_(saved)
+                self.master.masters_to_params()
+        self.step = int(loaded[COMMON]["step"])
+
     def state_dict(self) -> dict:
         """This rank's optimizer state (over its own shard) and schedule step, tagged with its (pp, tp)."""
         return {"optimizer": self.optimizer.state_dict(), "step": self.step, "coords": list(self.coords),
