@@ -62,3 +62,42 @@ def resume_and_continue(ctx: RankContext, cfg, canonical: dict, policy, batches:
         if out is not None:
             out["refusal"] = refusal
     return out
+
+
+def save_then_die(ctx: RankContext, cfg, canonical: dict, policy, batches: list, root: str, reference: str) -> None:
+    """Step 1 committed as a sharded run checkpoint; step 2's save loses rank 1 to SIGKILL after
+    its shard files are written, before the commit."""
+    import os
+    import signal
+
+    from nemo_tlt.spot.sharded_checkpoint import ShardedCheckpoints
+
+    trainer = build_policy_backend(policy, canonical, cfg, temperature=1.0, seed=1234)
+    ckpts = ShardedCheckpoints(root, keep_last=2)
+    _step(trainer, *batches[0])
+    ckpts.save(1, lambda folder: trainer.save_sharded(str(folder / "policy")))
+    weights = trainer.canonical_state_dict()
+    if ctx.rank == 0:
+        torch.save(weights, reference)
+    _step(trainer, *batches[1])
+
+    def write_and_die(folder):
+        trainer.save_sharded(str(folder / "policy"))
+        if ctx.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    ckpts.save(2, write_and_die)
+
+
+def load_latest(ctx: RankContext, cfg, canonical: dict, policy, root: str) -> dict | None:
+    from megatron.core import parallel_state
+
+    from nemo_tlt.spot.sharded_checkpoint import ShardedCheckpoints
+
+    trainer = build_policy_backend(policy, canonical, cfg, temperature=1.0, seed=1234)
+    ckpts = ShardedCheckpoints(root)
+    step = ckpts.latest(verify=True)
+    trainer.load_sharded(str(ckpts.path(step) / "policy"))
+    weights = trainer.canonical_state_dict()
+    parallel_state.destroy_model_parallel()
+    return {"step": step, "weights": weights, "policy_step": trainer.step} if ctx.rank == 0 else None

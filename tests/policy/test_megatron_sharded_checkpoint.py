@@ -45,3 +45,22 @@ def test_checkpoint_at_four_ranks_resumes_at_two(tmp_path):
         moved = max(moved, float((want - canonical[name]).abs().max()))
     assert moved > 1e-3  # two updates really moved the weights: the comparison is not vacuous
     assert "TP=2" in resumed["refusal"] and "TP=1" in resumed["refusal"]
+
+
+@pytest.mark.timeout(600)
+def test_kill_during_sharded_save_leaves_previous_checkpoint_loadable(tmp_path):
+    from megatron_checkpoint_workers import load_latest, save_then_die
+
+    canonical = _weights(LLAMA, seed=4)
+    batches = [_batch(21, n=4), _batch(22, n=4)]
+    root, reference = tmp_path / "ckpt", tmp_path / "step1.pt"
+    with pytest.raises(Exception):
+        launch_local(save_then_die, 2, LLAMA, canonical, _policy(2), batches, str(root), str(reference),
+                     timeout_s=300)
+    assert (root / ".step-00000002.partial-sharded").is_dir()  # the killed save's files, never committed
+    assert not (root / "step-00000002").exists()
+    got = launch_local(load_latest, 2, LLAMA, canonical, _policy(2), str(root), timeout_s=300)[0]
+    assert got["step"] == 1 and got["policy_step"] == 1
+    want = torch.load(reference)
+    for name, tensor in want.items():
+        assert torch.equal(got["weights"][name], tensor), name
