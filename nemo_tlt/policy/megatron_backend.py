@@ -35,6 +35,10 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
   builds (a collective: every rank consumes the stream to its end).
   ``rollout_state_dict(rollout_tp, receivers)`` collects a rollout engine's TP shard
   (each receiver receives only its slice); ``canonical_state_dict()`` gathers on global rank 0.
+* Sharded checkpoints: ``save_sharded(dir)`` / ``load_sharded(dir)`` (collective) write and
+  read this rank's slices of the weights, fp32 masters and AdamW moments through
+  megatron-core's ``dist_checkpointing`` (``nemo_tlt.megatron.policy_checkpoint``); another
+  data-parallel size loads, another TP / PP where the padded vocabulary agrees.
 """
 from __future__ import annotations
 
