@@ -10,7 +10,11 @@ patches, for its lifetime only:
   around saves;
 * tensor creations with ``device="cuda"`` (or ``cuda:N``) -> redirected to CPU
   by a ``TorchFunctionMode``, because the pipeline schedules and the default
-  attention mask allocate on cuda explicitly.
+  attention mask allocate on cuda explicitly;
+* ``Tensor.type()`` (no argument) of a float32 / float16 / bfloat16 tensor -> its
+  ``torch.cuda.*Tensor`` name, by the same mode, because megatron-core's mixed-precision
+  and distributed optimizers dispatch on that string (``distrib_optimizer.py``
+  ``_build_model_and_main_param_groups`` raises TypeError for ``torch.FloatTensor``).
 
 The shims refuse to run where CUDA is available: on a GPU they would silently
 move training to the CPU, which is never what anyone wants. CPU work on a GPU
@@ -40,10 +44,18 @@ def _is_cuda_device(value: Any) -> bool:
     return False
 
 
+_CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+                    torch.bfloat16: "torch.cuda.BFloat16Tensor"}
+
+
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites ``device=cuda`` keyword arguments and ``.cuda()`` / ``.to("cuda")``."""
+    """Rewrites ``device=cuda`` keyword arguments and ``.cuda()`` / ``.to("cuda")``; ``Tensor.type()``
+    names the cuda type."""
 
     def __torch_function__(self, func: Callable, types, args=(), kwargs=None):  # type: ignore[override]
+        if (getattr(func, "__name__", "") == "type" and len(args) == 1 and not kwargs
+                and isinstance(args[0], torch.Tensor) and args[0].dtype in _CUDA_TYPE_NAMES):
+            return _CUDA_TYPE_NAMES[args[0].dtype]
         kwargs = dict(kwargs or {})
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = _CPU

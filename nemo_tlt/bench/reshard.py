@@ -14,7 +14,17 @@ default), then for each rollout TP size runs ``stream_reshard`` and
   streaming peak <= 2 of these);
 * ``wall_s``: ``{"streaming", "gather"}`` summed over targets (slowest rank);
 * ``bit_exact``: every rollout tensor identical between the two paths (digests);
-* ``by_target``: the same numbers per rollout TP size, plus model facts.
+* ``model_bytes``: the canonical model's bytes (fp32);
+* ``by_target``: the same numbers per rollout TP size, and for each: ``rollout_tp``,
+  ``bytes_received_per_rank`` (list by global rank, the streaming reshard's, as its
+  ``ByteMeter`` counted them; ``gather_bytes_received_per_rank`` the reference's),
+  ``planned_bytes_received_per_rank`` (``nemo-tlt plan``'s accounting,
+  ``nemo_tlt.plan.reshard_plan``, for the same layout and receivers),
+  ``received_over_slice`` (max received x rollout_tp / model_bytes; target <= 1.1) and
+  ``within_target``; top-level ``within_target`` is all of them.
+
+``--receivers first`` (default) makes the first ``tp`` ranks the receivers; ``all``
+makes every rank one (a colocated rollout engine per rank, as in the RL loop).
 """
 from __future__ import annotations
 
@@ -42,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ffn", type=int, default=5632)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--rollout-tps", default="1,2", help="comma-separated rollout TP sizes")
+    p.add_argument("--receivers", choices=("first", "all"), default="first",
+                   help="first: the first TP ranks receive; all: every rank does")
     p.add_argument("--timeout-s", type=float, default=900.0)
     return p
 
@@ -58,7 +70,11 @@ def _timed(fn, *args) -> tuple[dict | None, float]:
     return out, time.perf_counter() - start
 
 
-def _worker(ctx: RankContext, cfg: LMConfig, layout: ParallelLayout, rollout_tps: list[int]) -> dict:
+def _receivers(rtp: int, mode: str, world: int) -> tuple[int, ...]:
+    return tuple(range(rtp)) if mode == "first" else tuple(range(world))
+
+
+def _worker(ctx: RankContext, cfg: LMConfig, layout: ParallelLayout, rollout_tps: list[int], mode: str) -> dict:
     from megatron_patches.cpu_shims import cpu_shims
     from nemo_tlt.megatron.parallel import init_model_parallel
     from nemo_tlt.megatron.live import rank_coords
@@ -72,7 +88,7 @@ def _worker(ctx: RankContext, cfg: LMConfig, layout: ParallelLayout, rollout_tps
         shard = {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
         report = {}
         for rtp in rollout_tps:
-            receivers = tuple(range(rtp))
+            receivers = _receivers(rtp, mode, ctx.world)
             stream_plan = ReshardPlan(cfg, layout, rtp, receivers, meter=ByteMeter())
             out, stream_s = _timed(stream_reshard, shard, stream_plan)
             stream_digest = _digests(out) if out is not None else None
@@ -82,19 +98,33 @@ def _worker(ctx: RankContext, cfg: LMConfig, layout: ParallelLayout, rollout_tps
             same = out is None or _digests(out) == stream_digest
             del out
             report[rtp] = {"streaming_peak": stream_plan.meter.peak, "gather_peak": gather_plan.meter.peak,
-                           "streaming_s": stream_s, "gather_s": gather_s, "bit_exact": same}
+                           "streaming_s": stream_s, "gather_s": gather_s, "bit_exact": same,
+                           "streaming_received": stream_plan.meter.received,
+                           "gather_received": gather_plan.meter.received}
     return report
 
 
-def _summarise(cfg: LMConfig, per_rank: list[dict], rollout_tps: list[int]) -> dict:
+def _summarise(cfg: LMConfig, layout: ParallelLayout, per_rank: list[dict], rollout_tps: list[int],
+               mode: str) -> dict:
+    from nemo_tlt.plan.reshard_plan import plan_stream_reshard
+
     layer_bytes = 4 * (2 * cfg.hidden_size + 2 * cfg.hidden_size * cfg.num_heads * cfg.head_dim
                        + 2 * cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim
                        + 3 * cfg.hidden_size * cfg.intermediate_size)
     params = (cfg.num_layers * layer_bytes // 4 + 2 * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size)
+    model_bytes = 4 * params
     by_target = {}
     for rtp in rollout_tps:
         rows = [r[rtp] for r in per_rank]
+        received = [r["streaming_received"] for r in rows]
+        planned = plan_stream_reshard(cfg, layout, 1, rtp, _receivers(rtp, mode, len(per_rank)), dtype_bytes=4)
         by_target[f"tp{rtp}"] = {
+            "rollout_tp": rtp,
+            "bytes_received_per_rank": received,
+            "gather_bytes_received_per_rank": [r["gather_received"] for r in rows],
+            "planned_bytes_received_per_rank": planned.bytes_received_per_rank,
+            "received_over_slice": round(max(received) * rtp / model_bytes, 4),
+            "within_target": max(received) <= 1.1 * model_bytes / rtp,
             "peak_extra_bytes_per_rank": {"streaming": max(r["streaming_peak"] for r in rows),
                                           "gather": max(r["gather_peak"] for r in rows)},
             "wall_s": {"streaming": max(r["streaming_s"] for r in rows),
@@ -105,6 +135,8 @@ def _summarise(cfg: LMConfig, per_rank: list[dict], rollout_tps: list[int]) -> d
     return {
         "source_layout": "TP2xPP2",
         "params": params,
+        "model_bytes": model_bytes,
+        "receivers": mode,
         "dtype": "float32",
         "peak_extra_bytes_per_rank": {k: max(t["peak_extra_bytes_per_rank"][k] for t in targets)
                                       for k in ("streaming", "gather")},
@@ -112,6 +144,7 @@ def _summarise(cfg: LMConfig, per_rank: list[dict], rollout_tps: list[int]) -> d
         "embedding_bytes": 4 * cfg.vocab_size * cfg.hidden_size,
         "wall_s": {k: round(sum(t["wall_s"][k] for t in targets), 3) for k in ("streaming", "gather")},
         "bit_exact": all(t["bit_exact"] for t in targets),
+        "within_target": all(t["within_target"] for t in targets),
         "by_target": by_target,
         "memory_counting": "transient tensor bytes counted by nemo_tlt.weights.reshard.ByteMeter",
     }
@@ -130,12 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LMConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
                    num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads)
     layout = ParallelLayout(tp=2, pp=2)
-    per_rank = launch_local(_worker, 4, cfg, layout, rollout_tps, timeout_s=args.timeout_s)
-    summary = _summarise(cfg, per_rank, rollout_tps)
+    per_rank = launch_local(_worker, 4, cfg, layout, rollout_tps, args.receivers, timeout_s=args.timeout_s)
+    summary = _summarise(cfg, layout, per_rank, rollout_tps, args.receivers)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=2)
     print(json.dumps(summary, indent=2))
-    return 0 if summary["bit_exact"] else 1
+    return 0 if summary["bit_exact"] and summary["within_target"] else 1
 
 
 if __name__ == "__main__":

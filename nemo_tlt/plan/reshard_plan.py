@@ -1,12 +1,13 @@
-"""The streaming reshard's cost at full size, computed on meta tensors (nothing allocated).
+"""The streaming reshard's cost at full size, counted from its own schedule (nothing allocated).
 
-Contract: ``plan_stream_reshard(cfg, layout, dp, rollout_tp)`` walks the same global
-tensor order as ``nemo_tlt.weights.reshard.stream_reshard`` (stage, local layer, tensor,
-TP part; then the final norm and the vocab tensors part by part), with the same shard
-shapes (``megatron_shard_shapes``) and the same conversion (``megatron_tensor_to_canonical``
-run on meta tensors), and counts per rank what that code's ``ByteMeter`` counts:
-receive buffers of parts the rank does not own, plus the canonical tensors a conversion
-creates. The rollout weights being built are the output, not extra memory.
+Contract: ``plan_stream_reshard(cfg, layout, dp, rollout_tp)`` walks
+``nemo_tlt.weights.reshard.reshard_schedule`` (the very list of pieces the streaming
+reshard sends; pure, index vectors only) and counts per rank what that code's
+``ByteMeter`` counts: in each round (one canonical tensor, one rollout rank) a receiver
+holds every piece of its slice, a sender that does not receive holds the piece it cut;
+``received`` sums the pieces that came from another rank. The rollout weights being built
+are the output, not extra memory. ``model_bytes`` is the canonical model at
+``dtype_bytes``; the target is every rank receiving <= 1.1 x model_bytes / rollout_tp.
 
 Ranks follow megatron-core's default order (tp fastest, then dp, then pp); the
 sending copy of each (pp, tp) shard is data-parallel replica 0, as in ``stream_reshard``.
@@ -22,8 +23,7 @@ from nemo_tlt.model.config import LMConfig
 from nemo_tlt.plan.cluster import ClusterSpec
 from nemo_tlt.plan.memory import layer_parameter_count
 from nemo_tlt.weights.layout import ParallelLayout
-from nemo_tlt.weights.megatron_layout import megatron_tensor_to_canonical
-from nemo_tlt.weights.reshard import megatron_shard_shapes
+from nemo_tlt.weights.reshard import reshard_schedule
 from nemo_tlt.weights.rollout import check_rollout_tp
 
 
@@ -49,6 +49,17 @@ class ReshardEstimate:
     bytes_moved_per_rank: int
     seconds: float
     per_rank: tuple[RankCost, ...]
+    model_bytes: int = 0
+    rollout_tp: int = 1
+
+    @property
+    def bytes_received_per_rank(self) -> list[int]:
+        return [c.received for c in self.per_rank]
+
+    @property
+    def within_slice_target(self) -> bool:
+        """Every rank receives at most 1.1 x its rollout slice of the model."""
+        return self.bytes_moved_per_rank <= 1.1 * self.model_bytes / self.rollout_tp
 
     @property
     def within_two_layers(self) -> bool:
@@ -58,13 +69,13 @@ class ReshardEstimate:
         return {"peak_extra_bytes_per_rank": self.peak_extra_bytes_per_rank,
                 "largest_layer_bytes": self.largest_layer_bytes,
                 "bytes_moved_per_rank": self.bytes_moved_per_rank,
+                "bytes_received_per_rank": self.bytes_received_per_rank,
+                "model_bytes": self.model_bytes,
+                "rollout_tp": self.rollout_tp,
+                "received_over_slice": round(self.bytes_moved_per_rank * self.rollout_tp / self.model_bytes, 4),
                 "peak_in_layers": round(self.peak_extra_bytes_per_rank / self.largest_layer_bytes, 3),
                 "within_two_layers": self.within_two_layers,
                 "seconds": round(self.seconds, 3)}
-
-
-def _meta(shape: torch.Size) -> torch.Tensor:
-    return torch.empty(shape, device="meta")
 
 
 def _nbytes(shape: torch.Size, elem: int) -> int:
@@ -76,59 +87,41 @@ def plan_stream_reshard(cfg: LMConfig, layout: ParallelLayout, dp: int, rollout_
                         cluster: ClusterSpec | None = None) -> ReshardEstimate:
     check_rollout_tp(cfg, rollout_tp)
     world = layout.tp * layout.pp * dp
-    recv = set(receivers or range(world))
+    recv = list(receivers or range(world))
+    by_rank = [[g for i, g in enumerate(recv) if i % rollout_tp == r] for r in range(rollout_tp)]
     owner = {(p, t): megatron_rank(p, t, 0, layout, dp) for p in range(layout.pp) for t in range(layout.tp)}
-    shapes = megatron_shard_shapes(cfg, layout)
-    counts = layout.stage_layer_counts(cfg.num_layers)
     cost = [RankCost() for _ in range(world)]
+    for item in reshard_schedule(cfg, layout, rollout_tp):
+        for r, spec in enumerate(item.slices):
+            held = [0] * world
+            for piece in spec.pieces:
+                nbytes = _nbytes(piece.shape, dtype_bytes)
+                src = owner[(item.stage, piece.part)]
+                if src not in by_rank[r] and by_rank[r]:
+                    held[src] += nbytes  # the sender's cut piece
+                for g in by_rank[r]:
+                    held[g] += nbytes  # a receiver holds every piece of its slice (its own part's too)
+                    if g != src:
+                        cost[g].received += nbytes
+            for g, nbytes in enumerate(held):
+                cost[g].counted += nbytes
+                cost[g].hold(nbytes)
 
-    def members(p: int) -> set[int]:
-        return {owner[(p, t)] for t in range(layout.tp)} | recv
-
-    def whole_tensor(p: int, name: str, converted: int, times: int) -> None:
-        """All TP parts arrive, then the conversion's copies exist beside them."""
-        parts = [_nbytes(shapes[(p, t)][name], dtype_bytes) for t in range(layout.tp)]
-        for r in members(p):
-            foreign = [b for t, b in enumerate(parts) if owner[(p, t)] != r]
-            cost[r].received += sum(foreign) * times
-            if r in recv:
-                cost[r].hold(sum(foreign) + converted)
-                cost[r].counted += (sum(foreign) + converted) * times
-            else:  # a sender relays the others' parts: each buffer is freed at once
-                cost[r].hold(max(foreign, default=0))
-                cost[r].counted += sum(foreign) * times
-
-    def part_by_part(p: int, name: str) -> None:
-        for t in range(layout.tp):
-            nbytes = _nbytes(shapes[(p, t)][name], dtype_bytes)
-            for r in members(p):
-                if owner[(p, t)] != r:
-                    cost[r].received += nbytes
-                    cost[r].counted += nbytes
-                    cost[r].hold(nbytes)
-
-    for p in range(layout.pp):
-        if counts[p] == 0:
-            continue
-        prefix = "decoder.layers.0."
-        for key in sorted(k for k in shapes[(p, 0)] if k.startswith(prefix)):
-            mname = key[len(prefix):]
-            parts = [_meta(shapes[(p, t)][key]) for t in range(layout.tp)]
-            out = megatron_tensor_to_canonical(mname, parts, cfg)
-            converted = sum(_nbytes(v.shape, dtype_bytes) for v in out.values() if v is not parts[0])
-            whole_tensor(p, key, converted, counts[p])
-    last = layout.pp - 1
-    whole_tensor(last, "decoder.final_layernorm.weight", 0, 1)
-    part_by_part(0, "embedding.word_embeddings.weight")
-    if not cfg.tie_word_embeddings:
-        part_by_part(last, "output_layer.weight")
-
+    total = sum(_nbytes(s, dtype_bytes) for s in _canonical_shapes(cfg))
     moved = max(c.received for c in cost)
     seconds = 0.0
     if cluster is not None:
-        # Every part is broadcast to every receiver: a pipelined broadcast delivers at about
-        # the per-GPU link bandwidth, the network's as soon as the group spans nodes.
+        # Each receiver gets only its slice, point to point; the slowest receiver's bytes over
+        # the per-GPU link bandwidth (the network's as soon as the world spans nodes).
         seconds = moved / cluster.link_bytes_per_s(world)
     return ReshardEstimate(peak_extra_bytes_per_rank=max(c.peak for c in cost),
                            largest_layer_bytes=layer_parameter_count(cfg) * dtype_bytes,
-                           bytes_moved_per_rank=moved, seconds=seconds, per_rank=tuple(cost))
+                           bytes_moved_per_rank=moved, seconds=seconds, per_rank=tuple(cost),
+                           model_bytes=total, rollout_tp=rollout_tp)
+
+
+def _canonical_shapes(cfg: LMConfig) -> list[torch.Size]:
+    with torch.device("meta"):
+        from nemo_tlt.model.lm import DecoderLM
+
+        return [v.shape for v in DecoderLM(cfg).state_dict().values()]

@@ -29,12 +29,16 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
   ``capture_layers`` hooks on those decoder layers capture them on the stages holding them
   (``nemo_tlt.megatron.forward_features``). With PP > 1 each is broadcast from its stage to
   every stage of the pipeline, so ``on_hidden`` runs on every rank with the whole feature.
-* Weights out: ``canonical_weights()`` yields the full canonical weights on every rank;
-  the reshard (``nemo_tlt.weights.reshard.stream_reshard``) moves them layer by layer,
-  but collects them into one dict per rank before the first is yielded, so each rank
-  holds one full copy at that moment (a generator reshard would not; not done yet).
-  ``rollout_state_dict(rollout_tp, receivers)`` does the same in a rollout engine's TP
-  layout; ``canonical_state_dict()`` gathers on global rank 0.
+* Weights out: ``canonical_weights()`` yields the full canonical weights on every rank,
+  tensor by tensor as the slice-only reshard (``nemo_tlt.weights.reshard.iter_reshard``)
+  delivers them, so no rank holds a copy of the model beside the one its consumer
+  builds (a collective: every rank consumes the stream to its end).
+  ``rollout_state_dict(rollout_tp, receivers)`` collects a rollout engine's TP shard
+  (each receiver receives only its slice); ``canonical_state_dict()`` gathers on global rank 0.
+* Sharded checkpoints: ``save_sharded(dir)`` / ``load_sharded(dir)`` (collective) write and
+  read this rank's slices of the weights, fp32 masters and AdamW moments through
+  megatron-core's ``dist_checkpointing`` (``nemo_tlt.megatron.policy_checkpoint``); another
+  data-parallel size loads, another TP / PP where the padded vocabulary agrees.
 """
 from __future__ import annotations
 
@@ -350,9 +354,20 @@ class MegatronPolicy:
 
     # ---- weights out / in ----------------------------------------------------------------
     def canonical_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full canonical weights on every rank (a collective; see the module docstring
-        for the one full copy per rank it holds)."""
-        yield from self.rollout_state_dict(rollout_tp=1).items()
+        """The full canonical weights on every rank, one tensor at a time, as the reshard delivers
+        them (a collective: every rank must consume the stream to its end)."""
+        from nemo_tlt.megatron.live import local_shard
+        from nemo_tlt.weights.reshard import ReshardPlan, iter_reshard
+
+        plan = ReshardPlan(self.model_config, self.layout, 1, dtype=self.dtype, device=self.device.type)
+        stream = iter_reshard(local_shard(self.model), plan)
+        while True:
+            # the CPU shims are on only while the reshard runs, never while the consumer does
+            with self._device_context():
+                item = next(stream, None)
+            if item is None:
+                return
+            yield item
 
     def canonical_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Every rank calls; global rank 0 gets the gathered canonical weights, the others None."""
@@ -381,6 +396,49 @@ class MegatronPolicy:
         with torch.no_grad():
             load_shard(self.model, {k: v.to(self.device, self.dtype) for k, v in shard.items()})
         self.master.params_to_masters()
+
+    # ---- sharded checkpoints ---------------------------------------------------------------
+    def _sharded_state(self) -> dict:
+        from nemo_tlt.megatron.policy_checkpoint import layout_common, policy_sharded_state
+
+        common = layout_common(self.model_config, self.layout, self.dtype, self.step)
+        return policy_sharded_state(self.model, self.params, self.master.masters if self.master.mixed else None,
+                                    self.optimizer, common)
+
+    def save_sharded(self, directory: str) -> None:
+        """Collective: every rank writes its own shard of the weights, fp32 masters and AdamW state
+        into ``directory`` (megatron-core ``dist_checkpointing``; nothing gathered on any rank)."""
+        from nemo_tlt.megatron.policy_checkpoint import save_policy_shards
+
+        with self._device_context():
+            save_policy_shards(self._sharded_state(), directory)
+
+    def load_sharded(self, directory: str) -> None:
+        """Collective: this rank's slice of a ``save_sharded`` checkpoint, written at any data-parallel
+        size (and TP / PP where the padded vocabulary agrees; refused otherwise, naming both)."""
+        from nemo_tlt.megatron.policy_checkpoint import COMMON, load_policy_shards
+
+        with self._device_context():
+            template = self._sharded_state()
+            loaded = load_policy_shards(template, directory)
+        opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        adam_step = torch.tensor(float(loaded[COMMON]["adam_step"]))
+        with torch.no_grad():
+            result = self.model.load_state_dict(
+                {k: v for k, v in loaded["model"].items() if isinstance(v, torch.Tensor)}, strict=False)
+            missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+            if missing or result.unexpected_keys:
+                raise ValueError(f"load_sharded: missing {missing}, unexpected {result.unexpected_keys}")
+            for i, p in enumerate(opt_params):
+                state = self.optimizer.state[p]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key].copy_(loaded["optimizer"][i][key])
+                state["step"] = adam_step.clone()
+            if self.master.mixed:
+                for m, saved in zip(self.master.masters, (loaded["master"][i] for i in range(len(opt_params)))):
+                    m.copy_(saved)
+                self.master.masters_to_params()
+        self.step = int(loaded[COMMON]["step"])
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (over its own shard) and schedule step, tagged with its (pp, tp)."""

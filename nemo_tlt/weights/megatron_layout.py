@@ -128,6 +128,35 @@ def megatron_tensor_to_canonical(name: str, tp_parts: Sequence[Tensor], cfg: LMC
     raise ValueError(f"unknown megatron layer tensor {name!r} (MoE / MLA / bias-linear models are not supported)")
 
 
+def megatron_tensor_sources(name: str, tp: int, cfg: LMConfig) -> tuple[int, dict[str, Tensor]]:
+    """Where each canonical tensor held by megatron layer tensor ``name`` comes from, as positions.
+
+    Returns ``(dim, {canonical name: positions})``: with ``full = cat(tp_parts, dim)``,
+    ``megatron_tensor_to_canonical(name, tp_parts, cfg)[c]`` equals
+    ``full.index_select(dim, positions[c])`` (tested). Every conversion is a permutation
+    along one dimension, which is what lets the reshard send a rollout rank only the rows
+    (or columns) it keeps. Norms are replicated: their positions all fall in part 0.
+    """
+    h, nh, ng, hd, ffn = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    if name in _NORM_ALIASES:
+        return 0, {_NORM_ALIASES[name]: torch.arange(h)}
+    if name in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        q, k, v = _split_grouped(torch.arange((nh + 2 * ng) * hd), cfg, ())
+        kind = name.rsplit(".", 1)[1]
+        return 0, {f"self_attn.q_proj.{kind}": q, f"self_attn.k_proj.{kind}": k, f"self_attn.v_proj.{kind}": v}
+    if name == "self_attention.linear_proj.weight":
+        return 1, {"self_attn.o_proj.weight": torch.arange(nh * hd)}
+    if name == "mlp.linear_fc1.weight":
+        rows = 2 * ffn // tp  # each part is [gate_t; up_t]
+        starts = torch.arange(tp).unsqueeze(1) * rows
+        half = torch.arange(rows // 2).unsqueeze(0)
+        return 0, {"mlp.gate_proj.weight": (starts + half).reshape(-1),
+                   "mlp.up_proj.weight": (starts + rows // 2 + half).reshape(-1)}
+    if name == "mlp.linear_fc2.weight":
+        return 1, {"mlp.down_proj.weight": torch.arange(ffn)}
+    raise ValueError(f"unknown megatron layer tensor {name!r} (MoE / MLA / bias-linear models are not supported)")
+
+
 def megatron_layer_to_canonical(tp_shards: Sequence[Mapping[str, Tensor]], cfg: LMConfig) -> StateDict:
     """TP shards of one layer (megatron layer-local names) -> canonical layer-local dict."""
     check_megatron_biases(cfg)

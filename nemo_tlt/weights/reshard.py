@@ -1,21 +1,30 @@
-"""Reshard live Megatron TP x PP shards to rollout-engine shards at TP ``t``, streamed.
+"""Reshard live Megatron TP x PP shards to rollout-engine shards at TP ``t``, streamed, slice by slice.
 
-Contract: ``stream_reshard(shard, plan)`` is called on every rank of the world
-with that rank's Megatron shard (``local_shard(model)``). Tensors move in a
-fixed global order (stage, local layer, tensor name, TP part): the owning rank
-broadcasts each TP part, every receiver converts that one tensor to canonical
-form, keeps only its rollout slice, and drops the rest before the next tensor
-arrives. Peak *extra* memory per rank is therefore about one full weight
-matrix (bounded by one layer), never the model. Receiver ``i`` of
-``plan.receivers`` gets rollout TP rank ``i % plan.rollout_tp`` and returns its
-shard in canonical names (see ``nemo_tlt.weights.rollout``); other ranks return None.
+Contract: ``stream_reshard(shard, plan)`` (or the generator ``iter_reshard``) is called
+on every rank of the world with that rank's Megatron shard (``local_shard(model)``).
+Receiver ``i`` of ``plan.receivers`` gets rollout TP rank ``i % plan.rollout_tp`` and
+returns its shard in canonical names (see ``nemo_tlt.weights.rollout``); other ranks
+return None (``iter_reshard`` yields nothing there).
 
-``gather_reshard`` is the reference: receivers first collect every shard of the
-model, then convert it whole. Both count their transient bytes in a
-``ByteMeter`` so the benchmark can report peak extra memory per rank.
+How: every Megatron -> canonical conversion is a permutation along one dimension
+(``megatron_tensor_sources``) and every rollout split cuts along that same dimension, so
+the rows (or columns) a rollout rank keeps of a canonical tensor are known positions in
+known TP parts. ``reshard_schedule`` (pure, no process group) lists, canonical tensor by
+canonical tensor in a fixed global order, the pieces each rollout rank needs from each
+part; the owner of a part (data-parallel replica 0) cuts each piece (``index_select``)
+and sends it point to point to the receivers of that rollout rank only, which place the
+pieces in their slice (``index_copy_``). Copies only: the result is bit-exact with the
+gather-then-convert reference. Each receiver therefore receives about model bytes /
+rollout TP (plus the replicated norms), and its extra memory is the pieces of one slice
+of one tensor; a sender holds one piece at a time.
+
+``gather_reshard`` is the reference: receivers first collect every shard of the model
+(broadcasts), then convert it whole. Both count their transient bytes in a ``ByteMeter``
+(and the bytes each rank received) so the benchmark can report them per rank.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -24,10 +33,10 @@ import torch.distributed as dist
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.weights.layout import ParallelLayout
 from nemo_tlt.weights.megatron_layout import (
-    StateDict, canonical_layer_to_megatron, check_megatron_biases, check_tp, megatron_layer_to_canonical, megatron_tensor_to_canonical,
-    megatron_to_canonical_ends,
+    StateDict, canonical_layer_to_megatron, check_megatron_biases, check_tp, megatron_layer_to_canonical,
+    megatron_tensor_sources, megatron_to_canonical_ends,
 )
-from nemo_tlt.weights.rollout import check_rollout_tp, rollout_slice, vocab_rows
+from nemo_tlt.weights.rollout import check_rollout_tp, rollout_range, rollout_slice, rollout_split_dim
 
 
 @dataclass
@@ -35,6 +44,10 @@ class ByteMeter:
     """Counts bytes of transient tensors; ``peak`` is the high-water mark."""
     current: int = 0
     peak: int = 0
+    received: int = 0  # bytes that arrived from other ranks
+
+    def receive(self, *tensors: torch.Tensor) -> None:
+        self.received += sum(t.numel() * t.element_size() for t in tensors)
 
     def add(self, *tensors: torch.Tensor) -> None:
         self.current += sum(t.numel() * t.element_size() for t in tensors)
@@ -171,6 +184,7 @@ class _Mover:
         else:
             buf = torch.empty(self.shapes[(p, t)][name], dtype=self.plan.dtype, device=self.plan.device)
             self.plan.meter.add(buf)
+            self.plan.meter.receive(buf)
         dist.broadcast(buf, src=src, group=group)
         if not self.receiving:
             self.release_part(p, t, buf)
@@ -189,70 +203,167 @@ class _Mover:
         return self.receivers.index(self.me) % self.plan.rollout_tp
 
 
-def stream_reshard(shard: StateDict, plan: ReshardPlan) -> StateDict | None:
-    mover = _Mover(shard, plan)
-    cfg, layout = plan.cfg, plan.layout
-    out: StateDict = {}
-    counts, offsets = layout.stage_layer_counts(cfg.num_layers), layout.stage_layer_offsets(cfg.num_layers)
-    rank = mover.rollout_rank() if mover.receiving else 0
+# ---- the slice-only schedule (pure: no process group) ---------------------------------
 
-    def keep(name: str, full: torch.Tensor) -> None:
-        out[name] = rollout_slice(name, full, plan.rollout_tp, rank).clone()
-
-    for p in range(layout.pp):
-        for local in range(counts[p]):
-            for mname in sorted(k.split(".", 3)[3] for k in mover.shapes[(p, 0)]
-                                if k.startswith(f"decoder.layers.{local}.")):
-                parts = mover.fetch(p, f"decoder.layers.{local}.{mname}")
-                if parts is None:
-                    continue
-                converted = megatron_tensor_to_canonical(mname, parts, cfg)
-                # cat() makes new full tensors; count them while they live.
-                plan.meter.add(*[t for t in converted.values() if t.data_ptr() != parts[0].data_ptr()])
-                for cname, full in converted.items():
-                    keep(f"model.layers.{offsets[p] + local}.{cname}", full)
-                plan.meter.sub(*[t for t in converted.values() if t.data_ptr() != parts[0].data_ptr()])
-                mover._release(p, parts)
-    _stream_ends(mover, keep, out)
-    return out if mover.receiving else None
+@dataclass(frozen=True)
+class Piece:
+    """The rows (or columns) of TP part ``part`` that one rollout slice takes: ``src`` along the
+    transfer's dim in the part, landing at ``dst`` in the slice."""
+    part: int
+    src: torch.Tensor
+    dst: torch.Tensor
+    shape: torch.Size  # of the piece as it travels
 
 
-def _stream_ends(mover: _Mover, keep, out: StateDict) -> None:
-    plan, cfg = mover.plan, mover.plan.cfg
-    last = plan.layout.pp - 1
-    parts = mover.fetch(last, "decoder.final_layernorm.weight")
-    if parts is not None:
-        keep("model.norm.weight", parts[0])
-        mover._release(last, parts)
-    vocab = [(0, "embedding.word_embeddings.weight", "model.embed_tokens.weight")]
-    if not cfg.tie_word_embeddings:
-        vocab.append((last, "output_layer.weight", "lm_head.weight"))
-    for p, mname, cname in vocab:
-        _stream_vocab(mover, p, mname, cname, out)
+@dataclass(frozen=True)
+class SliceSpec:
+    shape: torch.Size  # the rollout slice
+    pieces: tuple[Piece, ...]
 
 
-def _stream_vocab(mover: _Mover, p: int, mname: str, cname: str, out: StateDict) -> None:
-    """Copy each received vocab part's rows straight into this rollout rank's slice.
+@dataclass(frozen=True)
+class Transfer:
+    """One canonical tensor: it comes from megatron tensor ``key`` of stage ``stage``;
+    ``slices[r]`` is what rollout rank ``r`` keeps of it."""
+    name: str
+    stage: int
+    key: str
+    dim: int
+    slices: tuple[SliceSpec, ...]
 
-    The embedding is usually the largest single tensor; never materialising it whole
-    keeps the streaming peak at one TP part of it.
+
+def _slices(name: str, dim: int, positions: torch.Tensor, part_shape: torch.Size, rollout_tp: int
+            ) -> tuple[SliceSpec, ...]:
+    """Cut the canonical tensor's source positions (in ``cat(parts, dim)``) into per-rollout-rank pieces."""
+    split = rollout_split_dim(name)
+    if split is not None and split != dim:
+        raise ValueError(f"reshard: {name} is split by the rollout engine along dim {split}, "
+                         f"but assembled along dim {dim}")
+    n = part_shape[dim]
+    out = []
+    for r in range(rollout_tp):
+        lo, hi = rollout_range(name, len(positions), rollout_tp, r)
+        mine = positions[lo:hi]
+        owner = mine // n
+        pieces = []
+        for t in owner.unique(sorted=True).tolist():
+            at = (owner == t).nonzero().flatten()
+            shape = list(part_shape)
+            shape[dim] = len(at)
+            pieces.append(Piece(t, mine[at] - t * n, at, torch.Size(shape)))
+        shape = list(part_shape)
+        shape[dim] = hi - lo
+        out.append(SliceSpec(torch.Size(shape), tuple(pieces)))
+    return tuple(out)
+
+
+def reshard_schedule(cfg: LMConfig, layout: ParallelLayout, rollout_tp: int) -> Iterator[Transfer]:
+    """Every canonical tensor in the global order (stage, local layer, megatron tensor, its canonical
+    tensors; then the final norm, the embedding, the output layer), with what each rollout rank keeps.
+
+    Pure and cheap: the slices of a layer tensor are computed once per stage and shared by its layers.
+    The streaming reshard executes it; ``nemo_tlt.plan.reshard_plan`` counts its bytes.
     """
-    plan, cfg = mover.plan, mover.plan.cfg
-    lo, hi = (vocab_rows(cfg.vocab_size, plan.rollout_tp, mover.rollout_rank()) if mover.receiving
-              else (0, 0))
-    dest = (torch.empty((hi - lo, cfg.hidden_size), dtype=plan.dtype, device=plan.device)
-            if mover.receiving else None)
-    part_rows = plan.layout.padded_vocab_size(cfg.vocab_size) // plan.layout.tp
-    for t in range(plan.layout.tp):
-        part = mover.fetch_part(p, mname, t)
-        if part is None:
+    check_rollout_tp(cfg, rollout_tp)
+    shapes = megatron_shard_shapes(cfg, layout)
+    counts, offsets = layout.stage_layer_counts(cfg.num_layers), layout.stage_layer_offsets(cfg.num_layers)
+    for p in range(layout.pp):
+        if counts[p] == 0:
             continue
-        start, stop = max(lo, t * part_rows), min(hi, (t + 1) * part_rows)
-        if start < stop:
-            dest[start - lo: stop - lo] = part[start - t * part_rows: stop - t * part_rows]
-        mover.release_part(p, t, part)
-    if dest is not None:
-        out[cname] = dest
+        per_tensor = []
+        for mname in sorted(k.split(".", 3)[3] for k in shapes[(p, 0)] if k.startswith("decoder.layers.0.")):
+            part_shape = shapes[(p, 0)][f"decoder.layers.0.{mname}"]
+            dim, sources = megatron_tensor_sources(mname, layout.tp, cfg)
+            per_tensor.append((mname, dim, [(cname, _slices(cname, dim, pos, part_shape, rollout_tp))
+                                            for cname, pos in sources.items()]))
+        for local in range(counts[p]):
+            for mname, dim, canon in per_tensor:
+                for cname, slices in canon:
+                    yield Transfer(f"model.layers.{offsets[p] + local}.{cname}", p,
+                                   f"decoder.layers.{local}.{mname}", dim, slices)
+    last = layout.pp - 1
+    ends = [(last, "decoder.final_layernorm.weight", "model.norm.weight", torch.arange(cfg.hidden_size)),
+            (0, "embedding.word_embeddings.weight", "model.embed_tokens.weight", torch.arange(cfg.vocab_size))]
+    if not cfg.tie_word_embeddings:
+        ends.append((last, "output_layer.weight", "lm_head.weight", torch.arange(cfg.vocab_size)))
+    for p, key, cname, positions in ends:
+        yield Transfer(cname, p, key, 0, _slices(cname, 0, positions, shapes[(p, 0)][key], rollout_tp))
+
+
+# ---- executing it: point-to-point, slice by slice ---------------------------------------
+
+class _Exchange:
+    """Who sends what to whom: the owners of each (pp, tp) part (data-parallel replica 0) and the
+    receivers of each rollout rank."""
+
+    def __init__(self, shard: StateDict, plan: ReshardPlan) -> None:
+        self.shard, self.plan = shard, plan
+        self.owner = _rank_table()
+        self.me = dist.get_rank()
+        receivers = plan.receivers or tuple(range(dist.get_world_size()))
+        self.by_rank = [[g for i, g in enumerate(receivers) if i % plan.rollout_tp == r]
+                        for r in range(plan.rollout_tp)]
+        self.rank = next((r for r, group in enumerate(self.by_rank) if self.me in group), None)
+
+    def _piece(self, item: Transfer, piece: Piece) -> torch.Tensor:
+        part = self.shard[item.key]
+        src = piece.src.to(part.device)
+        return part.index_select(item.dim, src).to(self.plan.device, self.plan.dtype)
+
+    def round(self, item: Transfer, r: int) -> torch.Tensor | None:
+        """Rollout rank ``r``'s slice of ``item``: assembled on its receivers, None elsewhere."""
+        spec, meter = item.slices[r], self.plan.meter
+        receiving = self.me in self.by_rank[r]
+        ops, held = [], []
+        got: dict[int, torch.Tensor] = {}
+        targets = [g for g in self.by_rank[r] if g != self.me]
+        for piece in spec.pieces:
+            src = self.owner[(item.stage, piece.part)]
+            if src == self.me:
+                if not (targets or receiving):
+                    continue
+                buf = self._piece(item, piece)
+                ops += [dist.P2POp(dist.isend, buf, g) for g in targets]
+            elif receiving:
+                buf = torch.empty(piece.shape, dtype=self.plan.dtype, device=self.plan.device)
+                ops.append(dist.P2POp(dist.irecv, buf, src))
+                meter.receive(buf)
+            else:
+                continue
+            meter.add(buf)
+            held.append(buf)
+            got[piece.part] = buf
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        out = None
+        if receiving:
+            out = torch.empty(spec.shape, dtype=self.plan.dtype, device=self.plan.device)
+            for piece in spec.pieces:
+                out.index_copy_(item.dim, piece.dst.to(out.device), got[piece.part])
+        meter.sub(*held)
+        return out
+
+
+def iter_reshard(shard: StateDict, plan: ReshardPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    """The streaming reshard as a generator: (canonical name, this rank's rollout slice) on receivers,
+    nothing elsewhere. Collective: every rank of the world must run it to the end."""
+    ex = _Exchange(shard, plan)
+    for item in reshard_schedule(plan.cfg, plan.layout, plan.rollout_tp):
+        mine = None
+        for r in range(plan.rollout_tp):
+            got = ex.round(item, r)
+            if got is not None:
+                mine = got
+        if mine is not None:
+            yield item.name, mine
+
+
+def stream_reshard(shard: StateDict, plan: ReshardPlan) -> StateDict | None:
+    """``iter_reshard`` collected: this rank's rollout shard on receivers, None elsewhere."""
+    out = dict(iter_reshard(shard, plan))
+    receivers = plan.receivers or tuple(range(dist.get_world_size()))
+    return out if dist.get_rank() in receivers else None
 
 
 def gather_reshard(shard: StateDict, plan: ReshardPlan) -> StateDict | None:
@@ -295,4 +406,5 @@ def gather_reshard(shard: StateDict, plan: ReshardPlan) -> StateDict | None:
     return out
 
 
-__all__ = ["ByteMeter", "ReshardPlan", "megatron_shard_shapes", "stream_reshard", "gather_reshard"]
+__all__ = ["ByteMeter", "Piece", "ReshardPlan", "SliceSpec", "Transfer", "gather_reshard", "iter_reshard",
+           "megatron_shard_shapes", "reshard_schedule", "stream_reshard"]

@@ -41,20 +41,37 @@ def vocab_rows(vocab: int, tp: int, rank: int) -> tuple[int, int]:
     return lo, lo + base + (1 if rank < extra else 0)
 
 
-def rollout_slice(name: str, tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s part of one canonical tensor (a view when ``tp == 1``)."""
-    if tp == 1:
-        return tensor
-    if name in _VOCAB:
-        lo, hi = vocab_rows(tensor.shape[0], tp, rank)
-        return tensor[lo:hi]
-    if name.endswith(_ROW_SPLIT):
-        return tensor.chunk(tp, dim=0)[rank]
+def rollout_split_dim(name: str) -> int | None:
+    """The dimension along which the rollout engine splits canonical tensor ``name`` (None: kept whole)."""
+    if name in _VOCAB or name.endswith(_ROW_SPLIT):
+        return 0
     if name.endswith(_COL_SPLIT):
-        return tensor.chunk(tp, dim=1)[rank]
+        return 1
     if name.endswith("norm.weight"):
-        return tensor
+        return None
     raise ValueError(f"rollout_slice: no TP rule for canonical tensor {name!r}")
+
+
+def rollout_range(name: str, size: int, tp: int, rank: int) -> tuple[int, int]:
+    """``[lo, hi)`` of rollout rank ``rank`` along ``rollout_split_dim(name)``, of a tensor ``size`` long
+    there (vocab: ``tensor_split`` rows; others: ``chunk``; a whole tensor: ``(0, size)``)."""
+    dim = rollout_split_dim(name)
+    if tp == 1 or dim is None:
+        return 0, size
+    if name in _VOCAB:
+        return vocab_rows(size, tp, rank)
+    step = -(-size // tp)
+    lo = min(size, rank * step)
+    return lo, min(size, lo + step)
+
+
+def rollout_slice(name: str, tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s part of one canonical tensor (always a view; the tensor itself when ``tp == 1``)."""
+    dim = rollout_split_dim(name)
+    if tp == 1 or dim is None:
+        return tensor
+    lo, hi = rollout_range(name, tensor.shape[dim], tp, rank)
+    return tensor.narrow(dim, lo, hi - lo)
 
 
 def canonical_to_rollout(canonical: Mapping[str, torch.Tensor], cfg: LMConfig, tp: int) -> list[dict[str, torch.Tensor]]:

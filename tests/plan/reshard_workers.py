@@ -14,6 +14,10 @@ class CountingMeter:
     current: int = 0
     peak: int = 0
     total: int = 0
+    received: int = 0
+
+    def receive(self, *tensors: torch.Tensor) -> None:
+        self.received += sum(t.numel() * t.element_size() for t in tensors)
 
     def add(self, *tensors: torch.Tensor) -> None:
         n = sum(t.numel() * t.element_size() for t in tensors)
@@ -25,8 +29,8 @@ class CountingMeter:
         self.current -= sum(t.numel() * t.element_size() for t in tensors)
 
 
-def stream_cases(ctx: RankContext, cases: list) -> list[tuple[int, int]]:
-    """For each (cfg, layout, rollout_tp, receivers): this rank's (meter peak, meter total)."""
+def stream_cases(ctx: RankContext, cases: list) -> list[tuple[int, int, int]]:
+    """For each (cfg, layout, rollout_tp, receivers): this rank's (meter peak, meter total, bytes received)."""
     import torch.distributed as dist
 
     from megatron_patches.cpu_shims import cpu_shims
@@ -45,5 +49,5 @@ def stream_cases(ctx: RankContext, cases: list) -> list[tuple[int, int]]:
             meter = CountingMeter()
             stream_reshard(shard, ReshardPlan(cfg, layout, rollout_tp, receivers, meter=meter))
             dist.barrier()
-            out.append((meter.peak, meter.total))
+            out.append((meter.peak, meter.total, meter.received))
     return out
