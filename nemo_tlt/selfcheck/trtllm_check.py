@@ -10,7 +10,8 @@ NEVER RUN (no GPU and no TensorRT-LLM where it was written). Checks, in order:
   drafter speculating, token for token against the torch engine's plain greedy;
 * ``trtllm_acceptance``: TensorRT-LLM's per-request acceptance over those rollouts
   (``rollout.trtllm_stats``): mean accepted length (tokens per verify step), draft
-  tokens accepted / drafted; fails unless the mean is above 1 (speculation ran);
+  tokens accepted / drafted; fails unless the mean is above ``MIN_MEAN_ACCEPT`` (speculation
+  ran: an untrained EAGLE-3 drafter measured 1.009 on the demo target with a 4-token chain);
 * ``trtllm_throughput``: tokens/s with and without the drafter, per batch size;
 * ``pytest_trtllm``: ``pytest -m trtllm tests/conformance tests/rollout`` in a
   subprocess, its summary line.
@@ -32,6 +33,12 @@ from nemo_tlt.speculative.tree_shape import TreeShape
 REPO = Path(__file__).resolve().parents[2]
 BENCH_NOTE = ("training it takes about 105 minutes on one CPU thread (docs/benchmarks.md, 'Rollout: EAGLE-3 vs "
               "EAGLE-2 drafter'); it trains on the host CPU, on a GPU node too (time there unmeasured)")
+
+
+# Mean accepted length (tokens per verify step) that shows speculation ran with a trained drafter:
+# an untrained EAGLE-3 drafter on the demo target, greedy, 4-token chain, 8 prompts: 1.009 (torch
+# engine, CPU); a 1 would mean no draft token was ever accepted.
+MIN_MEAN_ACCEPT = 1.5
 
 
 class DrafterNotCached(LookupError):
@@ -148,9 +155,10 @@ class TRTLLMRun:
         stats, report = self._identity["stats"], self._identity["speculation"]
         out = {"mean_accept_len": stats.mean_accept_len, "accept_histogram": stats.accept_histogram(),
                "report": None if report is None else report.summary()}
-        if not stats.mean_accept_len > 1:
-            raise AssertionError(f"mean accepted length {stats.mean_accept_len} per verify step: speculation did "
-                                 f"not run (or accepted nothing) with the trained drafter ({out})")
+        if not stats.mean_accept_len > MIN_MEAN_ACCEPT:
+            raise AssertionError(f"mean accepted length {stats.mean_accept_len} per verify step, not above "
+                                 f"{MIN_MEAN_ACCEPT}: speculation did not run (or hardly accepted) with the trained "
+                                 f"drafter ({out})")
         return out
 
     def throughput(self) -> dict[str, Any]:
