@@ -25,6 +25,7 @@ TRTLLM_SAMPLING_SOURCE = "NVIDIA/TensorRT-LLM@000a01de66f0eab4ab05640711f0253f50
 TRTLLM_LLM_SOURCE = "NVIDIA/TensorRT-LLM@00966934ce32e0603a33f8c922525cf3678afab4"
 TRTLLM_RLHF_SOURCE = "NVIDIA/TensorRT-LLM@04762f3b82e2410c84ccdfd7901844831147668a"
 TRTLLM_RESULT_SOURCE = "NVIDIA/TensorRT-LLM@005bc848893f575ec14b45d6b13139360d67c790"
+TRTLLM_SPEC_STATS_SOURCE = "NVIDIA/TensorRT-LLM@a678b91aafbeff265cd0b764abb59d7def624ac2"  # executor/result.py
 
 POSITIONAL = "POSITIONAL_OR_KEYWORD"
 KEYWORD_ONLY = "KEYWORD_ONLY"
@@ -185,8 +186,20 @@ TRTLLM_LLM_FIELDS = frozenset({
 # Which logits they are computed from (raw or after temperature / top-k / top-p) is NOT stated there;
 # a later TensorRT-LLM test reads "LogprobMode.RAW (the default) computes them from the unprocessed
 # logits" (a logprobs_mode field not in the SamplingParams read above): unverified for our pin.
-TRTLLM_COMPLETION_FIELDS = frozenset({"token_ids", "finish_reason", "logprobs"})  # the ones we read
+TRTLLM_COMPLETION_FIELDS = frozenset({"token_ids", "finish_reason", "logprobs", "request_perf_metrics"})  # we read
 TRTLLM_LOGPROB_FIELDS = frozenset({"logprob", "rank"})
+# Per-request speculation (tensorrt_llm/executor/result.py at TRTLLM_SPEC_STATS_SOURCE): GenerationResultBase,
+# which RequestOutput extends, sets from each runtime response `decoding_iter` (int: the decode iterations
+# the request ran) and `avg_decoded_tokens_per_iter` (Optional[float], "Average decoded tokens per runtime
+# iteration"; None until reported); CompletionOutput.request_perf_metrics (tllm.RequestPerfMetrics, set when
+# the response carries one). Its `speculative_decoding` counters (`acceptance_rate`,
+# `total_accepted_draft_tokens`, `total_draft_tokens`) are filled with SamplingParams(return_perf_metrics=True)
+# and TensorRT-LLM's acceptance length is the iteration-weighted mean of avg_decoded_tokens_per_iter (weight
+# decoding_iter): read in tensorrt_llm/evaluate/lm_eval.py (`_log_spec_stats`) in a stored copy whose commit
+# the search index does not name (NOT at a pinned commit), and in the Triton client's perf-metric names.
+TRTLLM_REQUEST_OUTPUT_FIELDS = frozenset({"outputs", "decoding_iter", "avg_decoded_tokens_per_iter"})  # we read
+TRTLLM_PERF_METRICS_FIELDS = frozenset({"speculative_decoding"})  # the one we read
+TRTLLM_SPEC_METRICS_FIELDS = frozenset({"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"})
 # tensorrt_llm/llmapi/llm.py: LLM.generate(inputs, sampling_params=None, use_tqdm=True, ...) returning
 # one RequestOutput per prompt (.outputs[0].token_ids, .outputs[0].finish_reason)
 TRTLLM_GENERATE = Method("generate", (Param("inputs"), Param("sampling_params", default=None),

@@ -38,11 +38,13 @@ than 1 or with top-k / top-p; if processed, greedy (top_k=1) reports 0. An EOS t
 TensorRT-LLM did not return (appended here) has log-prob NaN. The conformance suite's
 ``test_logprobs`` checks them on a GPU node.
 
-Stats: ``tokens_generated`` and ``wall_s`` (= ``time_other_s``) are measured; the
-LLM API reports no per-step split, so forwards, SD/plain steps, accept lengths and
-the time split stay 0 and ``trace`` stays empty (see ``UNAVAILABLE_STATS``).
-``last_decoded_per_iter`` holds TensorRT-LLM's iteration-weighted mean of tokens per
-decode iteration when it reports one. ``return_hidden`` is refused: the LLM API
+Stats: ``tokens_generated`` and ``wall_s`` (= ``time_other_s``) are measured;
+``accept_lengths`` come from TensorRT-LLM's per-request acceptance while a drafter
+speculates (``trtllm_stats``: their mean is TensorRT-LLM's acceptance length, the
+per-step split is evened out); ``last_speculation`` keeps the rollout's report (draft
+tokens accepted / drafted too). The LLM API reports no per-step split, so forwards,
+SD/plain steps and the time split stay 0 and ``trace`` stays empty (see
+``UNAVAILABLE_STATS``). ``return_hidden`` is refused: the LLM API
 returns no final hidden states (harvest drafter data from the policy instead:
 ``drafter.harvest_from=policy``).
 
@@ -73,10 +75,11 @@ from nemo_tlt.rollout import validate
 from nemo_tlt.rollout.protocol import GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
 from nemo_tlt.rollout.trtllm_config import TRTLLM_PACKAGE, TRTLLMEngineConfig, missing_package_message
 from nemo_tlt.rollout.trtllm_schedule import draft_len_schedule
+from nemo_tlt.rollout.trtllm_stats import SpeculationReport, speculation_report
 from nemo_tlt.speculative.sampling import SamplingParams
 
 UNAVAILABLE_STATS = ("target_forwards", "prefill_forwards", "drafter_forwards", "plain_steps", "sd_steps",
-                     "accept_lengths", "time_draft_s", "time_verify_s", "time_plain_s", "prefill_s", "trace")
+                     "time_draft_s", "time_verify_s", "time_plain_s", "prefill_s", "trace")
 
 
 def import_tensorrt_llm() -> ModuleType:
@@ -108,12 +111,16 @@ def request_seed(seed: int, seq_id: int) -> int:
     return (seed * 1_000_003 + seq_id) % 2**63
 
 
-def sampling_kwargs(sampling: SamplingParams, eos_token_id: int, seq_id: int) -> dict[str, Any]:
-    """Keyword arguments of ``tensorrt_llm.SamplingParams`` for one request."""
+def sampling_kwargs(sampling: SamplingParams, eos_token_id: int, seq_id: int,
+                    speculating: bool = False) -> dict[str, Any]:
+    """Keyword arguments of ``tensorrt_llm.SamplingParams`` for one request;
+    ``speculating``: ask for the per-request draft counters (``return_perf_metrics``)."""
     check_sampling(sampling)
     kwargs: dict[str, Any] = {"max_tokens": sampling.max_new_tokens,
                               "end_id": eos_token_id if sampling.stop_on_eos else -1, "detokenize": False,
                               "logprobs": 1}  # the generated token's own log-prob (see completion_logprobs)
+    if speculating:
+        kwargs["return_perf_metrics"] = True  # request_perf_metrics.speculative_decoding (trtllm_stats)
     if sampling.mode == "greedy":
         kwargs.update(top_k=1, temperature=0.0)
     else:
@@ -279,7 +286,7 @@ class TRTLLMRolloutEngine:
         self._schedule = config.build_schedule()
         self._drafter_loaded = config.drafter_dir is not None
         self._failed_load: str | None = None
-        self.last_decoded_per_iter: float | None = None
+        self.last_speculation: SpeculationReport | None = None  # the last rollout's, while speculating
 
     @classmethod
     def from_hf_folder(cls, path: str | os.PathLike, **kwargs: Any) -> "TRTLLMRolloutEngine":
@@ -347,14 +354,18 @@ class TRTLLMRolloutEngine:
         self._install_schedule(policy)
         t0 = time.perf_counter()
         eos = self._model_config.eos_token_id
-        params = [self._trtllm.SamplingParams(**sampling_kwargs(sampling, eos, r.seq_id if r.seq_id is not None else i))
+        speculating = self._drafter_loaded and bool(self._schedule)
+        params = [self._trtllm.SamplingParams(**sampling_kwargs(sampling, eos, r.seq_id if r.seq_id is not None else i,
+                                                                speculating))
                   for i, r in enumerate(requests)]
         outputs = self.llm.generate([list(r.prompt) for r in requests], params, use_tqdm=False)
         results = [completion_to_result(o.outputs[0].token_ids, o.outputs[0].finish_reason, sampling, eos,
                                         o.outputs[0].logprobs) for o in outputs]
         stats = GenerationStats(tokens_generated=sum(len(r.tokens) for r in results))
         stats.wall_s = stats.time_other_s = time.perf_counter() - t0
-        self.last_decoded_per_iter = _decoded_per_iter(outputs, results)
+        self.last_speculation = None
+        if speculating:  # plain decoding reports no acceptance, as the torch engine's plain steps
+            self.last_speculation, stats.accept_lengths = speculation_report(outputs)
         return GenerateOutput(results, stats)
 
     def _install_schedule(self, policy: SpecPolicy | None) -> None:
@@ -386,11 +397,3 @@ class TRTLLMRolloutEngine:
             handles[get_device_uuid(device)] = [(name, reduce_tensor(t)) for name, t in on_device]
         return handles
 
-
-def _decoded_per_iter(outputs: list[Any], results: list[RequestResult]) -> float | None:
-    """Iteration-weighted mean tokens per decode iteration (None when not reported)."""
-    means = [o.avg_decoded_tokens_per_iter for o in outputs]
-    if any(m is None or m <= 0 for m in means):
-        return None
-    iterations = sum(len(r.tokens) / m for r, m in zip(results, means))
-    return sum(len(r.tokens) for r in results) / iterations if iterations else None

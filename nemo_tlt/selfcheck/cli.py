@@ -18,6 +18,12 @@ status: 0 all passed, 1 a check failed, 2 bad usage or no CUDA device (nothing r
 
 ``--cpu-dry-run`` runs the same checks on the CPU at toy sizes (``DRY_RUN_SIZES``): it
 shows the code paths work, says nothing about a GPU, and its JSON says so.
+
+``--trtllm`` (beside ``--gpu``; ``selfcheck.trtllm_check``) runs the TensorRT-LLM engine on
+the demo target with the trained demo EAGLE-3 drafter exported: greedy token identity
+against the torch engine, per-step acceptance, tokens/s with and without the drafter, and
+``pytest -m trtllm``; same JSON and exit statuses (2: no tensorrt_llm or no CUDA device,
+nothing run). NEVER RUN yet.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.selfcheck import engine_check as ec
 from nemo_tlt.selfcheck import system_checks as sc
+from nemo_tlt.selfcheck import trtllm_check as tc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--gpu", action="store_true", help="the GPU acceptance run on cuda:0")
     mode.add_argument("--cpu-dry-run", action="store_true", help="the same checks on the CPU at toy sizes")
+    mode.add_argument("--trtllm", action="store_true",
+                      help="the TensorRT-LLM engine with the trained demo EAGLE-3 drafter, and pytest -m trtllm")
     p.add_argument("--out", required=True, help="the JSON to write")
     p.add_argument("--only", default=None, help="comma-separated check names to run (default: all)")
     p.add_argument("--cache-dir", default=None, help="where the demo assets are cached ($NEMO_TLT_CACHE)")
@@ -101,28 +110,49 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
+def trtllm_refusal() -> str | None:
+    """Why ``--trtllm`` cannot run here (None: it can): TensorRT-LLM or a CUDA device missing."""
+    from nemo_tlt.rollout.trtllm_config import missing_package_message, tensorrt_llm_installed
+
+    reasons = []
+    if not tensorrt_llm_installed():
+        reasons.append(missing_package_message("nemo-tlt selfcheck --trtllm"))
+    if not torch.cuda.is_available():
+        reasons.append(f"no CUDA device here (torch {torch.__version__}, CUDA build {torch.version.cuda})")
+    if not reasons:
+        return None
+    return "nemo-tlt selfcheck --trtllm: nothing was run.\n" + "\n".join(f"  - {r}" for r in reasons)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+    refusal = trtllm_refusal() if args.trtllm else None
+    if refusal is not None:
+        print(refusal)
+        return 2
     if args.gpu and not torch.cuda.is_available():
         print(f"nemo-tlt selfcheck --gpu: no CUDA device here (torch {torch.__version__}, CUDA build "
               f"{torch.version.cuda}); nothing was run. Run it on a GPU node, or --cpu-dry-run to exercise "
               "the checks on the CPU.")
         return 2
-    device, sizes = (torch.device("cuda", 0), GPU_SIZES) if args.gpu else (torch.device("cpu"), DRY_RUN_SIZES)
+    on_gpu = args.gpu or args.trtllm
+    device, sizes = (torch.device("cuda", 0), GPU_SIZES) if on_gpu else (torch.device("cpu"), DRY_RUN_SIZES)
     out = Path(args.out)
     with ec.scratch_folder() as tmp:
-        checks = plan(device, sizes, Path(tmp), args.cache_dir)
+        checks = tc.trtllm_plan(Path(tmp), args.cache_dir) if args.trtllm else plan(device, sizes, Path(tmp),
+                                                                                     args.cache_dir)
         wanted = list(checks) if args.only is None else [c.strip() for c in args.only.split(",")]
         unknown = [c for c in wanted if c not in checks]
         if unknown:
             print(f"nemo-tlt selfcheck: --only names unknown checks {unknown}; known: {list(checks)}")
             return 2
-        report: dict[str, Any] = {"mode": "gpu" if args.gpu else "cpu_dry_run", "environment": environment(device),
-                                  "checks": {}}
-        if not args.gpu:
+        mode = "trtllm" if args.trtllm else "gpu" if args.gpu else "cpu_dry_run"
+        env = {**environment(device), **(tc.trtllm_environment() if args.trtllm else {})}
+        report: dict[str, Any] = {"mode": mode, "environment": env, "checks": {}}
+        if not on_gpu:
             report["note"] = "a dry run on the CPU at toy sizes: it says nothing about a GPU"
         for name in wanted:
             print(f"selfcheck: {name} ...", flush=True)

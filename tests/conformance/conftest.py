@@ -10,6 +10,7 @@ plain PyTorch `DecoderLM` read from the same folder.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from engines import TORCH, TRTLLM, TRTLLM_LIMITS, EngineUnderTest
 from nemo_tlt.model.hf_io import load_hf_folder, save_hf_folder
 from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.selfcheck.trtllm_check import DrafterNotCached, TrainedEagle3, export_trained_eagle3
 from tiny import tiny_target
 
 
@@ -65,3 +67,16 @@ def other_model_dir(make_engine, tmp_path_factory) -> Path:
 def reference(model_dir) -> DecoderLM:
     """The oracle: the plain PyTorch model read from the same folder."""
     return load_hf_folder(model_dir).eval()
+
+
+@pytest.fixture(scope="session")
+def trained_eagle3(tmp_path_factory) -> TrainedEagle3:
+    """The demo target and its trained EAGLE-3 drafter (``demo.assets.prepare_eagle3_drafter``,
+    cached under $NEMO_TLT_CACHE) exported with ``write_eagle3_hf``. Trained when missing on
+    a CUDA host or with NEMO_TLT_TRAIN_EAGLE3=1 (on the host CPU: about 105 minutes on one
+    thread, docs/benchmarks.md); otherwise the test skips with the reason."""
+    train = torch.cuda.is_available() or os.environ.get("NEMO_TLT_TRAIN_EAGLE3") == "1"
+    try:
+        return export_trained_eagle3(tmp_path_factory.mktemp("trained-eagle3"), train_if_missing=train)
+    except DrafterNotCached as err:
+        pytest.skip(f"{err}; set NEMO_TLT_TRAIN_EAGLE3=1 to train it")

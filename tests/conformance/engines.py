@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Literal
 
 import pytest
@@ -24,6 +25,7 @@ from nemo_tlt.rollout.protocol import GenerateOutput, GenerationStats, RolloutEn
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.rollout.trtllm_config import TRTLLMEngineConfig
 from nemo_tlt.rollout.trtllm_engine import check_drafter_layers, trtllm_capture_layers, validate_requests
+from nemo_tlt.rollout.trtllm_stats import speculation_report
 from nemo_tlt.speculative.sampling import SamplingParams
 from suite_helpers import DRAFTERS, make_drafter
 
@@ -40,7 +42,11 @@ class EngineSpec:
     nothing). ``model_shape``: tiny-model fields the engine needs (overrides of
     ``tests/tiny.tiny_config``). ``why``: the reason given in the skips.
     ``logprobs_atol``: how far the reported log-probs may be from plain decoding's and
-    from a full fp32 forward of the reference (1e-5: fp32 rounding)."""
+    from a full fp32 forward of the reference (1e-5: fp32 rounding). ``accept_stats``: it
+    reports accepted lengths per verify step (``GenerationStats.accept_lengths``) while a
+    drafter speculates, so a test can see that speculation ran. ``build_with_eagle3(model_dir,
+    drafter_dir, capture_layers)``: an engine of the folder speculating with that exported
+    EAGLE-3 drafter (TensorRT-LLM takes it only at build time)."""
 
     name: str
     open: Callable[[Path, "EngineUnderTest"], RolloutEngine]
@@ -53,6 +59,8 @@ class EngineSpec:
     model_shape: dict[str, Any] = field(default_factory=dict)
     why: str = ""
     logprobs_atol: float = 1e-5
+    accept_stats: bool = True
+    build_with_eagle3: Callable[[Path, str, tuple[int, ...]], RolloutEngine] | None = None
 
     def limits(self) -> list[str]:
         """What this engine declares it cannot do, one phrase each."""
@@ -111,6 +119,10 @@ class EngineUnderTest:
             self._exported[key] = str(folder)
         return self._exported[key]
 
+    def speculating(self, model_dir: Path, drafter_dir: str, capture_layers: tuple[int, ...]) -> RolloutEngine:
+        """An engine of ``model_dir`` speculating with the exported EAGLE-3 ``drafter_dir``."""
+        return self.spec.build_with_eagle3(Path(model_dir), drafter_dir, tuple(capture_layers))
+
     def first_drafter(self, kinds: tuple[str, ...], cfg: LMConfig) -> Any:
         """`drafter` of the first of ``kinds`` the engine loads."""
         usable = [k for k in kinds if k in self.spec.drafter_kinds]
@@ -122,6 +134,12 @@ class EngineUnderTest:
 # ---- the engines -------------------------------------------------------------------------------
 def _open_torch(model_dir: Path, under_test: EngineUnderTest) -> RolloutEngine:
     return TorchRolloutEngine.from_hf_folder(model_dir)
+
+
+def _build_torch(model_dir: Path, drafter_dir: str, layers: tuple[int, ...]) -> RolloutEngine:
+    engine = TorchRolloutEngine.from_hf_folder(model_dir)
+    engine.load_drafter(read_eagle3_hf(drafter_dir))
+    return engine
 
 
 def _open_with_eagle3(model_dir: Path, under_test: EngineUnderTest, build: Callable[..., Any]) -> RolloutEngine:
@@ -147,7 +165,10 @@ class TRTLLMLimitedTorchEngine:
     path here (tests only; it says nothing about TensorRT-LLM itself): built with an
     EAGLE-3 HF folder whose captured layers it checks as the TensorRT-LLM engine does,
     drafters only as such folders, coupled sampling and return_hidden refused by the
-    TensorRT-LLM engine's own checks, per-step stats not reported."""
+    TensorRT-LLM engine's own checks, per-step stats not reported; acceptance reported as
+    TensorRT-LLM reports it (per request: decode iterations and tokens per iteration; here one
+    record for the whole rollout) through the TensorRT-LLM engine's own mapping
+    (`speculation_report`)."""
 
     def __init__(self, model_dir: Path, drafter_dir: str, layers: tuple[int, ...]) -> None:
         self._engine = TorchRolloutEngine.from_hf_folder(model_dir)
@@ -178,14 +199,19 @@ class TRTLLMLimitedTorchEngine:
         out = self._engine.generate(requests, sampling, policy=policy)
         stats = GenerationStats(tokens_generated=out.stats.tokens_generated)
         stats.wall_s = stats.time_other_s = out.stats.wall_s
+        steps = out.stats.accept_lengths
+        if steps:  # what TensorRT-LLM reports, as one request: decode iterations and tokens per iteration
+            reported = SimpleNamespace(outputs=[SimpleNamespace(request_perf_metrics=None)], decoding_iter=len(steps),
+                                       avg_decoded_tokens_per_iter=sum(steps) / len(steps))
+            _, stats.accept_lengths = speculation_report([reported])
         return GenerateOutput(out.results, stats)
 
 
-TORCH = EngineSpec("torch", _open_torch)
+TORCH = EngineSpec("torch", _open_torch, build_with_eagle3=_build_torch)
 TRTLLM_LIMITS = EngineSpec(
     "torch-as-trtllm", lambda model_dir, under_test: _open_with_eagle3(model_dir, under_test, TRTLLMLimitedTorchEngine),
     modes=("greedy", "rejection"), hidden_states=False, step_stats=False, drafter_kinds=("eagle3",),
-    drafter_form="eagle3-hf",
+    drafter_form="eagle3-hf", build_with_eagle3=TRTLLMLimitedTorchEngine,
     # 3 layers: the EAGLE-3 drafter captures (0, 1, 2); on 2 it would repeat one, and
     # TensorRT-LLM captures distinct layers (trtllm_engine.check_drafter_layers)
     model_shape=dict(num_layers=3),
@@ -193,6 +219,7 @@ TRTLLM_LIMITS = EngineSpec(
 TRTLLM = replace(
     TRTLLM_LIMITS, name="trtllm", writes_as_it_streams=False, open=lambda model_dir, under_test: _open_with_eagle3(model_dir, under_test,
                                                                                       _build_trtllm),
+    build_with_eagle3=_build_trtllm,
     # head_dim 64 (hidden 128, 2 heads): a head size TensorRT-LLM's attention kernels are
     # built for; the torch suite's head_dim 8 is likely not one (unverified: never run)
     # its own kernels, not the reference's arithmetic: log-probs held to 1e-3 (unverified)

@@ -20,8 +20,9 @@ from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.eagle3_hf import write_eagle3_hf
 from nemo_tlt.integrations.interface_facts import (TRTLLM_COMPLETION_FIELDS, TRTLLM_EAGLE3_FIELDS,
                                                    TRTLLM_LOGPROB_FIELDS, TRTLLM_GENERATE, TRTLLM_LLM_FIELDS,
-                                                   TRTLLM_SAMPLING_FIELDS, TRTLLM_WORKER_RPCS, refuse_unknown,
-                                                   signature_deviations)
+                                                   TRTLLM_PERF_METRICS_FIELDS, TRTLLM_REQUEST_OUTPUT_FIELDS,
+                                                   TRTLLM_SAMPLING_FIELDS, TRTLLM_SPEC_METRICS_FIELDS,
+                                                   TRTLLM_WORKER_RPCS, refuse_unknown, signature_deviations)
 from nemo_tlt.model.hf_io import save_hf_folder
 from nemo_tlt.rollout import trtllm_run
 from nemo_tlt.rollout.config import RolloutConfig
@@ -29,6 +30,7 @@ from nemo_tlt.rollout.factory import build_rollout_engine
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.trtllm_config import TRTLLM_REQUIREMENT, WORKER_EXTENSION, TRTLLMEngineConfig
 from nemo_tlt.rollout.trtllm_run import TrainRunAsks, train_run_refusal, unsupported_settings
+from nemo_tlt.rollout.trtllm_stats import speculation_report
 from nemo_tlt.rollout.trtllm_engine import (TRTLLMRolloutEngine, canonical_shapes, check_drafter_layers,
                                             completion_to_result, import_tensorrt_llm, sampling_kwargs,
                                             trtllm_capture_layers, weight_buckets)
@@ -222,15 +224,31 @@ class FakeLLM:
             raise TypeError(f"no worker method {method}{args!r}")
         self.rpcs.append((method, args))
 
+    # what each request reports about speculation: (avg_decoded_tokens_per_iter, decoding_iter) and, with
+    # return_perf_metrics, speculative_decoding's (accepted, drafted) draft tokens
+    SPECULATION = (1.5, 2, 1, 4)
+
     def generate(self, inputs, sampling_params=None, use_tqdm=True):
         self.calls.append((inputs, sampling_params))
         assert all(p.get("logprobs") == 1 for p in sampling_params)  # one log-prob per generated token
-        outputs = [SimpleNamespace(token_ids=[5, 6], finish_reason="stop", logprobs=trtllm_logprobs([5, 6]))
-                   for _ in inputs]
-        for out in outputs:
+        avg, iters, accepted, drafted = self.SPECULATION
+        results = []
+        for params in sampling_params:
+            perf = None
+            if params.get("return_perf_metrics"):
+                spec = SimpleNamespace(acceptance_rate=accepted / drafted, total_accepted_draft_tokens=accepted,
+                                       total_draft_tokens=drafted)
+                refuse_unknown("SpeculativeDecodingMetrics", vars(spec), TRTLLM_SPEC_METRICS_FIELDS)
+                perf = SimpleNamespace(speculative_decoding=spec)
+                refuse_unknown("RequestPerfMetrics", vars(perf), TRTLLM_PERF_METRICS_FIELDS)
+            out = SimpleNamespace(token_ids=[5, 6], finish_reason="stop", logprobs=trtllm_logprobs([5, 6]),
+                                  request_perf_metrics=perf)
             refuse_unknown("CompletionOutput", vars(out), TRTLLM_COMPLETION_FIELDS)
             refuse_unknown("Logprob", vars(out.logprobs[0][5]), TRTLLM_LOGPROB_FIELDS)
-        return [SimpleNamespace(outputs=[out], avg_decoded_tokens_per_iter=2.0) for out in outputs]
+            result = SimpleNamespace(outputs=[out], decoding_iter=iters, avg_decoded_tokens_per_iter=avg)
+            refuse_unknown("RequestOutput", vars(result), TRTLLM_REQUEST_OUTPUT_FIELDS)
+            results.append(result)
+        return results
 
 
 def fake_sampling_params(**kw):
@@ -282,14 +300,21 @@ def test_engine_conversion_and_schedule_updates_against_a_fake_module(monkeypatc
                           policy=FixedSDPolicy(TreeShape(2, 1, 2)))
     assert [r.tokens for r in out.results] == [[5, 6, 2], [5, 6, 2]]
     assert [r.logprobs[:2] for r in out.results] == [[-0.5, -1.5]] * 2  # EOS appended: NaN
-    assert out.stats.tokens_generated == 6 and engine.last_decoded_per_iter == 2.0
+    assert out.stats.tokens_generated == 6
+    # per-request acceptance (1.5 tokens per iteration over 2 iterations, 1 of 4 drafts accepted per request)
+    assert out.stats.accept_lengths == [2, 1, 2, 1] and out.stats.mean_accept_len == 1.5
+    spec = engine.last_speculation
+    assert (spec.requests, spec.iterations, spec.accepted_draft_tokens, spec.draft_tokens) == (2, 4, 2, 8)
     prompts, params = engine.llm.calls[-1]
-    assert prompts == [[3, 4], [5]] and params[0]["max_tokens"] == 4
+    assert prompts == [[3, 4], [5]] and params[0]["max_tokens"] == 4 and params[0]["return_perf_metrics"]
     assert engine.llm.rpcs == [("set_draft_len_schedule", ({8: 2},))]
     engine.generate([Request([3])], SamplingParams(max_new_tokens=4), policy=FixedSDPolicy(TreeShape(2, 1, 2)))
     assert len(engine.llm.rpcs) == 1  # unchanged schedule: not sent again
-    engine.generate([Request([3])], SamplingParams(max_new_tokens=4))
+    plain = engine.generate([Request([3])], SamplingParams(max_new_tokens=4))
     assert engine.llm.rpcs[-1] == ("set_draft_len_schedule", ({},))
+    # speculation off: no acceptance reported (as the torch engine's plain steps), no perf metrics asked
+    assert plain.stats.accept_lengths == [] and engine.last_speculation is None
+    assert "return_perf_metrics" not in engine.llm.calls[-1][1][0]
     with pytest.raises(ValueError, match="return_hidden"):
         engine.generate([Request([3])], SamplingParams(max_new_tokens=4), return_hidden=True)
     with pytest.raises(ValueError, match="not a torch|EAGLE-3 HF folder"):
@@ -297,3 +322,27 @@ def test_engine_conversion_and_schedule_updates_against_a_fake_module(monkeypatc
     other_layers = _exported_drafter(tiny_config(num_layers=3), tmp_path / "other", capture_layers=(1, 2))
     with pytest.raises(ValueError, match=r"trained on target layers \[1, 2\]"):
         engine.load_drafter(other_layers)
+
+
+def _request_output(avg, iters, counters=None):
+    perf = None if counters is None else SimpleNamespace(speculative_decoding=SimpleNamespace(
+        total_accepted_draft_tokens=counters[0], total_draft_tokens=counters[1]))
+    return SimpleNamespace(outputs=[SimpleNamespace(request_perf_metrics=perf)], decoding_iter=iters,
+                           avg_decoded_tokens_per_iter=avg)
+
+
+def test_speculation_report_is_tensorrt_llms_acceptance_length_per_verify_step():
+    """accept_lengths: one entry per request per decode iteration, summing to the tokens it
+    decoded, so their mean is TensorRT-LLM's iteration-weighted acceptance length."""
+    outputs = [_request_output(3.0, 4, (8, 12)), _request_output(1.5, 2, (1, 3)), _request_output(None, 0)]
+    report, accept = speculation_report(outputs)
+    assert accept == [3, 3, 3, 3, 2, 1]
+    assert report.mean_accept_len == sum(accept) / len(accept) == 15 / 6
+    assert (report.requests, report.iterations, report.decoded_tokens) == (2, 6, 15)
+    assert (report.accepted_draft_tokens, report.draft_tokens, report.draft_acceptance) == (9, 15, 0.6)
+    none, empty = speculation_report([_request_output(None, 3)])
+    assert empty == [] and none.mean_accept_len == 0.0 and none.draft_acceptance is None
+    with pytest.raises(ValueError, match="decoding_iter=0"):
+        speculation_report([_request_output(2.0, 0)])
+    with pytest.raises(ValueError, match="avg_decoded_tokens_per_iter=0.5"):
+        speculation_report([_request_output(0.5, 2)])

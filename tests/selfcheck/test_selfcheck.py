@@ -1,12 +1,16 @@
-"""``nemo-tlt selfcheck``: refuses ``--gpu`` without CUDA (exit 2, nothing written), and its
-every check runs on the CPU at toy sizes (``--cpu-dry-run``), writing one JSON."""
+"""``nemo-tlt selfcheck``: refuses ``--gpu`` without CUDA and ``--trtllm`` without TensorRT-LLM (exit 2,
+nothing written); every ``--gpu`` check runs on the CPU at toy sizes (``--cpu-dry-run``), writing one
+JSON; ``--trtllm``'s plan and JSON structure are checked with stand-in checks (it never ran)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 import torch
 
+from nemo_tlt.selfcheck import cli
+from nemo_tlt.selfcheck import trtllm_check as tc
 from nemo_tlt.selfcheck.cli import main
 
 
@@ -37,3 +41,70 @@ def test_cpu_dry_run_passes_every_check_and_says_it_is_not_a_gpu_run(tmp_path):
         assert ident["greedy"]["all_identical"] and ident["coupled"]["all_identical"], name
     assert checks["main_job"]["result"]["config_device_line"] == "device: cpu"
     assert checks["main_job"]["result"]["rewards_identical"] is True
+
+
+# ---- --trtllm: the TensorRT-LLM engine with the trained EAGLE-3 drafter (never run: no GPU here) ----
+TRTLLM_CHECKS = ["eagle3_drafter", "trtllm_identity_greedy", "trtllm_acceptance", "trtllm_throughput",
+                 "pytest_trtllm"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="tensorrt_llm is installed")
+def test_trtllm_mode_without_tensorrt_llm_exits_2_with_the_install_message(tmp_path, capsys):
+    out = tmp_path / "selfcheck.json"
+    assert main(["--trtllm", "--out", str(out)]) == 2
+    said = capsys.readouterr().out
+    assert "pip install nemo-tlt[trtllm]" in said and "nothing was run" in said and not out.exists()
+
+
+def test_trtllm_plan_names_its_checks_in_order(tmp_path):
+    assert list(tc.trtllm_plan(tmp_path, None)) == TRTLLM_CHECKS
+
+
+@pytest.fixture
+def trtllm_here(monkeypatch):
+    """--trtllm as if TensorRT-LLM and a GPU were present, each check a stand-in (the JSON's structure)."""
+    monkeypatch.setattr(cli, "trtllm_refusal", lambda: None)
+    monkeypatch.setattr(cli, "environment", lambda device: {"device": str(device)})
+    monkeypatch.setattr(tc, "trtllm_environment", lambda: {"tensorrt_llm": "stand-in"})
+
+    def acceptance():
+        raise AssertionError("mean accepted length 1.0 per verify step: speculation did not run")
+
+    checks = {name: (lambda name=name: {"ran": name}) for name in TRTLLM_CHECKS}
+    checks["trtllm_acceptance"] = acceptance
+    monkeypatch.setattr(tc, "trtllm_plan", lambda work, cache_dir: checks)
+
+
+def test_trtllm_mode_records_each_check_into_one_json(tmp_path, trtllm_here):
+    out = tmp_path / "selfcheck.json"
+    assert main(["--trtllm", "--out", str(out), "--only", "eagle3_drafter,trtllm_acceptance"]) == 1
+    report = json.loads(out.read_text())
+    assert report["mode"] == "trtllm" and report["environment"]["tensorrt_llm"] == "stand-in"
+    assert report["environment"]["device"] == "cuda:0" and "note" not in report and report["passed"] is False
+    checks = report["checks"]
+    assert list(checks) == ["eagle3_drafter", "trtllm_acceptance"]
+    assert checks["eagle3_drafter"] == {"status": "passed", "result": {"ran": "eagle3_drafter"},
+                                        "seconds": checks["eagle3_drafter"]["seconds"]}
+    assert checks["trtllm_acceptance"]["status"] == "failed"
+    assert "speculation did not run" in checks["trtllm_acceptance"]["error"]
+    assert main(["--trtllm", "--out", str(out), "--only", "pytest_trtllm"]) == 0
+
+
+def test_trtllm_mode_refuses_unknown_check_names(tmp_path, trtllm_here, capsys):
+    assert main(["--trtllm", "--out", str(tmp_path / "x.json"), "--only", "trtllm_acceptance,engine_demo_float32"]) == 2
+    assert "['engine_demo_float32']" in capsys.readouterr().out and not (tmp_path / "x.json").exists()
+
+
+def test_pytest_summary_line_is_recorded_and_a_failing_run_fails():
+    from subprocess import CompletedProcess
+
+    ok = "....s\n=========== 4 passed, 1 skipped in 3.10s ===========\n"
+    run = lambda cmd, **kw: CompletedProcess(cmd, 0, ok, "")  # noqa: E731
+    result = tc.pytest_trtllm(run=run)
+    assert result["summary"] == "4 passed, 1 skipped in 3.10s" and result["command"].startswith("pytest -q")
+    assert "-m trtllm" in result["command"]
+    skipped = "ss\n====== 2 skipped in 0.1s ======\n"
+    with pytest.raises(AssertionError, match="2 skipped"):  # nothing passed: TensorRT-LLM did not run
+        tc.pytest_trtllm(run=lambda cmd, **kw: CompletedProcess(cmd, 0, skipped, ""))
+    with pytest.raises(AssertionError, match="exit 1"):
+        tc.pytest_trtllm(run=lambda cmd, **kw: CompletedProcess(cmd, 1, "=== 1 failed in 2s ===\n", ""))
