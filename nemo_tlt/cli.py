@@ -11,6 +11,7 @@
     nemo-tlt plan CONFIG.yaml [key=value ...]   # memory / reshard plan and simulated speedup (or --calibrate RUN_DIR)
     nemo-tlt train CONFIG.yaml [key=value ...] [--compare-baseline]
     nemo-tlt selfcheck --gpu --out F.json       # the GPU acceptance run (docs/gpu.md); --cpu-dry-run on a CPU
+    nemo-tlt selfcheck --trtllm --out F.json    # TensorRT-LLM with a trained EAGLE-3 drafter (docs/trtllm.md)
 """
 from __future__ import annotations
 
