@@ -9,10 +9,16 @@ Contract
 * Otherwise it keeps one fp32 copy of each parameter (``masters``, 4 bytes per weight on
   the parameters' device) carrying the parameter's Python attributes (megatron's
   ``tensor_model_parallel``, ``shared``, ...), so code that inspects them sees the same.
-  After backward, ``grads_to_masters()`` casts each parameter's gradient into its master's
-  fp32 ``grad`` (the gradient reduction, the clip and the optimizer then all run in fp32
-  over ``masters``); after the optimizer step, ``masters_to_params()`` rounds the masters
-  back into the parameters (round to nearest even, as ``Tensor.copy_`` casts).
+  ``zero_grads()`` starts a step. With ``fp32_accumulation`` (the default) a hook on each
+  bf16 parameter adds every backward's gradient into its master's fp32 ``grad`` as soon
+  as autograd has it and frees the bf16 one, so the micro-batches of a step sum in fp32
+  (megatron-core's ``main_grad``); ``grads_to_masters()`` then adds any gradient left on
+  a parameter (one set by hand). The gradient reduction, the clip and the optimizer run
+  in fp32 over ``masters``; after the optimizer step, ``masters_to_params()`` rounds the
+  masters back into the parameters (round to nearest even, as ``Tensor.copy_`` casts).
+  Without ``fp32_accumulation`` the bf16 ``grad`` of every micro-batch accumulates in
+  bf16 and ``grads_to_masters()`` casts the sum (for a caller that edits parameter
+  gradients between backward and the step, e.g. a tied-embedding sum over ranks).
 * The optimizer is built over ``masters`` (so its state is fp32), ``state_dict()`` /
   ``load_state_dict()`` carry the fp32 masters (a resumed run continues from the same
   fp32 values, not from their bf16 rounding), and ``params_to_masters()`` refreshes the
@@ -30,9 +36,10 @@ import torch
 
 
 class MasterWeights:
-    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], fp32_accumulation: bool = True) -> None:
         self.params = list(params)
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
+        self.fp32_accumulation = fp32_accumulation and self.mixed
         if not self.mixed:
             self.masters = self.params
             return
@@ -42,15 +49,36 @@ class MasterWeights:
             master.__dict__.update({k: v for k, v in p.__dict__.items() if not k.startswith("_")})
             master.grad = torch.zeros_like(master)
             self.masters.append(master)
+            if self.fp32_accumulation:
+                p.register_post_accumulate_grad_hook(_into_master(master))
+
+    @torch.no_grad()
+    def zero_grads(self) -> None:
+        """Start a step: zeros on the masters (fp32 parameters: their existing gradients
+        zeroed in place, as ``zero_grad(set_to_none=False)``), none on bf16 parameters."""
+        for p in self.params:
+            if not self.mixed:
+                if p.grad is not None:
+                    p.grad.zero_()
+            else:
+                p.grad = None
+        if self.mixed:
+            for m in self.masters:
+                m.grad.zero_()
 
     @torch.no_grad()
     def grads_to_masters(self) -> None:
-        """Each parameter's gradient (a missing one as zeros) into its master's fp32 grad."""
+        """Gradients still on the parameters into the masters' fp32 grads (added with
+        fp32 accumulation, copied without; a missing one counts as zeros)."""
         if not self.mixed:
             return
         for p, m in zip(self.params, self.masters):
             if p.grad is None:
-                m.grad.zero_()
+                if not self.fp32_accumulation:
+                    m.grad.zero_()
+            elif self.fp32_accumulation:
+                m.grad.add_(p.grad)
+                p.grad = None
             else:
                 m.grad.copy_(p.grad)
 
@@ -67,6 +95,7 @@ class MasterWeights:
                 m.copy_(p)
 
     def state_dict(self) -> list[torch.Tensor] | None:
+        """The fp32 masters of a bf16 model; None for an fp32 one."""
         return [m.detach().clone() for m in self.masters] if self.mixed else None
 
     @torch.no_grad()
@@ -85,3 +114,12 @@ class MasterWeights:
                                  f"parameter of shape {tuple(m.shape)}")
             m.copy_(saved)
         self.masters_to_params()
+
+
+def _into_master(master: torch.nn.Parameter):
+    """The post-accumulate hook of one bf16 parameter: its gradient into the master's, in fp32."""
+    @torch.no_grad()
+    def hook(param: torch.Tensor) -> None:
+        master.grad.add_(param.grad)
+        param.grad = None
+    return hook

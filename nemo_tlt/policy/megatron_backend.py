@@ -121,7 +121,10 @@ class MegatronPolicy:
             if config.kl_coef > 0:
                 self.reference = self._build(canonical).eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.master = MasterWeights(self.params)  # bf16 weights train through fp32 masters
+        # bf16 weights train through fp32 masters; the tied-embedding sum edits the bf16 grads
+        # after backward, so the micro-batches accumulate in bf16 here (megatron-core's DDP,
+        # with its fp32 main_grad, is the remedy)
+        self.master = MasterWeights(self.params, fp32_accumulation=False)
         self.optimizer, self.schedule = build_optimizer(self.master.masters, config.optim, foreach=False)
         self.step = 0
 

@@ -125,7 +125,7 @@ class TorchPolicy:
                ) -> dict[str, float]:
         check_update_args("TorchPolicy", batch, advantages, global_tokens)
         capture_layers = check_capture_layers("TorchPolicy.update", capture_layers, self.model_config.num_layers)
-        self.model.zero_grad(set_to_none=False)  # the masters' grads are overwritten
+        self.master.zero_grads()
         totals = dict.fromkeys(STATS, 0.0)
         advantages = advantages.to(self.device)
         for mb in micro_batches(batch, self.config.micro_batch, self.device):
