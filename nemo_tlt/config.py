@@ -202,6 +202,9 @@ class WorkersConfig:
             raise ValueError(f"WorkersConfig.launcher must be one of {list(LAUNCHERS)}, got {self.launcher!r}")
         if self.device not in DEVICES:
             raise ValueError(f"WorkersConfig.device must be one of {list(DEVICES)}, got {self.device!r}")
+        if self.device == "cuda" and self.start_method == "fork" and self.num_workers > 1:
+            raise ValueError("WorkersConfig.start_method=fork cannot start workers.device=cuda workers (a forked "
+                             "process cannot initialise CUDA); use workers.start_method=spawn")
 
 
 @dataclass(frozen=True)

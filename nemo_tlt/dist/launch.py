@@ -196,7 +196,8 @@ def launch_local(fn: Callable, world_size: int, *args: Any, timeout_s: float | N
     """Run ``fn(ctx, *args)`` on ``world_size`` local ranks; their return values in rank order."""
     if world_size < 1:
         raise ValueError(f"launch_local: world_size must be >= 1, got {world_size}")
-    device = local_device_kind(device, world_size, hide_cuda and not (in_process and world_size == 1))
+    in_proc = in_process and world_size == 1
+    device = local_device_kind(device, world_size, hide_cuda and not in_proc, None if in_proc else start_method)
     if in_process and world_size == 1:
         return [_run_in_process(fn, args, threads, forward_signals, device)]
     ctx = mp.get_context(start_method)
@@ -243,9 +244,17 @@ def _host_store(world_size: int, timeout_s: float) -> dist.TCPStore:
                          wait_for_workers=False)
 
 
-def local_device_kind(kind: str, world_size: int, hide_cuda: bool) -> str:
+def local_device_kind(kind: str, world_size: int, hide_cuda: bool, start_method: str | None = None) -> str:
     """The device kind local ranks 0..world_size-1 run with (``cpu`` or ``cuda``), checked
-    in the launcher: a wrong ``workers.device`` fails before any rank starts."""
+    in the launcher: a wrong ``workers.device`` fails before any rank starts. Ranks that
+    ``start_method="fork"`` would start cannot use CUDA (a forked child of a process that
+    touched CUDA cannot initialise it): CUDA is probed through NVML then, without
+    initialising it here, and a fork launch that would compute on CUDA is refused."""
+    if start_method == "fork" and not hide_cuda and kind != "cpu":
+        with _nvml_cuda_check():
+            if kind == "cuda" or torch.cuda.is_available():
+                raise ValueError(f"workers.device={kind} resolves to CUDA, which forked ranks cannot use "
+                                 "(workers.start_method=fork); use workers.start_method=spawn, or workers.device=cpu")
     if hide_cuda:
         if kind == "cuda":
             raise ValueError("workers.device=cuda, but this launch hides CUDA from its ranks (hide_cuda=True: "
@@ -253,6 +262,20 @@ def local_device_kind(kind: str, world_size: int, hide_cuda: bool) -> str:
         return resolve_device(kind, 0, cuda_available=False).type
     resolve_device(kind, world_size - 1)  # every local rank has a GPU of its own
     return resolve_device(kind, 0).type
+
+
+@contextlib.contextmanager
+def _nvml_cuda_check() -> Iterator[None]:
+    """``torch.cuda.is_available()`` through NVML (no CUDA initialisation: fork stays safe)."""
+    saved = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = saved
 
 
 def _run_in_process(fn: Callable, args: tuple, threads: int, install_signals: bool, device: str) -> Any:

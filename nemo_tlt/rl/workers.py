@@ -104,7 +104,8 @@ def resolved_workers(workers: Any, env: Mapping[str, str] | None = None) -> Any:
     env = os.environ if env is None else env
     mode = launch_mode(workers, env)
     if mode == "local":
-        kind = local_device_kind(workers.device, workers.num_workers, hide_cuda=False)
+        start = workers.start_method if workers.num_workers > 1 else None  # one worker runs in this process
+        kind = local_device_kind(workers.device, workers.num_workers, hide_cuda=False, start_method=start)
     else:
         local_rank = (SlurmTask.from_env(env) if mode == "slurm" else TorchrunTask.from_env(env)).local_rank
         kind = resolve_device(workers.device, local_rank).type

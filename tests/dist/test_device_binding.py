@@ -114,3 +114,18 @@ def test_train_with_cuda_and_no_cuda_fails_before_any_work(host, tmp_path, capsy
     assert main(["conf/demo.yaml", f"run_dir={run_dir}", "workers.device=cuda"]) == 2
     assert "workers.device=cuda" in capsys.readouterr().err
     assert not run_dir.exists()
+
+
+def test_forked_ranks_are_never_put_on_cuda_and_the_probe_does_not_initialise_it(host, monkeypatch):
+    """A fork launch that would compute on CUDA is refused before any rank starts; the
+    probe goes through NVML (PYTORCH_NVML_BASED_CUDA_CHECK), so it cannot poison fork."""
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available",
+                        lambda: seen.append(__import__("os").environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")) or True)
+    workers = WorkersConfig(num_workers=2, start_method="fork", device="auto")
+    with pytest.raises(ValueError, match=r"workers\.start_method=spawn"):
+        resolved_workers(workers, env={})
+    assert seen[:1] == ["1"]
+    with pytest.raises(ValueError, match=r"start_method=fork cannot start workers\.device=cuda"):
+        WorkersConfig(num_workers=2, start_method="fork", device="cuda")
+    assert resolved_workers(WorkersConfig(num_workers=2, start_method="spawn", device="auto"), env={}).device == "cuda"
