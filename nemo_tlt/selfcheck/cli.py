@@ -95,6 +95,9 @@ def plan(device: torch.device, sizes: Sizes, work: Path, cache_dir: str | None) 
         for dtype in (torch.float32, torch.bfloat16):
             checks[f"engine_{name}_{str(dtype).removeprefix('torch.')}"] = (
                 lambda case=case, dtype=dtype: ec.engine_check(case(), device, dtype, sizes.batch_sizes))
+        checks[f"engine_{name}_bfloat16_compute_float32"] = (  # rollout.compute_dtype=float32: identity again
+            lambda case=case: ec.engine_check(case(), device, torch.bfloat16, sizes.batch_sizes[:1], with_hf=False,
+                                              compute_dtype=torch.float32))
     checks["main_job"] = lambda: sc.main_job_check(kind, work / "main_job", sizes.main_job_overrides)
     checks["megatron_world1"] = lambda: sc.megatron_check(kind, sizes.megatron_model)
     checks["checkpoint_roundtrip"] = lambda: sc.checkpoint_check(device, work / "checkpoint")

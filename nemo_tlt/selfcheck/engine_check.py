@@ -90,6 +90,9 @@ def _engine_tokens(engine: TorchRolloutEngine, prompts: list[list[int]], sp: Sam
 
 
 def identity(engine: TorchRolloutEngine, case: EngineCase, seed: int) -> dict[str, Any]:
+    """Greedy and coupled SD against plain decoding on the same engine. Raises when an
+    engine that computes in fp32 (``engine.compute_dtype``) is not token-identical: that
+    is the lossless promise; in bf16 arithmetic the rates are recorded, not required."""
     policy = FixedSDPolicy(case.shape)
     out: dict[str, Any] = {}
     for mode in ("greedy", "coupled"):
@@ -99,7 +102,15 @@ def identity(engine: TorchRolloutEngine, case: EngineCase, seed: int) -> dict[st
         same = sum(a == b for a, b in zip(plain, sd))
         out[mode] = {"identical_rate": same / len(plain), "all_identical": same == len(plain),
                      "sequences": len(plain), "accept_len": float(stats.mean_accept_len)}
+    broken = [m for m in out if not out[m]["all_identical"]]
+    if broken and engine_computes_fp32(engine):
+        raise AssertionError(f"{case.name}: SD is not token-identical to plain decoding in fp32 arithmetic in "
+                             f"mode(s) {broken}: {out}")
     return out
+
+
+def engine_computes_fp32(engine: TorchRolloutEngine) -> bool:
+    return engine.compute_dtype == torch.float32
 
 
 def _hf_generate(model, prompts: list[list[int]], max_new: int, eos: int, pad: int, device: torch.device) -> int:
@@ -158,12 +169,14 @@ def _load_hf(folder: Path, device: torch.device, dtype: torch.dtype):
 
 
 def engine_check(case: EngineCase, device: torch.device, dtype: torch.dtype, batch_sizes: tuple[int, ...],
-                 seed: int = 7, with_hf: bool = True) -> dict[str, Any]:
+                 seed: int = 7, with_hf: bool = True, compute_dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """See the module docstring; ``compute_dtype`` is the engine's (``rollout.compute_dtype``)."""
     target = load_hf_folder(case.hf_dir, dtype).to(device)
     drafter = case.drafter.to(device)  # the engine serves a drafter at its own dtype (see the engine)
-    engine = TorchRolloutEngine(target, drafter)
+    engine = TorchRolloutEngine(target, drafter, compute_dtype=compute_dtype)
     hf_model = _load_hf(case.hf_dir, device, dtype) if with_hf else None
     out: dict[str, Any] = {"case": case.name, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+                           "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
                            "identity": identity(engine, case, seed)}
     out["throughput"] = [throughput(engine, hf_model, case, b, device, i) for i, b in enumerate(batch_sizes)]
     return out

@@ -2,7 +2,8 @@
 
 * ``main_job_check``: ``nemo-tlt train conf/demo.yaml --compare-baseline`` on one worker
   of that device (a subprocess, as a user runs it); its speedup, control ratio and
-  whether rewards were identical, from the run's ``report.json``.
+  whether rewards were identical, from the run's ``report.json``; it fails when a run in
+  fp32 arithmetic gives TLT and baseline different rollouts or rewards.
 * ``megatron_check``: the megatron-core policy backend at world size 1 (NCCL on CUDA,
   gloo on CPU) and the torch backend take one update on the same batch from the same
   weights; their loss, gradient norm and updated weights agree.
@@ -35,6 +36,12 @@ def main_job_check(device_kind: str, out_dir: Path, overrides: tuple[str, ...] =
         raise RuntimeError(f"{' '.join(cmd[2:])} exited {done.returncode}:\n{done.stderr[-4000:]}")
     report = json.loads((out_dir / "report.json").read_text())
     config = (out_dir / "config.yaml").read_text()
+    exact = not any(o.startswith("model.dtype=bfloat16") for o in overrides) or \
+        "rollout.compute_dtype=float32" in overrides
+    if exact and not (report["rewards_identical"] and report.get("rollouts_identical", True)):
+        raise AssertionError(f"TLT and baseline rollouts or rewards differ in an fp32-arithmetic run (coupled "
+                             f"sampling promises them identical): rewards_identical={report['rewards_identical']}, "
+                             f"rollouts_identical={report.get('rollouts_identical')}")
     return {"command": " ".join(["nemo-tlt", *cmd[4:]]), "speedup": report["speedup"],
             "control_ratio": report["control_ratio"], "rewards_identical": report["rewards_identical"],
             "rollouts_identical": report.get("rollouts_identical"), "noisy": report["noisy"],

@@ -135,19 +135,25 @@ class TRTLLMRun:
         return TRTLLMRolloutEngine.from_hf_folder(self.drafter.target_dir, **kwargs)
 
     def identity(self) -> dict[str, Any]:
+        """TensorRT-LLM greedy SD against TensorRT-LLM plain greedy (same engine, same GPU:
+        the promise is identity within one engine configuration); the torch engine's plain
+        greedy on the host is reported beside it, as information (kernels differ)."""
         from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 
-        engine = self._engine(with_drafter=True)
         prompts = _prompts(self.prompts)
-        plain, _, _ = _greedy(TorchRolloutEngine.from_hf_folder(self.drafter.target_dir), prompts, self.max_new, None)
+        plain, _, _ = _greedy(self._engine(with_drafter=False), prompts, self.max_new, None)
+        engine = self._engine(with_drafter=True)
         sd, stats, _ = _greedy(engine, prompts, self.max_new, self.policy)
+        torch_plain, _, _ = _greedy(TorchRolloutEngine.from_hf_folder(self.drafter.target_dir), prompts,
+                                    self.max_new, None)
         same = sum(a == b for a, b in zip(plain, sd))
         self._identity = {"stats": stats, "speculation": engine.last_speculation}
         if same != len(plain):
-            raise AssertionError(f"TensorRT-LLM greedy SD differs from the torch engine's plain greedy on "
+            raise AssertionError(f"TensorRT-LLM greedy SD differs from TensorRT-LLM plain greedy on "
                                  f"{len(plain) - same} of {len(plain)} sequences")
         return {"sequences": len(plain), "identical_rate": same / len(plain), "all_identical": True,
-                "draft_len": self.draft_len}
+                "draft_len": self.draft_len,
+                "torch_engine_plain_identical_rate": sum(a == b for a, b in zip(torch_plain, sd)) / len(plain)}
 
     def acceptance(self) -> dict[str, Any]:
         if self._identity is None:

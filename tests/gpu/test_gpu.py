@@ -43,10 +43,12 @@ def test_megatron_at_world_size_one_over_nccl():
     assert out["max_weight_diff"] <= out["tolerance"]
 
 
-def test_one_worker_rl_run_in_bf16_on_the_gpu(tmp_path):
-    out = sc.main_job_check("cuda", tmp_path / "run", (*DRY_RUN_SIZES.main_job_overrides, "model.dtype=bfloat16"))
+def test_one_worker_rl_run_in_bf16_on_the_gpu_keeps_tlt_equal_to_the_baseline(tmp_path):
+    """bf16 weights with fp32 arithmetic in the engine: TLT and baseline identical."""
+    out = sc.main_job_check("cuda", tmp_path / "run", (*DRY_RUN_SIZES.main_job_overrides, "model.dtype=bfloat16",
+                                                       "rollout.compute_dtype=float32"))
     assert out["config_device_line"] == "device: cuda"
-    assert isinstance(out["rewards_identical"], bool)
+    assert out["rewards_identical"] is True and out["rollouts_identical"] is True
 
 
 def test_run_checkpoint_of_cuda_tensors_round_trips(tmp_path):

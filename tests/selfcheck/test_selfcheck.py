@@ -33,10 +33,11 @@ def test_cpu_dry_run_passes_every_check_and_says_it_is_not_a_gpu_run(tmp_path):
     report = json.loads(out.read_text())
     assert report["passed"] and report["mode"] == "cpu_dry_run" and "says nothing about a GPU" in report["note"]
     checks = report["checks"]
-    assert set(checks) == {"engine_demo_float32", "engine_demo_bfloat16", "engine_random_float32",
-                           "engine_random_bfloat16", "main_job", "megatron_world1", "checkpoint_roundtrip"}
+    assert set(checks) == {"engine_demo_float32", "engine_demo_bfloat16", "engine_demo_bfloat16_compute_float32",
+                           "engine_random_float32", "engine_random_bfloat16", "engine_random_bfloat16_compute_float32",
+                           "main_job", "megatron_world1", "checkpoint_roundtrip"}
     assert all(c["status"] == "passed" for c in checks.values()), {k: c.get("error") for k, c in checks.items()}
-    for name in ("engine_demo_float32", "engine_random_float32"):  # fp32: SD is plain decoding, token for token
+    for name in ("engine_demo_float32", "engine_random_float32", "engine_demo_bfloat16_compute_float32"):
         ident = checks[name]["result"]["identity"]
         assert ident["greedy"]["all_identical"] and ident["coupled"]["all_identical"], name
     assert checks["main_job"]["result"]["config_device_line"] == "device: cpu"
@@ -108,3 +109,27 @@ def test_pytest_summary_line_is_recorded_and_a_failing_run_fails():
         tc.pytest_trtllm(run=lambda cmd, **kw: CompletedProcess(cmd, 0, skipped, ""))
     with pytest.raises(AssertionError, match="exit 1"):
         tc.pytest_trtllm(run=lambda cmd, **kw: CompletedProcess(cmd, 1, "=== 1 failed in 2s ===\n", ""))
+
+
+class _LossyEngine:
+    """Stands in for an engine whose SD differs from its plain decoding in one sequence."""
+
+    def __init__(self, compute_dtype):
+        self.compute_dtype = compute_dtype
+
+    def generate(self, requests, sampling, policy=None):
+        from types import SimpleNamespace
+        results = [SimpleNamespace(tokens=[5, 6] if policy is not None and i == 0 else [5, 7])
+                   for i, _ in enumerate(requests)]
+        return SimpleNamespace(results=results, stats=SimpleNamespace(mean_accept_len=2.0))
+
+
+def test_identity_fails_the_check_in_fp32_arithmetic_and_is_recorded_in_bf16(tmp_path):
+    from nemo_tlt.selfcheck import engine_check as ec
+    from nemo_tlt.speculative.tree_shape import TreeShape
+
+    case = ec.EngineCase("lossy", tmp_path, None, [[3, 4], [3, 5]], TreeShape(depth=2, topk=1, num_verify=2), 4)
+    with pytest.raises(AssertionError, match="not token-identical"):
+        ec.identity(_LossyEngine(torch.float32), case, seed=0)
+    out = ec.identity(_LossyEngine(torch.bfloat16), case, seed=0)
+    assert out["greedy"]["identical_rate"] == 0.5 and not out["greedy"]["all_identical"]
