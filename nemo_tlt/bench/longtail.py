@@ -260,7 +260,8 @@ def compare(args, target, drafter, reqs: list[Request]) -> dict[str, Any]:
                "step_time_exponent": (adaptive.table.pooled_exponent() if learned else adaptive.step_cost.exponent()),
                "step_time_exponents": ({"plain" if a is None else a.name: adaptive.table.exponent(i)
                                         for i, a in enumerate((None, *args.arm_shapes))} if learned else None),
-               "response_lengths": {"median": lengths[len(lengths) // 2], "max": lengths[-1], "min": lengths[0]},
+               "response_lengths": {"median": lengths[len(lengths) // 2], "max": lengths[-1], "min": lengths[0],
+                                    "samples": lengths},  # sorted; `nemo-tlt plan --measured` reads them
                "trace": [vars(t) for t in trace], "machine": machine_info(),
                "config": {k: v for k, v in vars(args).items() if k not in ("arm_shapes",)}}
     write_json_atomic(args.out, payload)

@@ -6,8 +6,9 @@ says which phase, term and overflow) when a phase exceeds the GPU's memory.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -15,19 +16,20 @@ from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_config
 from nemo_tlt.plan.cluster import GIB
 from nemo_tlt.plan.config import PlanConfig
+from nemo_tlt.plan.measured import PlanInputs, read_measured, resolve_inputs
 from nemo_tlt.plan.costs import RolloutCosts, training_seconds
 from nemo_tlt.plan.memory import (
     PlanDoesNotFit, RolloutShape, TrainingShape, check_fit, parameter_count, rollout_memory, to_gib, training_memory,
 )
 from nemo_tlt.plan.reshard_plan import plan_stream_reshard
 from nemo_tlt.plan.simulator import (
-    FixedCosts, LengthModel, SimConfig, paged_kv_peak_tokens, recommend, simulate, summarize,
+    FixedCosts, LengthModel, SimConfig, paged_kv_peak_tokens, recommend, recommend_share, simulate, summarize,
 )
 from nemo_tlt.weights.layout import ParallelLayout
 from nemo_tlt.weights.megatron_layout import check_tp
 
 
-def _shapes(cfg: LMConfig, plan: PlanConfig) -> tuple[TrainingShape, RolloutShape]:
+def _shapes(cfg: LMConfig, plan: PlanConfig, lengths: LengthModel) -> tuple[TrainingShape, RolloutShape]:
     t, b = plan.training, plan.batch
     sequences = b.prompts * b.group_size
     seq_len = plan.rollout.prompt_len + b.max_response_len
@@ -38,7 +40,6 @@ def _shapes(cfg: LMConfig, plan: PlanConfig) -> tuple[TrainingShape, RolloutShap
                              sequence_parallel=t.sequence_parallel, recompute=t.recompute,
                              distributed_optimizer=t.distributed_optimizer, grad_bytes=t.grad_bytes,
                              reserve_gib=t.reserve_gib)
-    lengths = LengthModel(plan.lengths.median, plan.lengths.sigma, b.max_response_len)
     kv_tokens = paged_kv_peak_tokens(lengths, sequences // plan.replicas, plan.rollout.prompt_len,
                                      np.random.default_rng(plan.seed))
     rollout = RolloutShape(tp=plan.rollout.tensor_parallel, concurrency=sequences // plan.replicas, context=seq_len,
@@ -51,13 +52,21 @@ def _shapes(cfg: LMConfig, plan: PlanConfig) -> tuple[TrainingShape, RolloutShap
     return training, rollout
 
 
-def make_plan(plan: PlanConfig, simulate_steps: bool = False) -> tuple[dict[str, Any], dict | None]:
+def plan_inputs(plan: PlanConfig, measured: Sequence[str] = ()) -> PlanInputs:
+    """The simulator's inputs: the plan's assumptions, with what the plan's ``measured`` sources
+    and then ``measured`` (CLI ``--measured``) hold in their place."""
+    return resolve_inputs(plan, [read_measured(p) for p in (*plan.measured.sources, *measured)])
+
+
+def make_plan(plan: PlanConfig, simulate_steps: bool = False,
+              measured: Sequence[str] = ()) -> tuple[dict[str, Any], dict | None]:
     """(plan JSON, simulation traces or None)."""
     cfg = read_config(Path(plan.model_config))
+    inputs = plan_inputs(plan, measured)
     check_tp(cfg, plan.training.tensor_parallel)
     layout = ParallelLayout(plan.training.tensor_parallel, plan.training.pipeline_parallel)
     layout.stage_layer_counts(cfg.num_layers)  # refuses a PP that does not split the layers
-    training_shape, rollout_shape = _shapes(cfg, plan)
+    training_shape, rollout_shape = _shapes(cfg, plan, inputs.lengths)
     train_mem = training_memory(cfg, training_shape)
     roll_mem = rollout_memory(cfg, rollout_shape, train_mem)
     memory = {"training": train_mem, "rollout": roll_mem}
@@ -76,6 +85,7 @@ def make_plan(plan: PlanConfig, simulate_steps: bool = False) -> tuple[dict[str,
         "assumptions": {"flops_efficiency": plan.cluster.flops_efficiency,
                         "hbm_efficiency": plan.cluster.hbm_efficiency,
                         "training_state_during_rollout": plan.rollout.training_state},
+        "inputs": inputs.provenance,
     }
     try:
         check_fit(memory, plan.cluster.memory_gib)
@@ -87,31 +97,58 @@ def make_plan(plan: PlanConfig, simulate_steps: bool = False) -> tuple[dict[str,
         out["refusal"] = (out["refusal"] or "") + " reshard peak exceeds two layers per rank"
     if not simulate_steps:
         return out, None
-    costs = RolloutCosts(cfg, plan.cluster, plan.rollout.tensor_parallel)
-    fixed = fixed_costs(cfg, plan, training_shape, train_mem, reshard.seconds)
-    sim = sim_config(plan)
-    tlt, base = simulate(costs, fixed, sim), simulate(costs, fixed, sim.baseline())
-    out["simulation"] = {**{k: round(v, 4) for k, v in summarize(tlt, base).items()},
+    costs, fixed, sim = sim_parts(cfg, plan, inputs, training_shape, train_mem, reshard.seconds)
+    runs = simulate_both(costs, fixed, sim, share_fixed=plan.sd.pipelined_share is not None)
+    out["simulation"] = {**runs["summary"],
                          "phases_s": {k: round(v, 3) for k, v in fixed.__dict__.items()},
                          "recommended": recommend(costs, fixed, sim)}
-    return out, {"tlt": tlt, "baseline": base}
+    return out, {"tlt": runs["tlt"], "baseline": runs["baseline"]}
 
 
-def sim_config(plan: PlanConfig) -> SimConfig:
+def sim_parts(cfg: LMConfig, plan: PlanConfig, inputs: PlanInputs, shape: TrainingShape,
+              train_mem: dict[str, float], reshard_s: float) -> tuple[RolloutCosts, FixedCosts, SimConfig]:
+    cluster = replace(plan.cluster, draft_overhead_ms=inputs.draft_overhead_ms)
+    costs = RolloutCosts(cfg, cluster, plan.rollout.tensor_parallel)
+    return costs, fixed_costs(cfg, plan, shape, train_mem, reshard_s, inputs.lengths), sim_config(plan, inputs)
+
+
+def simulate_both(costs: RolloutCosts, fixed: FixedCosts, sim: SimConfig, share_fixed: bool = False) -> dict[str, Any]:
+    """The baseline and TLT with and without the pipelined update; ``summary`` (the plan
+    JSON's ``simulation`` figures) follows ``sim.pipelined_update`` and reports the other too.
+    The update's share of the idle capacity is ``sim.update_share`` with ``share_fixed``,
+    else the best of ``SHARES`` (``recommend_share``)."""
+    base = simulate(costs, fixed, sim.baseline())
+    plain = simulate(costs, fixed, replace(sim, pipelined_update=False))
+    share = sim.update_share if share_fixed else recommend_share(costs, fixed, sim)
+    piped = simulate(costs, fixed, replace(sim, pipelined_update=True, update_share=share))
+    chosen = piped if sim.pipelined_update else plain
+    summary = {k: round(v, 4) for k, v in summarize(chosen, base).items()}
+    with_, without = summarize(piped, base), summarize(plain, base)
+    summary["pipelined_update"] = {
+        "modelled": sim.pipelined_update,
+        "note": "a prediction of a design not yet built in the RL loop",
+        "speedup_with": round(with_["speedup"], 4), "speedup_without": round(without["speedup"], 4),
+        "tlt_step_s_with": round(with_["tlt_step_s"], 4), "tlt_step_s_without": round(without["tlt_step_s"], 4),
+        "update_overlap_s": round(with_["update_overlap_s"], 4), "update_share": share,
+        "final_drafter_quality_with": round(with_["final_drafter_quality"], 4)}
+    return {"summary": summary, "tlt": chosen, "baseline": base}
+
+
+def sim_config(plan: PlanConfig, inputs: PlanInputs) -> SimConfig:
     return SimConfig(steps=plan.steps, seed=plan.seed, sequences=plan.batch.prompts * plan.batch.group_size,
                      replicas=plan.replicas, prompt_len=plan.rollout.prompt_len, sd=plan.sd.enabled,
                      drafter_training=plan.sd.drafter_training, threshold=plan.sd.threshold,
-                     arms=tuple(zip(plan.sd.shapes, plan.sd.accepted)), epsilon=plan.sd.epsilon,
-                     drift=plan.sd.drift, recover_gpu_s=plan.sd.recover_gpu_s,
-                     lengths=LengthModel(plan.lengths.median, plan.lengths.sigma, plan.batch.max_response_len))
+                     arms=tuple(zip(plan.sd.shapes, inputs.accepted)), epsilon=plan.sd.epsilon,
+                     drift=plan.sd.drift, recover_gpu_s=plan.sd.recover_gpu_s, lengths=inputs.lengths,
+                     group_size=plan.batch.group_size, pipelined_update=plan.sd.pipelined_update,
+                     update_share=1.0 if plan.sd.pipelined_share is None else plan.sd.pipelined_share)
 
 
 def fixed_costs(cfg: LMConfig, plan: PlanConfig, shape: TrainingShape, train_mem: dict[str, float],
-                reshard_s: float) -> FixedCosts:
+                reshard_s: float, model: LengthModel) -> FixedCosts:
     """Log-prob and update at the expected token count, weight sync, and (when the trainer's
     state is offloaded during rollout) moving it to host memory and back over PCIe."""
     b = plan.batch
-    model = LengthModel(plan.lengths.median, plan.lengths.sigma, b.max_response_len)
     mean_len = float(np.mean(model.draw(100_000, np.random.default_rng(plan.seed))))
     tokens = int(b.prompts * b.group_size * (plan.rollout.prompt_len + mean_len))
     train = training_seconds(cfg, plan.cluster, tokens, plan.training.pipeline_parallel, shape.num_micro_batches,

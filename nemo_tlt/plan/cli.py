@@ -1,5 +1,12 @@
 """`nemo-tlt plan CONFIG.yaml [key=value ...] [--out F.json] [--simulate] [--png F.png]`: parse -> plan -> print / write.
 
+`--measured RUN_DIR_OR_BENCH_JSON` (repeatable; or the plan's ``measured.run_dir`` /
+``measured.bench_json``) puts measured response lengths, accepted lengths per arm and
+calibrated costs in place of the assumed ones (``nemo_tlt.plan.measured``); the JSON's
+``inputs`` says which inputs were measured and from where. `--sensitivity` simulates
+the plan with each assumption at both ends of its range (``nemo_tlt.plan.sensitivity``)
+and prints that table's JSON (and, with ``--markdown``, the table as Markdown).
+
 `nemo-tlt plan --calibrate RUN_DIR [--out F.json]` instead fits this machine's step costs
 on a `nemo-tlt train --compare-baseline` run folder and predicts its phase times
 (``nemo_tlt.plan.calibrate``).
@@ -22,6 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="JSON file to write")
     p.add_argument("--simulate", action="store_true", help="simulate RL steps with and without TLT")
     p.add_argument("--png", help="with --simulate: the slowest step's timeline as a PNG")
+    p.add_argument("--measured", action="append", default=[], metavar="RUN_DIR_OR_BENCH_JSON",
+                   help="measured inputs: a `nemo-tlt train` run folder or a `nemo-tlt bench rollout` JSON")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="predicted speedup with each assumption at both ends of its range, one at a time")
+    p.add_argument("--markdown", action="store_true", help="with --sensitivity: also print the Markdown table")
     p.add_argument("--calibrate", metavar="RUN_DIR",
                    help="fit costs on a `nemo-tlt train --compare-baseline` run folder and predict its phases")
     p.add_argument("--folds", choices=("pairs", "steps"), default="pairs",
@@ -63,7 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         from nemo_tlt.plan.build import make_plan
         from nemo_tlt.plan.config import load_plan_config
         plan = load_plan_config(args.config, args.overrides)
-        result, runs = make_plan(plan, simulate_steps=args.simulate or bool(args.png))
+        if args.sensitivity:
+            from nemo_tlt.plan.sensitivity import markdown_table, sensitivity
+            result = sensitivity(plan, args.measured)
+            _emit(result, args.out)
+            if args.markdown:
+                print(markdown_table(result))
+            return 0
+        result, runs = make_plan(plan, simulate_steps=args.simulate or bool(args.png), measured=args.measured)
         fits = result["fits"]
         if args.png and runs is not None:
             _png(runs, result, args.png)

@@ -85,9 +85,16 @@ class SDPlan:
     drift: float = 0.3
     recover_gpu_s: float = 600.0
     harvest_mb: int = 256
+    # model the policy update pipelined into the rollout's tail (a design, not yet in the loop)
+    pipelined_update: bool = False
+    # of the idle replicas' capacity, what the pipelined update may take (the rest trains the
+    # drafter); None: the simulator picks the share of the shortest step
+    pipelined_share: Optional[float] = None
 
     def __post_init__(self) -> None:
         check_int("sd.threshold", self.threshold, 0)
+        if self.pipelined_share is not None:
+            check_float("sd.pipelined_share", self.pipelined_share, 0.0, 1.0)
         check_float("sd.epsilon", self.epsilon, 0.0, 1.0)
         check_float("sd.drift", self.drift, 0.0, 1.0)
         check_float("sd.recover_gpu_s", self.recover_gpu_s, 0.0, lo_open=True)
@@ -117,6 +124,25 @@ class LengthPlan:
 
 
 @dataclass(frozen=True)
+class MeasuredPlan:
+    """Where measured inputs come from (``nemo_tlt.plan.measured``): a `nemo-tlt train` run
+    folder and / or a `nemo-tlt bench rollout` JSON; ``length_scaling`` ``median`` keeps the
+    measured lengths' shape and sets their median to ``lengths.median``, ``none`` takes them as is."""
+
+    run_dir: Optional[str] = None
+    bench_json: Optional[str] = None
+    length_scaling: str = "median"
+
+    def __post_init__(self) -> None:
+        if self.length_scaling not in ("median", "none"):
+            raise ValueError(f"measured.length_scaling must be 'median' or 'none', got {self.length_scaling!r}")
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(p for p in (self.run_dir, self.bench_json) if p)
+
+
+@dataclass(frozen=True)
 class PlanConfig:
     model_config: str = "conf/models/qwen2.5-32b"  # folder holding the HF config.json
     train_config: Optional[str] = None             # the `nemo-tlt train` YAML this plan is for
@@ -126,6 +152,7 @@ class PlanConfig:
     batch: BatchPlan = field(default_factory=BatchPlan)
     sd: SDPlan = field(default_factory=SDPlan)
     lengths: LengthPlan = field(default_factory=LengthPlan)
+    measured: MeasuredPlan = field(default_factory=MeasuredPlan)
     steps: int = 8
     seed: int = 0
 

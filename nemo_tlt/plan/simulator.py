@@ -20,6 +20,19 @@ Contract
   plan's seconds) and the host offload of the trainer's state, the same for both.
 * With ``sd`` and ``drafter_training`` both off the TLT path is the baseline path: the
   two results are equal to the last bit.
+* ``pipelined_update`` (a design not yet built in the RL loop): the log-prob and update
+  work of a prompt group (``group_size`` consecutive sequences of a replica) can run once
+  its last row has finished, on the replicas whose rollout is done; that work is charged
+  at its share of the step's tokens of ``logprob_s + update_s``, and the idle replicas
+  process it at the rate of their share of the cluster (a replica is ``1 / replicas`` of
+  the GPUs the training phases are spread over). Whatever is not done when the slowest
+  replica finishes runs after the rollout as before, then the optimizer step, weight sync
+  and offload (the optimizer step is inside ``update_s``' tail and never overlaps). The
+  idle GPU-seconds the update used are taken from drafter training, so the update gets at
+  most ``update_share`` of the idle replicas' capacity and drafter training the rest
+  (``recommend_share`` picks the share of the shortest mean step, 0 among the candidates,
+  so the pipelined step is never predicted slower). With no replica idle before the
+  rollout ends the step equals the unpipelined one.
 """
 from __future__ import annotations
 
@@ -82,9 +95,14 @@ class SimConfig:
     recover_gpu_s: float = 60.0
     initial_quality: float = 1.0
     lengths: LengthModel = field(default_factory=LengthModel)
+    group_size: int = 1           # sequences per prompt group (pipelined update: a group's unit of work)
+    pipelined_update: bool = False
+    update_share: float = 1.0     # of the idle replicas' capacity, what the pipelined update may take
 
     def __post_init__(self) -> None:
         check_int("sim.steps", self.steps, 1)
+        check_int("sim.group_size", self.group_size, 1)
+        check_float("sim.update_share", self.update_share, 0.0, 1.0)
         check_int("sim.sequences", self.sequences, 1)
         check_int("sim.replicas", self.replicas, 1)
         check_int("sim.threshold", self.threshold, 0)
@@ -101,7 +119,8 @@ class SimConfig:
                 raise ValueError(f"sim.arms: accepted length {acc} of {shape} must be in [1, depth + 1]")
 
     def baseline(self) -> "SimConfig":
-        return replace(self, sd=False, drafter_training=False)
+        """The plain synchronous step: no SD, no drafter training, no pipelined update."""
+        return replace(self, sd=False, drafter_training=False, pipelined_update=False)
 
 
 @dataclass(frozen=True)
@@ -147,6 +166,35 @@ def simulate_replica(lengths: np.ndarray, prompt_len: int, costs: RolloutCosts, 
     return t, trace
 
 
+def finish_times(lengths: np.ndarray, trace: list[tuple[float, float, int, str]]) -> np.ndarray:
+    """When each row of ``simulate_replica``'s rollout finished (in the order of ``lengths``):
+    its trace holds, after the prefill, one stretch per distinct length in increasing order,
+    ending when the rows of that length finish."""
+    ends = {int(n): start + seconds for n, (start, seconds, _, _) in zip(np.unique(lengths), trace[1:])}
+    return np.array([ends[int(n)] for n in lengths])
+
+
+def pipelined_overlap(group_done: list[tuple[float, float]], replica_end: list[float], work_s: float,
+                      share: float = 1.0) -> float:
+    """Seconds of the cluster's log-prob + update work done before the rollout ends.
+
+    ``group_done``: (time the group's last row finished, its share of ``work_s``) for every
+    group; ``replica_end``: when each replica's rollout finished. Between two events the
+    idle replicas' share of the cluster c and the work of finished groups A are constant,
+    and the work done P grows as min(A, P + share x c x dt)."""
+    rollout = max(replica_end)
+    n = len(replica_end)
+    events = sorted({t for t, _ in group_done} | set(replica_end))
+    done = 0.0
+    for t0, t1 in zip(events, events[1:] + [rollout]):
+        if t0 >= rollout:
+            break
+        capacity = share * sum(e <= t0 for e in replica_end) / n
+        available = sum(w for t, w in group_done if t <= t0)
+        done = min(available, done + capacity * (min(t1, rollout) - t0))
+    return min(done, work_s)
+
+
 @dataclass
 class StepResult:
     rollout_s: float
@@ -156,6 +204,7 @@ class StepResult:
     quality: float
     replica_s: list[float]
     traces: list[list[tuple[float, float, int, str]]]
+    overlap_s: float = 0.0   # log-prob + update seconds done during the rollout (pipelined update)
 
 
 def simulate(costs: RolloutCosts, fixed: FixedCosts, cfg: SimConfig) -> list[StepResult]:
@@ -167,17 +216,31 @@ def simulate(costs: RolloutCosts, fixed: FixedCosts, cfg: SimConfig) -> list[Ste
     for _ in range(cfg.steps):
         lengths = cfg.lengths.draw(cfg.sequences, rng)
         arm_rng = np.random.default_rng(rng.integers(2 ** 63))
-        runs = [simulate_replica(lengths[r * per_replica:(r + 1) * per_replica], cfg.prompt_len, costs, cfg,
-                                 quality, arm_rng) for r in range(cfg.replicas)]
+        shares = [lengths[r * per_replica:(r + 1) * per_replica] for r in range(cfg.replicas)]
+        runs = [simulate_replica(share, cfg.prompt_len, costs, cfg, quality, arm_rng) for share in shares]
         ends = [s for s, _ in runs]
         rollout = max(ends)
         idle = sum(rollout - e for e in ends) * gpus
-        trained = idle if cfg.drafter_training else 0.0
-        step = rollout + fixed.logprob_s + fixed.update_s + fixed.weight_sync_s + fixed.offload_s
-        out.append(StepResult(rollout, step, idle, trained, quality, ends, [tr for _, tr in runs]))
+        work = fixed.logprob_s + fixed.update_s
+        overlap = _overlap(shares, runs, ends, work, cfg) if cfg.pipelined_update else 0.0
+        trained = max(0.0, idle - overlap * gpus * cfg.replicas) if cfg.drafter_training else 0.0
+        step = rollout + work - overlap + fixed.weight_sync_s + fixed.offload_s
+        out.append(StepResult(rollout, step, idle, trained, quality, ends, [tr for _, tr in runs], overlap))
         quality *= 1.0 - cfg.drift
         quality += (1.0 - quality) * (1.0 - math.exp(-trained / cfg.recover_gpu_s))
     return out
+
+
+def _overlap(shares: list[np.ndarray], runs: list, ends: list[float], work_s: float, cfg: SimConfig) -> float:
+    tokens = sum(float(np.sum(sh)) + cfg.prompt_len * len(sh) for sh in shares)
+    groups = []
+    for share, (_, trace) in zip(shares, runs):
+        done = finish_times(share, trace)
+        for g in range(0, len(share), cfg.group_size):
+            rows = slice(g, g + cfg.group_size)
+            group_tokens = float(np.sum(share[rows])) + cfg.prompt_len * len(share[rows])
+            groups.append((float(np.max(done[rows])), work_s * group_tokens / tokens))
+    return pipelined_overlap(groups, ends, work_s, cfg.update_share)
 
 
 def summarize(tlt: list[StepResult], base: list[StepResult]) -> dict[str, float]:
@@ -191,7 +254,23 @@ def summarize(tlt: list[StepResult], base: list[StepResult]) -> dict[str, float]
             "idle_gpu_s": mean([s.idle_gpu_s for s in base]),
             "tlt_drafter_training_gpu_s": mean([s.trained_gpu_s for s in tlt]),
             "rollout_speedup": mean([s.rollout_s for s in base]) / mean([s.rollout_s for s in tlt]),
-            "final_drafter_quality": tlt[-1].quality}
+            "final_drafter_quality": tlt[-1].quality,
+            "update_overlap_s": mean([s.overlap_s for s in tlt])}
+
+
+SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def recommend_share(costs: RolloutCosts, fixed: FixedCosts, cfg: SimConfig) -> float:
+    """The update share (``SHARES``) of the shortest mean simulated step with the pipelined
+    update; 0 (no overlap: the unpipelined step) is a candidate and wins ties."""
+    best = None
+    for share in SHARES:
+        run = simulate(costs, fixed, replace(cfg, pipelined_update=True, update_share=share))
+        mean_step = float(np.mean([s.step_s for s in run]))
+        if best is None or mean_step < best[0]:
+            best = (mean_step, share)
+    return best[1]
 
 
 def recommend(costs: RolloutCosts, fixed: FixedCosts, cfg: SimConfig) -> dict:

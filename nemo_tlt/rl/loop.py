@@ -39,7 +39,7 @@ from nemo_tlt.rl.decode_segments import decode_segments
 from nemo_tlt.rl.grpo import group_advantages
 from nemo_tlt.rl.idle_drafter import IdleDrafter, idle_without_training
 from nemo_tlt.rl.logprob_gap import comparable, gap_sums
-from nemo_tlt.rl.records import IdleResult, RankState, RankStep, Rollout, step_record
+from nemo_tlt.rl.records import IdleResult, RankState, RankStep, Rollout, arm_accept_counts, step_record
 from nemo_tlt.rl.report import MetricsWriter, progress_bar
 from nemo_tlt.rl.run import RunSpec, shard_prompts, step_rng, step_seed
 from nemo_tlt.rl.run_checkpoint import RunCheckpointer, RunState, restore
@@ -163,7 +163,8 @@ class RLWorker:
                         rewards=rewards, gen_s=rollout.seconds, sd_steps=rollout.out.stats.sd_steps,
                         plain_steps=rollout.out.stats.plain_steps, accept_lengths=rollout.out.stats.accept_lengths,
                         segments=rollout.segments, idle=idle,
-                        update=update, state=self.rank_state(), weights=weights)
+                        update=update, state=self.rank_state(), weights=weights,
+                        arm_accept=arm_accept_counts(rollout.out.stats.trace))
         ranks = comm.gather(mine)
         # A sharded optimizer state (TP x PP > 1) differs per rank: keep every rank's (on the
         # host: device tensors pickled to another rank would land on its device of that index).

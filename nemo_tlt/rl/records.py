@@ -6,14 +6,14 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from nemo_tlt.rl.logprob_gap import gap_metrics
 from nemo_tlt.rl.run import digest
-from nemo_tlt.rollout.protocol import GenerateOutput, Request
+from nemo_tlt.rollout.protocol import GenerateOutput, Request, StepTrace
 
 UPDATE_SUMS = ("loss", "pg_loss", "kl", "clip_frac", "approx_kl")
 PHASES = ("rollout_s", "logprob_s", "update_s", "weight_sync_s")
@@ -68,6 +68,20 @@ class RankStep:
     update: dict[str, float]
     state: RankState
     weights: str                   # digest of this rank's synced policy + drafter weights
+    # per tree shape: [tokens emitted, row-steps] of its SD steps (``arm_accept_counts``)
+    arm_accept: dict[str, list[int]] = field(default_factory=dict)
+
+
+def arm_accept_counts(trace: list[StepTrace]) -> dict[str, list[int]]:
+    """Per tree shape, [tokens emitted, rows stepped] over the rollout's SD steps: their
+    ratio is that shape's accepted length (tokens per row per verify step), token-weighted."""
+    out: dict[str, list[int]] = {}
+    for s in trace:
+        if s.shape is not None:
+            acc = out.setdefault(s.shape, [0, 0])
+            acc[0] += int(s.tokens)
+            acc[1] += int(s.running)
+    return dict(sorted(out.items()))
 
 
 def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], times: dict[str, float],
@@ -90,6 +104,7 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
         "accuracy": float(np.mean([r == 1.0 for r in rewards])),
         "resp_len_mean": float(np.mean(lengths)), "resp_len_median": float(np.median(lengths)),
         "resp_len_max": int(max(lengths)), "tokens": int(sum(lengths)),
+        "resp_lens": lengths,  # per sequence (id order): the length distribution `nemo-tlt plan --measured` reads
         **times, "other_s": other,
         "rollout_gen_s": [r.gen_s for r in ranks],
         "drafter_train_s": float(sum(r.idle.train_s for r in ranks)),
@@ -108,6 +123,8 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
         "sd_steps": int(sum(r.sd_steps for r in ranks)),
         "plain_steps": int(sum(r.plain_steps for r in ranks)),
         "mean_accept_len": float(np.mean(accept)) if accept else 0.0,
+        # per tree shape, [tokens, row-steps] of its SD steps, summed over ranks (accepted length = ratio)
+        "accept_by_arm": _sum_arms(ranks),
         **{k: sum(r.update[k] for r in ranks) for k in UPDATE_SUMS},
         "grad_norm": ranks[0].update["grad_norm"],
         # generation vs policy log-probs of the step's tokens (nemo_tlt.rl.logprob_gap); None without them
@@ -129,3 +146,13 @@ def _per_node(ranks: list[RankStep], value) -> dict[str, float]:
     for r in ranks:
         out[str(r.node)] = out.get(str(r.node), 0.0) + float(value(r))
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def _sum_arms(ranks: list[RankStep]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for r in ranks:
+        for arm, (tokens, rows) in r.arm_accept.items():
+            acc = out.setdefault(arm, [0, 0])
+            acc[0] += tokens
+            acc[1] += rows
+    return dict(sorted(out.items()))
