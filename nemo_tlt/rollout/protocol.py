@@ -70,6 +70,10 @@ class GenerationStats:
     sd_steps: int = 0
     tokens_generated: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # tokens per row per verify step (1..depth+1)
+    # Host clock around each phase. On the CPU that is its compute; on CUDA, kernels run
+    # asynchronously, so these hold the host-side (launch) time and the kernels' time lands
+    # in the phase whose host read waits for it (time_other_s). The per-step dt in `trace`
+    # and wall_s are taken after the step's host read: they are the real step times there.
     time_draft_s: float = 0.0
     time_verify_s: float = 0.0
     time_plain_s: float = 0.0

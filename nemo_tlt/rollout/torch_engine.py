@@ -443,9 +443,10 @@ class TorchRolloutEngine:
         token ids (< 2**53) and fp32 log-probs."""
         if not any_done:
             return
-        fin = done.nonzero().flatten()
-        info = torch.stack((fin, batch.rows[fin], batch.prompt_len[fin], batch.num_gen[fin]), 1)
-        rows_done = host_list(info)
+        # every row's flag and bookkeeping in one read (no data-dependent nonzero() on the device)
+        info = torch.stack((done.long(), batch.rows, batch.prompt_len, batch.num_gen), 1)
+        rows_done = [(b, row, P, G) for b, (d, row, P, G) in enumerate(host_list(info)) if d]
+        fin = torch.tensor([b for b, _, _, _ in rows_done], dtype=torch.long, device=done.device)
         width = max(P + G for _, _, P, G in rows_done)
         token_rows, logprob_rows = host_list(torch.stack((batch.tokens[fin, :width].double(),
                                                           batch.logprobs[fin, :width].double())))
