@@ -100,9 +100,14 @@ class MasterWeights:
 
     @torch.no_grad()
     def load_state_dict(self, state: list[torch.Tensor] | None) -> None:
-        """Restore the fp32 masters (and the parameters from them); None: keep the masters
-        the parameters give (an fp32 run, or a checkpoint written by one)."""
-        if state is None or not self.mixed:
+        """Restore the fp32 masters (and the parameters from them). ``state`` None is an fp32
+        run's (no masters): only an fp32 model takes it; a bf16 model refuses it, and an fp32
+        model refuses masters, since either way the run would not continue exactly."""
+        if self.mixed != (state is not None):
+            have, got = ("bfloat16", "fp32 (no master weights)") if self.mixed else ("float32", "bf16 (master weights)")
+            raise ValueError(f"policy state: this model.dtype={have} run cannot continue a checkpoint of a {got} run "
+                             "exactly; resume with the model.dtype it was written with")
+        if state is None:
             self.params_to_masters()
             return
         if len(state) != len(self.masters):

@@ -58,7 +58,7 @@ class IdleDrafter:
         self.buffer = HarvestBuffer(HarvestConfig(width, max_bytes=config.harvest_max_mb << 20))
         self.trainer = SpotTrainer(self.drafter, eagle_loss_fn(view), config.trainer, rank=rank, seed=seed)
         self._thread = ThreadPoolExecutor(1, "tlt-idle", initializer=_init_idle_thread,
-                                          initargs=(config.nice, torch.get_num_threads()))
+                                          initargs=(config.nice, torch.get_num_threads(), placement.device))
 
     @property
     def min_length(self) -> int:
@@ -92,11 +92,14 @@ class IdleDrafter:
         self._thread.shutdown(wait=True)
 
 
-def _init_idle_thread(nice: int, num_threads: int) -> None:
+def _init_idle_thread(nice: int, num_threads: int, device: torch.device) -> None:
     """Make the calling thread yield the CPU to rollout and policy work (Linux: per
     thread) and keep its math to the worker's thread budget: torch's intra-op thread
     count is per thread, and a new thread would otherwise use every core, slowing the
-    busy workers it shares them with."""
+    busy workers it shares them with. The current CUDA device is
+    per thread: the thread binds the rank's own (a new thread starts on cuda:0)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     torch.set_num_threads(num_threads)
     if nice > 0 and hasattr(os, "setpriority"):
         try:

@@ -87,10 +87,17 @@ class ShardedCheckpoints:
                         "world": self.world, "files": records}
             (partial / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
             fsync_tree(partial)
+            # a step saved again: the old copy is renamed aside (a hidden name, never loaded)
+            # before the new one takes its place, so a crash in between leaves the previous
+            # checkpoint (step - 1, or this step's old copy under its aside name) intact
+            aside = final.with_name(f".{final.name}.replaced")
             if final.exists():
-                shutil.rmtree(final)
+                shutil.rmtree(aside, ignore_errors=True)
+                final.rename(aside)
+                fsync_path(self.directory)
             partial.rename(final)
             fsync_path(self.directory)
+            shutil.rmtree(aside, ignore_errors=True)
             self._prune(step)
         dist.barrier(group=self.group)
         return final

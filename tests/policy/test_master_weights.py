@@ -3,6 +3,7 @@ reduction are fp32, updates smaller than a bf16 ulp accumulate in the masters, t
 holds the masters rounded to bf16, and the masters travel with the checkpoint state."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nemo_tlt.device import Placement
@@ -109,3 +110,11 @@ def test_micro_batches_of_a_bf16_step_accumulate_in_fp32():
     bf16_sum.grads_to_masters()
     off = float((bf16_sum.masters[0].grad - want).norm() / want.norm())
     assert 1e-4 < off < 0.1  # rounding, not a wrong gradient
+
+
+def test_a_checkpoint_of_the_other_dtype_is_refused_naming_model_dtype():
+    bf16, fp32 = _policy(torch.bfloat16), _policy(torch.float32)
+    with pytest.raises(ValueError, match=r"model\.dtype=bfloat16 run cannot continue"):
+        bf16.load_state_dict(fp32.state_dict())
+    with pytest.raises(ValueError, match=r"model\.dtype=float32 run cannot continue"):
+        fp32.load_state_dict(bf16.state_dict())
