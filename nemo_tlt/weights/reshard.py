@@ -143,6 +143,22 @@ def _group(members: list[int]):
     return _GROUPS[key]
 
 
+_NCCL_WARM: list = [None]
+
+
+def _warm_nccl(device: str) -> None:
+    """One all-reduce of the whole world on its CUDA backend before the first batched
+    point-to-point call (every rank calls; a no-op on the CPU and after the first time per
+    world): NCCL requires the first collective of a group to involve all its ranks, and
+    ``batch_isend_irecv`` involves only the ranks of one tensor's pieces. Not run on a GPU
+    here."""
+    world = dist.group.WORLD
+    if device != "cuda" or _NCCL_WARM[0] is world:
+        return
+    dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
+    _NCCL_WARM[0] = world
+
+
 def groups_created() -> int:
     """How many mover process groups this process has created (for tests and logs)."""
     return _GROUPS_MADE[0]
@@ -300,6 +316,7 @@ class _Exchange:
         self.shard, self.plan = shard, plan
         self.owner = _rank_table()
         self.me = dist.get_rank()
+        _warm_nccl(plan.device)
         receivers = plan.receivers or tuple(range(dist.get_world_size()))
         self.by_rank = [[g for i, g in enumerate(receivers) if i % plan.rollout_tp == r]
                         for r in range(plan.rollout_tp)]
