@@ -31,7 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemo_tlt.adaptive.config import SpecDecodingConfig
 from nemo_tlt.checks import check_int
-from nemo_tlt.config import build_structured, plain_values
+from nemo_tlt.config import plain_values
+from nemo_tlt.structured import build_structured
 from nemo_tlt.rollout.protocol import Request, RolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.spot.config import IdleDrafterConfig

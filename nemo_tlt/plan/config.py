@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from nemo_tlt.checks import check_float, check_int
-from nemo_tlt.config import load_config, load_structured
+from nemo_tlt.config import load_config
+from nemo_tlt.structured import load_structured
 from nemo_tlt.plan.cluster import ClusterSpec
 from nemo_tlt.plan.memory import RECOMPUTE, TRAINING_STATE
 from nemo_tlt.speculative.tree_shape import TreeShape
