@@ -42,26 +42,25 @@ The CUDA paths are written for GPUs but, in this repository, run only on CPU.
 """
 from __future__ import annotations
 
-import copy
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from nemo_tlt.adaptive.sd_policy import SpecPolicy
-from nemo_tlt.drafter.base import DraftContext, Drafter, DraftState
+from nemo_tlt.drafter.base import DraftContext, Drafter
 from nemo_tlt.drafter.features import feature_width, join_features
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import load_hf_folder
 from nemo_tlt.model.host import host_list, host_syncs
-from nemo_tlt.model.kv_cache import KVCache, fill_holes_order_host, grow_slots, keep_rows
-from nemo_tlt.model.rope import rope_tables_for
+from nemo_tlt.model.kv_cache import fill_holes_order_host
 from nemo_tlt.model.layers import padded_causal_mask
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout.prefill import prefill_chunks
+from nemo_tlt.rollout.row_batch import RowBatch
+from nemo_tlt.rollout.weight_load import check_weight, compute_copy, weight_pair
 from nemo_tlt.rollout.protocol import (GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult,
                                        StepTrace)
 from nemo_tlt.rollout.validate import validate_requests
@@ -70,54 +69,6 @@ from nemo_tlt.speculative.sampling import (SamplingParams, coupled_draw, coupled
                                            process_logits, token_logprobs)
 from nemo_tlt.speculative.tree import block_tokens, tree_block_mask, tree_block_positions
 from nemo_tlt.speculative.tree_shape import TreeShape
-
-
-@dataclass
-class _Batch:
-    rows: torch.Tensor          # [B] index of each running row in the request list
-    seq_ids: torch.Tensor       # [B]
-    prompt_len: torch.Tensor    # [B]
-    lengths: torch.Tensor       # [B] committed length L (shared with cache.lengths values)
-    num_gen: torch.Tensor       # [B] tokens generated so far
-    tokens: torch.Tensor        # [B, C+1]
-    features: torch.Tensor      # [B, C, H]
-    logprobs: torch.Tensor      # [B, C+1] fp32: logprobs[b, t] is the reported log-prob of tokens[b, t]
-    cache: KVCache
-    draft_state: DraftState | None
-    alloc_rows: int = 0         # rows of the tokens / features allocations (see keep_rows)
-    max_slots: int = 0          # the most cache slots a row can need (prompt + budget + tree)
-
-    def kv_bytes(self) -> int:
-        draft_cache = getattr(self.draft_state, "cache", None)
-        return self.cache.nbytes() + (draft_cache.nbytes() if draft_cache is not None else 0)
-
-    def reserve(self, slots: int, used: int) -> None:
-        """Grow every slot-indexed buffer to hold `slots` slots per row (see KVCache.reserve);
-        `used` is the longest committed length (known on the host)."""
-        slots = min(slots, self.max_slots)
-        if slots <= self.features.shape[1]:
-            return
-        self.cache.reserve(slots, self.max_slots)
-        if self.draft_state is not None:
-            self.draft_state.reserve(slots, self.max_slots)
-        cap = self.cache.capacity
-        self.tokens = grow_slots(self.tokens, 1, used + 1, cap + 1)
-        self.logprobs = grow_slots(self.logprobs, 1, used + 1, cap + 1)
-        self.features = grow_slots(self.features, 1, used, cap)
-        self.alloc_rows = self.rows.numel()
-
-    def select(self, keep: list[int], used: int) -> None:
-        """Keep rows `keep` (host list, in that order); `used` is the longest committed length."""
-        alloc = self.alloc_rows  # tokens[b, :L+1] and features[b, :L] are live
-        self.tokens, _ = keep_rows(self.tokens, keep, used + 1, 0, 1, alloc)
-        self.logprobs, _ = keep_rows(self.logprobs, keep, used + 1, 0, 1, alloc)
-        self.features, self.alloc_rows = keep_rows(self.features, keep, used, 0, 1, alloc)
-        index = torch.tensor(keep, dtype=torch.long, device=self.tokens.device)
-        for name in ("rows", "seq_ids", "prompt_len", "lengths", "num_gen"):
-            setattr(self, name, getattr(self, name).index_select(0, index))
-        self.cache.select_rows(keep, used)
-        if self.draft_state is not None:
-            self.draft_state.select_rows(keep)
 
 
 class TorchRolloutEngine:
@@ -143,7 +94,7 @@ class TorchRolloutEngine:
         if initial_slots is not None and initial_slots < 1:
             raise ValueError(f"TorchRolloutEngine.initial_slots must be >= 1 or None, got {initial_slots}")
         self.weights_dtype = target.lm_head_weight.dtype
-        self.target = _compute_copy(target, compute_dtype).eval()
+        self.target = compute_copy(target, compute_dtype).eval()
         self.max_tree_nodes = max_tree_nodes
         self.initial_slots = initial_slots
         self.prefill_overhead_tokens = prefill_overhead_tokens
@@ -183,8 +134,8 @@ class TorchRolloutEngine:
         seen: set[str] = set()
         try:
             for i, item in enumerate(pairs):
-                name, tensor = _weight_pair(i, item)
-                _check_weight(name, tensor, params, seen)
+                name, tensor = weight_pair(i, item)
+                check_weight(name, tensor, params, seen)
                 params[name].copy_(tensor.to(self.weights_dtype))  # served weights: rounded to the model dtype
                 seen.add(name)
             missing = [name for name in params if name not in seen]
@@ -275,7 +226,7 @@ class TorchRolloutEngine:
         """Cache slots one SD step writes past the committed length (target or drafter)."""
         return max(shape.num_verify + 1, (shape.depth - 1) * shape.topk + 1)
 
-    def _tree_fits(self, L: int, batch: _Batch, shape: TreeShape) -> bool:
+    def _tree_fits(self, L: int, batch: RowBatch, shape: TreeShape) -> bool:
         """Whether a tree grown from the longest row (committed length L) fits."""
         return (L + shape.depth + 2 <= self.target.config.max_position_embeddings
                 and L + self._tree_slots(shape) <= batch.max_slots)
@@ -297,7 +248,7 @@ class TorchRolloutEngine:
         hidden = self.target.hidden(tokens, positions, cache, new_mask)
         return hidden, hidden
 
-    def _prefill(self, requests, sampling, gen, stats) -> _Batch:
+    def _prefill(self, requests, sampling, gen, stats) -> RowBatch:
         """Prompts are sorted by length (row b holds request rows[b]) and prefilled in
         the chunks of `prefill_chunks`, each padded to its own longest prompt."""
         B, dev = len(requests), self.device
@@ -336,10 +287,10 @@ class TorchRolloutEngine:
         logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=dev)
         logprobs[torch.arange(B, device=dev), lens] = token_logprobs(logits, sampling, first)
         dstate = self.drafter.init_state(B, cap) if self.drafter is not None else None
-        return _Batch(rows, seq_ids, lens.clone(), lens.clone(), torch.ones(B, dtype=torch.long, device=dev),
+        return RowBatch(rows, seq_ids, lens.clone(), lens.clone(), torch.ones(B, dtype=torch.long, device=dev),
                       tokens, features, logprobs, cache, dstate, B, max_slots)
 
-    def _plain_step(self, batch: _Batch, sampling, gen, stats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _plain_step(self, batch: RowBatch, sampling, gen, stats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(emitted [B, 1], their log-probs [B, 1], counts [B])."""
         t0 = time.perf_counter()
         B = batch.rows.numel()
@@ -358,7 +309,7 @@ class TorchRolloutEngine:
         return (nxt[:, None], token_logprobs(logits, sampling, nxt)[:, None],
                 torch.ones(B, dtype=torch.long, device=self.device))
 
-    def _sd_step(self, batch: _Batch, sampling, gen, stats,
+    def _sd_step(self, batch: RowBatch, sampling, gen, stats,
                  shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(emitted [B, D+1], -1 padded; their log-probs [B, D+1]; counts [B]). Emitted token
         j was predicted at the j-th kept node (root, then the accepted path), so its
@@ -405,7 +356,7 @@ class TorchRolloutEngine:
         return emitted, logprobs, counts
 
     # ---- bookkeeping --------------------------------------------------------------
-    def _commit(self, batch: _Batch, emitted: torch.Tensor, logprobs: torch.Tensor, counts: torch.Tensor,
+    def _commit(self, batch: RowBatch, emitted: torch.Tensor, logprobs: torch.Tensor, counts: torch.Tensor,
                 sampling: SamplingParams) -> torch.Tensor:
         """Append each row's emitted tokens and their log-probs (cut at EOS or the token
         budget); the KV cache was already advanced by `counts`. Returns the tokens kept per row [B]."""
@@ -427,7 +378,7 @@ class TorchRolloutEngine:
         batch.num_gen = batch.num_gen + n
         return n
 
-    def _done(self, batch: _Batch, sampling: SamplingParams) -> torch.Tensor:
+    def _done(self, batch: RowBatch, sampling: SamplingParams) -> torch.Tensor:
         """[B] bool: the rows that hit EOS or their token budget."""
         done = batch.num_gen >= sampling.max_new_tokens
         if sampling.stop_on_eos:
@@ -435,7 +386,7 @@ class TorchRolloutEngine:
             done |= batch.tokens[b_idx, batch.prompt_len + batch.num_gen - 1] == self.target.config.eos_token_id
         return done
 
-    def _retire(self, batch: _Batch, done: torch.Tensor, any_done: bool, longest: int, sampling: SamplingParams,
+    def _retire(self, batch: RowBatch, done: torch.Tensor, any_done: bool, longest: int, sampling: SamplingParams,
                 results: list, return_hidden: bool) -> None:
         """Hand the finished rows their results and drop them (`longest`: the longest
         committed length of the rows that stay). Reads the finished rows' bookkeeping, then
@@ -460,41 +411,6 @@ class TorchRolloutEngine:
         batch.select(fill_holes_order_host([b not in finished for b in range(batch.rows.numel())]), longest)
 
 
-def _longest_running(batch: _Batch, done: torch.Tensor) -> torch.Tensor:
+def _longest_running(batch: RowBatch, done: torch.Tensor) -> torch.Tensor:
     """The longest committed length among the rows not done (0 if none), on the device."""
     return torch.where(done, 0, batch.lengths).max()
-
-
-def _compute_copy(target: DecoderLM, dtype: torch.dtype | None) -> DecoderLM:
-    """`target`, or a copy of it computing in `dtype` (its weights' values kept: a bf16
-    weight is exact in fp32). The rotary tables are recomputed in fp32, as the model
-    builds them, rather than carried over from a lower precision."""
-    if dtype is None or dtype == target.lm_head_weight.dtype:
-        return target
-    out = copy.deepcopy(target).to(dtype)
-    cos, sin = rope_tables_for(target.config)
-    device = target.lm_head_weight.device
-    out.rope_cos, out.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
-    return out
-
-
-def _weight_pair(i: int, item: Any) -> tuple[str, torch.Tensor]:
-    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-        raise ValueError(f"load_policy_weights: item {i} of the stream must be a (name, tensor) pair, "
-                         f"got {type(item).__name__}")
-    if not isinstance(item[1], torch.Tensor):
-        raise ValueError(f"load_policy_weights: tensor {item[0]!r} must be a torch.Tensor, "
-                         f"got {type(item[1]).__name__}")
-    return item
-
-
-def _check_weight(name: str, tensor: torch.Tensor, params: Mapping[str, torch.Tensor], seen: set[str]) -> None:
-    if name not in params:
-        hint = " (the model ties lm_head to model.embed_tokens)" if name == "lm_head.weight" else ""
-        raise ValueError(f"load_policy_weights: unknown tensor {name!r}: not a canonical name of this "
-                         f"model{hint}")
-    if name in seen:
-        raise ValueError(f"load_policy_weights: tensor {name!r} was given twice")
-    if tuple(tensor.shape) != tuple(params[name].shape):
-        raise ValueError(f"load_policy_weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                         f"the model expects {tuple(params[name].shape)}")
