@@ -64,6 +64,7 @@ import signal
 import socket
 import time
 import traceback
+from unittest import mock
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
@@ -264,18 +265,9 @@ def local_device_kind(kind: str, world_size: int, hide_cuda: bool, start_method:
     return resolve_device(kind, 0).type
 
 
-@contextlib.contextmanager
-def _nvml_cuda_check() -> Iterator[None]:
+def _nvml_cuda_check() -> contextlib.AbstractContextManager:
     """``torch.cuda.is_available()`` through NVML (no CUDA initialisation: fork stays safe)."""
-    saved = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
-    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
-        else:
-            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = saved
+    return mock.patch.dict(os.environ, {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
 
 
 def _run_in_process(fn: Callable, args: tuple, threads: int, install_signals: bool, device: str) -> Any:
@@ -310,15 +302,8 @@ def _spawn_environment(hide_cuda: bool) -> Iterator[None]:
     if not hide_cuda:
         yield
         return
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
+    with mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": ""}):
         yield
-    finally:
-        if saved is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def _collect(procs: list, results: Any, world: int, deadline: float | None, timeout_s: float | None) -> list[Any]:
