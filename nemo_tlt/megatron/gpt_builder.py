@@ -7,14 +7,26 @@ through megatron-core's ``rope_scaling`` / ``rope_scaling_factor``), GQA through
 ``num_query_groups``, Qwen2's q/k/v biases through ``add_qkv_bias``, tied or
 untied output layer, vocabulary padded as Megatron pads it. A config megatron-core
 cannot reproduce exactly is refused with a ValueError naming the field
-(``check_megatron_model``), never built approximately. It uses only
-megatron-core modules (``get_gpt_layer_local_spec``: no Transformer Engine) and
-``use_cpu_initialization=True`` so the same call works under gloo on CPU (with
-``megatron_patches.cpu_shims``) and under NCCL on GPUs.
+(``check_megatron_model``), never built approximately. ``use_cpu_initialization=True``
+so the same call works under gloo on CPU (with ``megatron_patches.cpu_shims``) and
+under NCCL on GPUs.
+
+``Training`` carries what a policy trainer adds to the config: sequence parallelism,
+activation recompute (``none``: keep activations; ``full``: recompute every decoder
+layer in backward, megatron's ``recompute_granularity="full"``, uniform, one layer per
+chunk; ``selective``: recompute only the core attention) and ``per_token_loss``
+(megatron's ``calculate_per_token_loss``: gradients summed over data-parallel replicas).
+The layer spec is Transformer Engine's (``get_gpt_layer_with_transformer_engine_spec``:
+fused kernels, flash attention) where ``transformer_engine`` is importable and the
+model is on a GPU, megatron's local spec otherwise (``layer_spec_name`` says which; the
+policy logs it). Both compute the same layer; the local one is what runs here.
 
 ``init_model_parallel`` must have been called with ``layout.tp`` / ``layout.pp``.
 """
 from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,11 +75,43 @@ def rope_kwargs(cfg: LMConfig) -> dict:
     return {**kwargs, "rope_scaling": True, "rope_scaling_factor": float(cfg.rope_scaling.factor)}
 
 
-def transformer_config(cfg: LMConfig, layout: ParallelLayout, *, dtype: torch.dtype = torch.float32):
+RECOMPUTE = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class Training:
+    """Trainer-side TransformerConfig settings (see the module docstring); the default is inference."""
+
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    per_token_loss: bool = False
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
+
+
+def _recompute_kwargs(recompute: str) -> dict:
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    return {}
+
+
+def layer_spec_name(device_type: str = "cuda") -> str:
+    """``transformer_engine`` where it is importable and the model runs on a GPU, else ``local``."""
+    return "transformer_engine" if device_type == "cuda" and importlib.util.find_spec("transformer_engine") else "local"
+
+
+def transformer_config(cfg: LMConfig, layout: ParallelLayout, *, dtype: torch.dtype = torch.float32,
+                       training: Training = Training()):
     """The megatron ``TransformerConfig`` equivalent of ``cfg`` under ``layout``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_megatron_model(cfg)
+    if training.sequence_parallel and layout.tp == 1:
+        raise ValueError("sequence parallelism needs tensor_parallel > 1 (it splits the sequence over TP ranks)")
     layout.stage_layer_counts(cfg.num_layers)  # fail early with our message, not megatron's assert
     if cfg.num_kv_heads % layout.tp:
         raise ValueError(
@@ -103,30 +147,39 @@ def transformer_config(cfg: LMConfig, layout: ParallelLayout, *, dtype: torch.dt
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        sequence_parallel=training.sequence_parallel,
+        calculate_per_token_loss=training.per_token_loss,
+        **_recompute_kwargs(training.recompute),
     )
 
 
 def build_gpt_model(
     cfg: LMConfig, layout: ParallelLayout, *, dtype: torch.dtype = torch.float32, vp_stage: int | None = None,
-    padded_vocab_size: int | None = None,
+    padded_vocab_size: int | None = None, training: Training = Training(), spec: str = "local",
 ):
     """This rank's ``GPTModel`` (pre/post process decided by its PP stage).
 
     ``padded_vocab_size`` overrides Megatron's padding rule, e.g. to load a checkpoint
-    that was written at another TP size (its padding is baked into the tensors).
+    that was written at another TP size (its padding is baked into the tensors). ``spec``
+    is ``local`` or ``transformer_engine`` (``layer_spec_name``).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt import gpt_layer_specs
 
     if padded_vocab_size is not None and (padded_vocab_size < cfg.vocab_size or padded_vocab_size % layout.tp):
         raise ValueError(f"padded_vocab_size={padded_vocab_size} must be >= vocab_size={cfg.vocab_size} "
                          f"and divisible by tp={layout.tp}")
-    tconf = transformer_config(cfg, layout, dtype=dtype)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    tconf = transformer_config(cfg, layout, dtype=dtype, training=training)
+    if spec == "transformer_engine":
+        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    elif spec == "local":
+        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    else:
+        raise ValueError(f"spec must be 'local' or 'transformer_engine', got {spec!r}")
     model = GPTModel(
         config=tconf,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size or layout.padded_vocab_size(cfg.vocab_size),
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),

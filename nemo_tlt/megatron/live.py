@@ -3,7 +3,8 @@
 Contract: ``local_shard(model)`` is this rank's state dict without the
 ``_extra_state`` entries; ``load_shard(model, shard)`` loads one produced by
 ``canonical_to_megatron`` and fails loudly on any missing or unexpected weight;
-``gather_canonical(model, cfg, layout)`` collects every rank's shard on global rank 0
+``spec_names(shard, spec)`` renames a local-spec shard's norms to Transformer Engine's
+fused names; ``gather_canonical(model, cfg, layout)`` collects every rank's shard on global rank 0
 and returns the canonical state dict there (``None`` elsewhere): the simple
 gather-everything path, fine for tests and small models; use
 ``nemo_tlt.weights.reshard`` to move large models layer by layer.
@@ -41,6 +42,25 @@ def load_shard(model: torch.nn.Module, shard: Mapping[str, torch.Tensor]) -> Non
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
         raise ValueError(f"load_shard: missing weights {missing}, unexpected weights {result.unexpected_keys}")
+
+
+# local-spec norm names -> Transformer Engine's (its norms are fused into the next linear)
+_TE_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def spec_names(shard: Mapping[str, torch.Tensor], spec: str) -> dict[str, torch.Tensor]:
+    """A local-spec shard (``canonical_to_megatron``) under the names of the layer spec ``spec``."""
+    if spec == "local":
+        return dict(shard)
+    out = {}
+    for name, value in shard.items():
+        for local, te in _TE_NORMS.items():
+            if name.startswith("decoder.layers.") and name.endswith("." + local):
+                name = name[: -len(local)] + te
+                break
+        out[name] = value
+    return out
 
 
 def gather_canonical(model: torch.nn.Module, cfg: LMConfig, layout: ParallelLayout) -> StateDict | None:

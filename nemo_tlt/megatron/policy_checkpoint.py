@@ -1,31 +1,31 @@
-"""Sharded checkpoints of a megatron policy: weights, fp32 masters and AdamW state, per rank.
+"""Sharded checkpoints of a megatron policy: weights and distributed-optimizer state, per rank.
 
 Contract (every function collective over the whole world, megatron's parallel state set up):
-* ``policy_sharded_state(model, params, masters, optimizer)`` is megatron-core's sharded
-  state dict of the policy: the model's own ``sharded_state_dict()`` (global tensors,
-  layers stacked, so the file layout does not depend on TP / PP / DP), the AdamW moments
-  of every parameter with that parameter's sharding (megatron's
-  ``optim_state_to_sharding_state``, as its own optimizers save theirs) and, for bf16
-  weights, the fp32 masters the same way. The AdamW step is common (equal for all).
+* ``policy_sharded_state(model, optimizer, common, is_loading)`` is megatron-core's sharded
+  state dict of the policy: the model's own ``sharded_state_dict()`` (global tensors, layers
+  stacked, so the file layout does not depend on TP / PP / DP) and megatron's
+  ``DistributedOptimizer.sharded_state_dict`` over it in the ``dp_reshardable`` form: each
+  rank's slice of its fp32 main-param and Adam-moment buckets (one global tensor per bucket
+  of its TP x PP domain, padding to a DP multiple left out), so nothing is gathered and any
+  data-parallel size reads them back. Our ``common`` (model config, layout, dtype, schedule
+  step) is stored beside it.
 * ``save_policy_shards(...)`` writes it with ``dist_checkpointing.save`` (torch_dist
-  format): each rank writes the tensors it is the main replica of (data-parallel copies
-  are written once), rank 0 the small common state. Nothing is gathered on any rank.
+  format): each rank writes the tensors it is the main replica of (data-parallel copies of
+  the weights are written once), rank 0 the small common state.
 * ``load_policy_shards(...)`` reads back this rank's slice at the *current* TP / PP / DP:
-  a different data-parallel size always works (replicas read the same slices); a
-  different TP / PP works where the global tensors agree, and is refused, naming the saved
-  and current layouts, where they cannot (Megatron pads the vocabulary to a multiple of
-  128 x TP, so the embedding's global shape depends on TP). Another dtype or model config
-  is refused too.
+  a different data-parallel size always works; another TP / PP is refused, naming the saved
+  and current layouts (the optimizer's buckets are laid out per TP x PP domain; and Megatron
+  pads the vocabulary to a multiple of 128 x TP, so the embedding's global shape depends on
+  TP). Another dtype or model config is refused too. ``restore_policy_shards`` puts the loaded
+  weights and optimizer state into the live model and optimizer.
 
-A state before the first update has no AdamW moments; ``ensure_adam_state`` gives every
-parameter the zero moments and step 0 a fresh AdamW starts from (the next step then
-computes exactly what it would have), so saved and loaded structures always match.
+Before the first update torch's AdamW holds no state, and megatron's sharded state dict
+needs its step; ``ensure_adam_state`` gives it the zero moments and step 0 a fresh AdamW
+starts from (the next step then computes exactly what it would have).
 """
 from __future__ import annotations
 
 import os
-from typing import Sequence
-
 import torch
 
 from nemo_tlt.model.config import LMConfig
@@ -34,8 +34,14 @@ from nemo_tlt.weights.layout import ParallelLayout
 COMMON = "nemo_tlt"
 
 
+# megatron-core 0.16.1's "fully_sharded_model_space" cannot save ("ShardedTensor.flattened_range
+# is not supported"); "fully_reshardable" gathers each bucket on data-parallel rank 0 while saving.
+SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter without state AdamW's initial state (step 0, zero moments)."""
+    """Give every parameter without state AdamW's initial state (step 0, zero moments): what a
+    torch AdamW creates at its first step, so the next step computes exactly as without it."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state[p]
@@ -45,36 +51,40 @@ def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _adam_step(optimizer: torch.optim.Optimizer) -> float:
-    steps = {float(s["step"]) for s in optimizer.state.values()}
-    if len(steps) != 1:
-        raise ValueError(f"policy checkpoint: AdamW steps differ between parameters: {sorted(steps)}")
-    return steps.pop()
+def policy_sharded_state(model: torch.nn.Module, optimizer, common: dict, is_loading: bool) -> dict:
+    """The sharded state dict (see the module docstring)."""
+    from nemo_tlt.megatron.ddp_optimizer import distributed_optimizers
 
-
-def policy_sharded_state(model: torch.nn.Module, params: Sequence[torch.nn.Parameter],
-                         masters: Sequence[torch.nn.Parameter] | None, optimizer: torch.optim.Optimizer,
-                         common: dict) -> dict:
-    """The sharded state dict (see the module docstring); ``masters`` None for fp32 weights."""
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map, make_sharded_optimizer_tensor,
-    )
-
-    ensure_adam_state(optimizer)
+    for opt in distributed_optimizers(optimizer):
+        # megatron reads the Adam step from the state of torch's AdamW (no TE / apex), which a
+        # fresh AdamW does not have yet
+        ensure_adam_state(opt.optimizer)
     model_state = model.sharded_state_dict()
-    by_id = get_param_id_to_sharded_param_map(model_state, params)
-    if len(by_id) != len(params):
-        raise RuntimeError(f"policy checkpoint: {len(params) - len(by_id)} trained parameters have no sharded "
-                           "counterpart in the model's sharded_state_dict")
-    # the optimizer's params are the masters (bf16) or the params (fp32), in the same order
-    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
-    moments = {i: {key: make_sharded_optimizer_tensor(by_id[i], optimizer.state[p][key], f"optimizer.state.{key}")
-                   for key in ("exp_avg", "exp_avg_sq")} for i, p in enumerate(opt_params)}
-    state = {"model": model_state, "optimizer": moments,
-             COMMON: {**common, "adam_step": _adam_step(optimizer)}}
-    if masters is not None:
-        state["master"] = {i: make_sharded_optimizer_tensor(by_id[i], m, "master") for i, m in enumerate(masters)}
-    return state
+    return {"model": model_state,
+            "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=SHARDING),
+            COMMON: dict(common)}
+
+
+def restore_policy_shards(model: torch.nn.Module, optimizer, loaded: dict) -> None:
+    """Weights and optimizer state of ``load_policy_shards``'s result into the live policy."""
+    with torch.no_grad():
+        result = model.load_state_dict({k: v for k, v in loaded["model"].items() if isinstance(v, torch.Tensor)},
+                                       strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"load_sharded: missing {missing}, unexpected {result.unexpected_keys}")
+    from nemo_tlt.megatron.ddp_optimizer import distributed_optimizers
+
+    with torch.no_grad():  # fp32 weights are their own main params: megatron copies into views of them
+        optimizer.load_state_dict(loaded["optimizer"])
+    for opt in distributed_optimizers(optimizer):
+        # megatron-core 0.16.1 with torch's AdamW (no TE / apex) restores the Adam step wrongly: it
+        # hands every parameter's state one shared step tensor (torch's AdamW would then increment it
+        # once per parameter), and its parameter-state load then overwrites that tensor with the
+        # template's step. The saved step is in the param groups: each parameter gets its own copy.
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                opt.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
 def layout_common(cfg: LMConfig, layout: ParallelLayout, dtype: torch.dtype, step: int) -> dict:
@@ -104,6 +114,11 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
             f"{saved['padded_vocab']} rows; at TP={current['tp']} x PP={current['pp']} it has "
             f"{current['padded_vocab']} (Megatron pads to a multiple of 128 x TP), so the embedding cannot be "
             "resharded; resume at a TP with the same padded vocabulary")
+    if (saved["tp"], saved["pp"]) != (current["tp"], current["pp"]):
+        raise ValueError(
+            f"resume: {where} was written at TP={saved['tp']} x PP={saved['pp']}; this run is TP={current['tp']} x "
+            f"PP={current['pp']}: megatron's distributed optimizer state (dp_reshardable) reshards over the "
+            "data-parallel size only; resume at the same TP x PP")
 
 
 def load_policy_shards(state: dict, directory: str | os.PathLike) -> dict:
@@ -113,6 +128,4 @@ def load_policy_shards(state: dict, directory: str | os.PathLike) -> dict:
 
     saved = dist_checkpointing.load_common_state_dict(str(directory))[COMMON]
     check_compatible(saved, state[COMMON], str(directory))
-    if ("master" in state) != bool(saved["dtype"] != str(torch.float32)):
-        raise ValueError(f"resume: {directory}: masters present / absent does not match dtype {saved['dtype']}")
     return dist_checkpointing.load(state, str(directory))

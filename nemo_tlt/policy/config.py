@@ -13,6 +13,7 @@ from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.optim import OptimConfig
 
 BACKENDS = ("torch", "megatron")
+RECOMPUTE = ("none", "full", "selective")
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,10 @@ class PolicyConfig:
     log-prob / update forward (length-sorted). separate_logprob_pass: recompute the old
     log-probs in a no-grad pass of their own instead of the update forward's (detached;
     ratio 1 with one optimizer step per batch). clip_eps: PPO ratio clip. kl_coef > 0
-    keeps a frozen reference policy and adds a k3 KL penalty. The weights dtype is the
+    keeps a frozen reference policy and adds a k3 KL penalty. sequence_parallel (megatron,
+    TP > 1): megatron's sequence parallelism (norms, dropout and the residual stream split over
+    the sequence across TP ranks). recompute (megatron): activation recompute, ``none``,
+    ``full`` (every decoder layer recomputed in backward) or ``selective`` (core attention only). The weights dtype is the
     run's ``model.dtype`` (handed to the backend with its device), not a key of this block.
     """
 
@@ -42,6 +46,8 @@ class PolicyConfig:
     separate_logprob_pass: bool = False
     clip_eps: float = 0.2
     kl_coef: float = 0.0
+    sequence_parallel: bool = False
+    recompute: str = "none"
     optim: PolicyOptimConfig = field(default_factory=PolicyOptimConfig)
 
     def __post_init__(self) -> None:
@@ -57,6 +63,17 @@ class PolicyConfig:
             raise ValueError(f"policy.separate_logprob_pass must be a bool, got {self.separate_logprob_pass!r}")
         check_float("policy.clip_eps", self.clip_eps, 0, 1, lo_open=True, hi_open=True)
         check_float("policy.kl_coef", self.kl_coef, 0)
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"policy.sequence_parallel must be a bool, got {self.sequence_parallel!r}")
+        if self.sequence_parallel and (self.backend != "megatron" or self.tensor_parallel < 2):
+            raise ValueError("policy.sequence_parallel=true needs policy.backend=megatron and "
+                             f"policy.tensor_parallel > 1, got backend {self.backend!r}, "
+                             f"tensor_parallel {self.tensor_parallel}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"policy.recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
+        if self.recompute != "none" and self.backend != "megatron":
+            raise ValueError(f"policy.recompute={self.recompute!r} needs policy.backend=megatron (the torch backend "
+                             "keeps every activation)")
         if not isinstance(self.optim, OptimConfig):
             raise ValueError(f"policy.optim must be an OptimConfig, got {type(self.optim).__name__}")
 

@@ -4,26 +4,26 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
 * Built on *every* rank of an initialised ``torch.distributed`` world (gloo on CPU, NCCL
   on GPU) of size TP x PP x data-parallel; the launcher owns the world. It initialises
   megatron's parallel state (or checks the existing one), builds this rank's real
-  ``GPTModel`` (local spec, no Transformer Engine; CPU shims around every call only on
-  CPU) and loads its shard of the canonical (HF-named) weights via the layout adapters.
+  ``GPTModel`` (CPU shims around every call only on CPU) and loads its shard of the canonical (HF-named) weights via the layout adapters.
 * The same length-sorted micro-batches as the torch backend; log-probs of
   ``log_softmax(logits / T)`` over the *true* vocabulary (Megatron's padded rows masked
   out). Every rank of a model-parallel group passes the same batch (checked); results
   come back on every rank.
-* Gradients: without sequence parallelism megatron's local-spec layers keep the residual
-  stream replicated over TP (row-parallel outputs all-reduced in forward, column-parallel
-  inputs all-reduce their grad in backward), so replicated norms get identical grads on
-  every TP rank with no extra all-reduce. Tied embeddings under PP > 1 (two copies, first
-  and last stage) are summed over the embedding group, as megatron's
-  ``finalize_model_grads`` would; then the gradients are summed over the data-parallel
-  group (``allreduce_flat``). The clip norm counts every weight once and is all-reduced
-  over the model-parallel group (``nemo_tlt.megatron.grads``).
-* Optimizer: ``nemo_tlt.optim.build_optimizer`` (AdamW) over the local shards
-  (elementwise, so sharded == unsharded for equal grads); bf16 weights (``model.dtype``)
-  train through fp32 master weights (``nemo_tlt.policy.master_weights``): the gradient
-  reduction, the clip and the optimizer state are fp32. Megatron's
-  ``DistributedOptimizer`` (fp32 main params, grad buffers, overlapped reduce) needs its
-  DDP wrapper; not used here.
+* Data parallelism and the optimizer are megatron-core's own (``nemo_tlt.megatron.ddp_optimizer``):
+  the model is wrapped in ``DistributedDataParallel`` (fp32 grad buffers) and stepped by
+  megatron's ``DistributedOptimizer`` (fp32 main params for bf16 weights, fp32 Adam state,
+  both sharded over the data-parallel group). After the micro-batches' backward passes
+  ``finalize_model_grads`` reduce-scatters the gradients over DP (summed: the loss is each
+  micro-batch's share of the step's global token mean), sums tied embeddings over the first
+  and last stage under PP > 1 and sequence-parallel norms over TP; the optimizer's step clips
+  by the global norm (every weight counted once) and runs AdamW (decay on every weight, as the
+  torch backend). The learning rate follows ``nemo_tlt.optim``'s schedule, set on each of the
+  optimizer's param groups before each step.
+* ``policy.sequence_parallel`` and ``policy.recompute`` go into the ``TransformerConfig``
+  (``nemo_tlt.megatron.gpt_builder.Training``); under sequence parallelism every forward pads
+  its sequence to a multiple of TP (right padding: causal, so no real token sees it) and the
+  logits are cut back. The layer spec is Transformer Engine's where it is importable and the
+  policy is on a GPU, the local spec otherwise (logged at build).
 * ``captures_hidden`` is True: a hook on the final norm (``megatron_patches.hidden_capture``)
   captures the hidden states of the log-prob / update forward on the last stage; with
   ``capture_layers`` hooks on those decoder layers capture them on the stages holding them
@@ -36,31 +36,33 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
   ``rollout_state_dict(rollout_tp, receivers)`` collects a rollout engine's TP shard
   (each receiver receives only its slice); ``canonical_state_dict()`` gathers on global rank 0.
 * Sharded checkpoints: ``save_sharded(dir)`` / ``load_sharded(dir)`` (collective) write and
-  read this rank's slices of the weights, fp32 masters and AdamW moments through
-  megatron-core's ``dist_checkpointing`` (``nemo_tlt.megatron.policy_checkpoint``); another
-  data-parallel size loads, another TP / PP where the padded vocabulary agrees.
+  read this rank's slices of the weights and the distributed optimizer's state (its own
+  ``sharded_state_dict``) through megatron-core's ``dist_checkpointing``
+  (``nemo_tlt.megatron.policy_checkpoint``); another data-parallel size loads, another TP / PP
+  where the padded vocabulary agrees. ``state_dict()`` is this rank's exact optimizer shard
+  (for a run checkpoint at the same layout).
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from nemo_tlt.device import Placement
-from nemo_tlt.dist import allreduce_flat
-from nemo_tlt.megatron.grads import allreduce_tied_embedding_grads, clip_grads
 from nemo_tlt.model.config import LMConfig
-from nemo_tlt.optim import build_optimizer
+from nemo_tlt.optim import LRSchedule
 from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, padded, scatter
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty
-from nemo_tlt.policy.master_weights import MasterWeights
 from nemo_tlt.policy.protocol import STATS, HiddenSink, LogprobSink, check_capture_layers, check_update_args
 from nemo_tlt.weights.layout import ParallelLayout
 from nemo_tlt.weights.megatron_layout import canonical_to_megatron, check_tp
+
+log = logging.getLogger(__name__)
 
 VOCAB_MULTIPLE = 128  # Megatron's default make_vocab_size_divisible_by
 
@@ -90,7 +92,8 @@ def _batch_digest(batch: Sequence[Sequence2]) -> str:
 
 
 class MegatronPolicy:
-    """One rank's policy shard, its AdamW + schedule and the optional frozen KL reference."""
+    """One rank's policy shard in megatron's DDP, its distributed optimizer + schedule and the
+    optional frozen KL reference."""
 
     def __init__(self, canonical: Mapping[str, torch.Tensor], model_config: LMConfig, config: PolicyConfig, *,
                  temperature: float, seed: int, placement: Placement = Placement()) -> None:
@@ -112,20 +115,23 @@ class MegatronPolicy:
         self.layout = policy_layout(config)
         self.dtype = placement.dtype
         self.device = placement.device
+        from nemo_tlt.megatron.ddp_optimizer import build_ddp_optimizer
+        from nemo_tlt.megatron.gpt_builder import Training, layer_spec_name
+
+        self.spec = layer_spec_name(self.device.type)
+        log.info("megatron policy: %s layer spec (TP=%d, PP=%d, sequence_parallel=%s, recompute=%s)", self.spec,
+                 self.layout.tp, self.layout.pp, config.sequence_parallel, config.recompute)
         with self._device_context():
             from nemo_tlt.megatron.parallel import ensure_model_parallel
 
             ensure_model_parallel(self.layout.tp, self.layout.pp, seed=seed, owner="policy")
-            self.model = self._build(canonical).train()
+            self.model = self._build(canonical, Training(config.sequence_parallel, config.recompute, True)).train()
             self.reference = None
             if config.kl_coef > 0:
-                self.reference = self._build(canonical).eval().requires_grad_(False)
+                self.reference = self._build(canonical, Training(config.sequence_parallel)).eval().requires_grad_(False)
+            self.ddp, self.optimizer = build_ddp_optimizer(self.model, config.optim, self.dtype)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # bf16 weights train through fp32 masters; the tied-embedding sum edits the bf16 grads
-        # after backward, so the micro-batches accumulate in bf16 here (megatron-core's DDP,
-        # with its fp32 main_grad, is the remedy)
-        self.master = MasterWeights(self.params, fp32_accumulation=False)
-        self.optimizer, self.schedule = build_optimizer(self.master.masters, config.optim, foreach=False)
+        self.schedule = LRSchedule(self.optimizer, config.optim)
         self.step = 0
 
     # ---- the contract's properties -------------------------------------------------
@@ -137,12 +143,18 @@ class MegatronPolicy:
     def train_ranks(self) -> tuple[int, ...]:
         from megatron.core import parallel_state
 
-        if not self.sharded_state:
+        if not self.model_parallel:
             return (dist.get_rank(),)
         return tuple(dist.get_process_group_ranks(parallel_state.get_model_parallel_group()))
 
     @property
     def sharded_state(self) -> bool:
+        """The optimizer state differs per rank: split over TP x PP and, by the distributed
+        optimizer, over data-parallel replicas."""
+        return dist.get_world_size() > 1
+
+    @property
+    def model_parallel(self) -> bool:
         return self.layout.tp * self.layout.pp > 1
 
     @property
@@ -162,13 +174,13 @@ class MegatronPolicy:
 
         return device_context(self.device)
 
-    def _build(self, canonical: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    def _build(self, canonical: Mapping[str, torch.Tensor], training) -> torch.nn.Module:
         from nemo_tlt.megatron.gpt_builder import build_gpt_model
-        from nemo_tlt.megatron.live import load_shard, rank_coords
+        from nemo_tlt.megatron.live import load_shard, rank_coords, spec_names
 
-        model = build_gpt_model(self.model_config, self.layout, dtype=self.dtype)
+        model = build_gpt_model(self.model_config, self.layout, dtype=self.dtype, training=training, spec=self.spec)
         shard = canonical_to_megatron(canonical, self.model_config, self.layout)[rank_coords()]
-        load_shard(model, {k: v.to(self.dtype) for k, v in shard.items()})
+        load_shard(model, spec_names({k: v.to(self.dtype) for k, v in shard.items()}, self.spec))
         return model.to(self.device)
 
     # ---- forward pieces ------------------------------------------------------------------
@@ -207,23 +219,29 @@ class MegatronPolicy:
 
         ids = mb.input_ids.to(self.device)
         B, T = ids.shape
-        positions = torch.arange(T, device=self.device).unsqueeze(0).expand(B, T)
-        mask = causal_attention_mask(T, B, self.device)
-        capture = (ForwardFeatures(model, self.layout, self.model_config.num_layers, capture_layers)
-                   if on_hidden is not None else None)
+        # sequence parallelism splits the sequence over TP: pad it (on the right, so causal
+        # attention keeps every real token's view) to a multiple of TP, cut the logits back
+        padded_T = -(-T // self.layout.tp) * self.layout.tp if self.config.sequence_parallel else T
+        ids = torch.nn.functional.pad(ids, (0, padded_T - T))
+        positions = torch.arange(padded_T, device=self.device).unsqueeze(0).expand(B, padded_T)
+        mask = causal_attention_mask(padded_T, B, self.device)
+        capture = (ForwardFeatures(getattr(model, "module", model), self.layout, self.model_config.num_layers,
+                                   capture_layers) if on_hidden is not None else None)
+        last = self._is_last_stage()
 
         def forward_step(data_iterator: Iterator, step_model: torch.nn.Module):
-            return step_model(next(data_iterator), positions, mask), loss_fn
+            out = step_model(next(data_iterator), positions, mask)
+            return (out[:, :T] if last and padded_T != T else out), loss_fn
 
         try:
             out = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter([ids]), model=[model], num_microbatches=1,
-                seq_length=T, micro_batch_size=B, forward_only=forward_only, collect_non_loss_data=forward_only)
+                seq_length=padded_T, micro_batch_size=B, forward_only=forward_only, collect_non_loss_data=forward_only)
         finally:
             if capture is not None:
                 capture.close()
         if capture is not None:
-            hidden = capture.features((B, T, self.model_config.hidden_size), self.device).cpu()
+            hidden = capture.features((B, padded_T, self.model_config.hidden_size), self.device)[:, :T].cpu()
             for row, i in enumerate(mb.index.tolist()):
                 length = len(batch[i][0]) + len(batch[i][1])
                 on_hidden(i, mb.input_ids[row, :length], hidden[row, :length])
@@ -246,7 +264,7 @@ class MegatronPolicy:
     def _check_same_batch(self, batch: Sequence[Sequence2]) -> None:
         from megatron.core import parallel_state
 
-        if not self.sharded_state:
+        if not self.model_parallel:
             return
         group = parallel_state.get_model_parallel_group()
         digests: list = [None] * dist.get_world_size(group)
@@ -296,30 +314,21 @@ class MegatronPolicy:
                logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None,
                capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None
                ) -> dict[str, float]:
-        from megatron.core import parallel_state
+        from nemo_tlt.megatron.ddp_optimizer import finish_step, zero_grads
 
         check_update_args("MegatronPolicy", batch, advantages, global_tokens)
         capture_layers = check_capture_layers("MegatronPolicy.update", capture_layers, self.model_config.num_layers)
         with self._device_context():
             self._check_same_batch(batch)
-            self.model.zero_grad(set_to_none=False)  # the masters' grads are overwritten
-            for p in self.params:
-                if p.grad is None:  # a weight megatron's graph never reached still joins the reduce
-                    p.grad = torch.zeros_like(p)
+            zero_grads(self.ddp, self.optimizer)
             totals = torch.zeros(len(STATS), dtype=torch.float64, device=self.device)
             for mb in micro_batches(batch, self.config.micro_batch):
-                self._schedule(self.model, mb, self._loss_fn(mb, advantages, logp_old, logp_ref, global_tokens,
+                self._schedule(self.ddp, mb, self._loss_fn(mb, advantages, logp_old, logp_ref, global_tokens,
                                                              totals, on_logprobs), False, batch, on_hidden,
                                capture_layers)
             self._from_last_stage(totals)
-            allreduce_tied_embedding_grads(self.model, self.model_config.tie_word_embeddings, self.layout.pp)
-            self.master.grads_to_masters()
-            masters = self.master.masters
-            allreduce_flat([p.grad for p in masters], group=parallel_state.get_data_parallel_group())
-            norm = clip_grads(masters, self.config.optim.grad_clip, self.sharded_state, self.device)
             lr = self.schedule.apply(self.step)
-            self.optimizer.step()
-            self.master.masters_to_params()
+            norm = finish_step(self.ddp, self.optimizer)
             self.step += 1
         return {**dict(zip(STATS, totals.tolist())), "grad_norm": norm, "lr": lr}
 
@@ -393,68 +402,63 @@ class MegatronPolicy:
 
     def load_canonical(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Replace the policy weights (e.g. on resume); the KL reference keeps the initial policy."""
-        from nemo_tlt.megatron.live import load_shard
+        from nemo_tlt.megatron.live import load_shard, spec_names
 
         shard = canonical_to_megatron(weights, self.model_config, self.layout)[self.coords]
         with torch.no_grad():
-            load_shard(self.model, {k: v.to(self.device, self.dtype) for k, v in shard.items()})
-        self.master.params_to_masters()
+            load_shard(self.model, spec_names({k: v.to(self.device, self.dtype) for k, v in shard.items()},
+                                              self.spec))
+        with self._device_context():
+            self.optimizer.reload_model_params()  # the fp32 main params follow the new weights
 
     # ---- sharded checkpoints ---------------------------------------------------------------
-    def _sharded_state(self) -> dict:
+    def _sharded_state(self, is_loading: bool) -> dict:
         from nemo_tlt.megatron.policy_checkpoint import layout_common, policy_sharded_state
 
         common = layout_common(self.model_config, self.layout, self.dtype, self.step)
-        return policy_sharded_state(self.model, self.params, self.master.masters if self.master.mixed else None,
-                                    self.optimizer, common)
+        return policy_sharded_state(self.model, self.optimizer, common, is_loading)
 
     def save_sharded(self, directory: str) -> None:
-        """Collective: every rank writes its own shard of the weights, fp32 masters and AdamW state
-        into ``directory`` (megatron-core ``dist_checkpointing``; nothing gathered on any rank)."""
+        """Collective: every rank writes its own shard of the weights and of the distributed
+        optimizer's state (fp32 main params, Adam moments) into ``directory`` (megatron-core
+        ``dist_checkpointing``; nothing gathered on any rank)."""
         from nemo_tlt.megatron.policy_checkpoint import save_policy_shards
 
         with self._device_context():
-            save_policy_shards(self._sharded_state(), directory)
+            save_policy_shards(self._sharded_state(False), directory)
 
     def load_sharded(self, directory: str) -> None:
         """Collective: this rank's slice of a ``save_sharded`` checkpoint, written at any data-parallel
         size (and TP / PP where the padded vocabulary agrees; refused otherwise, naming both)."""
-        from nemo_tlt.megatron.policy_checkpoint import COMMON, load_policy_shards
+        from nemo_tlt.megatron.policy_checkpoint import COMMON, load_policy_shards, restore_policy_shards
 
         with self._device_context():
-            template = self._sharded_state()
-            loaded = load_policy_shards(template, directory)
-        opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        adam_step = torch.tensor(float(loaded[COMMON]["adam_step"]))
-        with torch.no_grad():
-            result = self.model.load_state_dict(
-                {k: v for k, v in loaded["model"].items() if isinstance(v, torch.Tensor)}, strict=False)
-            missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-            if missing or result.unexpected_keys:
-                raise ValueError(f"load_sharded: missing {missing}, unexpected {result.unexpected_keys}")
-            for i, p in enumerate(opt_params):
-                state = self.optimizer.state[p]
-                for key in ("exp_avg", "exp_avg_sq"):
-                    state[key].copy_(loaded["optimizer"][i][key])
-                state["step"] = adam_step.clone()
-            if self.master.mixed:
-                for m, saved in zip(self.master.masters, (loaded["master"][i] for i in range(len(opt_params)))):
-                    m.copy_(saved)
-                self.master.masters_to_params()
+            loaded = load_policy_shards(self._sharded_state(True), directory)
+            restore_policy_shards(self.model, self.optimizer, loaded)
         self.step = int(loaded[COMMON]["step"])
 
     def state_dict(self) -> dict:
-        """This rank's optimizer state (over its own shard) and schedule step, tagged with its (pp, tp)."""
-        return {"optimizer": self.optimizer.state_dict(), "step": self.step, "coords": list(self.coords),
-                "tensor_parallel": self.layout.tp, "pipeline_parallel": self.layout.pp,
-                "master": self.master.state_dict()}
+        """This rank's optimizer shard (exact: Adam moments, step, fp32 main params of bf16 weights)
+        and schedule step, tagged with its (pp, tp) and data-parallel rank and size."""
+        from nemo_tlt.megatron.ddp_optimizer import local_state
+
+        return {"optimizer": local_state(self.optimizer), "step": self.step, **self._state_coords()}
+
+    def _state_coords(self) -> dict:
+        from megatron.core import parallel_state
+
+        return {"coords": list(self.coords), "tensor_parallel": self.layout.tp,
+                "pipeline_parallel": self.layout.pp, "data_parallel": parallel_state.get_data_parallel_world_size(),
+                "data_parallel_rank": parallel_state.get_data_parallel_rank(), "dtype": str(self.dtype)}
 
     def load_state_dict(self, state: dict) -> None:
-        mine = (list(self.coords), self.layout.tp, self.layout.pp)
-        theirs = (list(state["coords"]), state["tensor_parallel"], state["pipeline_parallel"])
+        from nemo_tlt.megatron.ddp_optimizer import load_local_state
+
+        mine = self._state_coords()
+        theirs = {k: state.get(k) for k in mine}
         if mine != theirs:
-            raise ValueError(f"MegatronPolicy.load_state_dict: state of (coords, TP, PP)={theirs} "
-                             f"cannot be loaded on {mine}")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step = int(state.get("step", 0))  # checkpoints without it predate the LR schedule
-        self.master.load_state_dict(state.get("master"))  # absent in checkpoints of fp32-only versions
+            raise ValueError(f"MegatronPolicy.load_state_dict: a state of {theirs} cannot be loaded on {mine} (the "
+                             "distributed optimizer's shard of one rank; save_sharded / load_sharded reshard)")
+        with self._device_context():
+            load_local_state(self.optimizer, state["optimizer"])
+        self.step = int(state["step"])

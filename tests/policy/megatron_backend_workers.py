@@ -84,12 +84,19 @@ def bf16_update(ctx: RankContext, cfg: LMConfig, canonical: dict, policy: Policy
     trainer = build_policy_backend(policy, canonical, cfg, temperature=1.0, seed=1234,
                                    placement=Placement.cpu(torch.bfloat16))
     stats = trainer.update(batch, advantages, None, None, sum(len(r) for _, r in batch))
+    from nemo_tlt.megatron.ddp_optimizer import distributed_optimizers
+
+    opts = distributed_optimizers(trainer.optimizer)
+    # the distributed optimizer's own shards: fp32 main params and the bf16 weights' slices they round to
+    mains = [m for o in opts for g in o.shard_fp32_from_float16_groups for m in g]
+    shards = [p for o in opts for g in o.shard_float16_groups for p in g]
     local = {"param_dtypes": sorted({str(p.dtype) for p in trainer.params}),
-             "master_dtypes": sorted({str(m.dtype) for m in trainer.master.masters}),
-             "state_dtypes": sorted({str(v.dtype) for s in trainer.optimizer.state_dict()["state"].values()
+             "optimizers": sorted(type(o).__name__ for o in opts),
+             "master_dtypes": sorted({str(m.dtype) for m in mains}),
+             "state_dtypes": sorted({str(v.dtype) for o in opts for s in o.optimizer.state.values()
                                      for k, v in s.items() if k != "step"}),
-             "params_are_rounded_masters": all(torch.equal(p, m.to(p.dtype))
-                                               for p, m in zip(trainer.params, trainer.master.masters))}
+             "params_are_rounded_masters": bool(mains) and all(torch.equal(p, m.to(p.dtype))
+                                                               for p, m in zip(shards, mains))}
     weights = trainer.canonical_state_dict()
     everyone = _gather(local, ctx.world)
     parallel_state.destroy_model_parallel()

@@ -295,10 +295,12 @@ def test_capture_layers_outside_the_model_are_refused_before_any_collective():
 
 @pytest.mark.timeout(300)
 def test_model_parallel_ranks_train_together(results):
+    """Model-parallel ranks train on one batch; the optimizer state differs per rank whenever there
+    are several (split over TP x PP, and over data-parallel replicas by the distributed optimizer)."""
     for case in CASES:
         for rank in results[case.name]["ranks"]:
             sharded = case.policy.model_parallel > 1
-            assert rank["sharded_state"] == sharded, case.name
+            assert rank["sharded_state"] == (len(results[case.name]["ranks"]) > 1), case.name
             assert rank["train_ranks"] == ((0, 1) if sharded else (rank["train_ranks"][0],)), case.name
             assert "step" in rank["opt_state_keys"] and "optimizer" in rank["opt_state_keys"]
 

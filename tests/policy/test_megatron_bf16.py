@@ -1,5 +1,5 @@
-"""The megatron backend in bf16 (``model.dtype=bfloat16``) at TP=2: bf16 parameters, fp32
-master weights and AdamW state, and a step that tracks the torch backend's bf16 step."""
+"""The megatron backend in bf16 (``model.dtype=bfloat16``) at TP=2: bf16 parameters, megatron's
+DistributedOptimizer with fp32 main params and AdamW state, and a step that tracks the torch backend's bf16 step."""
 from __future__ import annotations
 
 import sys
@@ -33,6 +33,7 @@ def test_megatron_bf16_step_keeps_fp32_masters_and_tracks_the_torch_backend():
     policy = PolicyConfig(backend="megatron", tensor_parallel=2, micro_batch=4, optim=OPTIM)
     got = launch_local(bf16_update, 2, CFG, canonical, policy, batch, adv, timeout_s=240)[0]
     for rank in got["ranks"]:
+        assert rank["optimizers"] == ["DistributedOptimizer"]
         assert rank["param_dtypes"] == ["torch.bfloat16"] and rank["master_dtypes"] == ["torch.float32"]
         assert rank["state_dtypes"] == ["torch.float32"] and rank["params_are_rounded_masters"]
     ref = build_policy_backend(PolicyConfig(micro_batch=4, optim=OPTIM), canonical, CFG, temperature=1.0, seed=0,

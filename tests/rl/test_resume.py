@@ -83,9 +83,18 @@ def test_sigterm_checkpoints_and_resume_equals_uninterrupted(tiny_models, tmp_pa
     assert policy and all(torch.equal(tensors_a[k], tensors_b[k]) for k in policy)
     assert len(extra_a["policy"]) == len(extra_b["policy"]) == (2 if backend == "megatron_tp2" else 1)
     for rank_a, rank_b in zip(extra_a["policy"], extra_b["policy"]):  # every rank's optimizer shard
-        moments_a, moments_b = rank_a["optimizer"]["state"], rank_b["optimizer"]["state"]
+        moments_a, moments_b = _moments(rank_a), _moments(rank_b)
         assert moments_a and all(torch.equal(moments_a[i]["exp_avg_sq"], moments_b[i]["exp_avg_sq"])
                                  for i in moments_a)
+
+
+def _moments(policy_state: dict) -> dict:
+    """The Adam state by parameter of a torch backend's state, or of a megatron backend's
+    distributed-optimizer shard(s) (a list: one inner torch optimizer each)."""
+    opt = policy_state["optimizer"]
+    if isinstance(opt, list):
+        return {(j, i): s for j, part in enumerate(opt) for i, s in part["inner"]["state"].items()}
+    return opt["state"]
 
 
 def test_resume_without_checkpoint_starts_fresh_and_finished_run_is_a_no_op(tiny_models, tmp_path):

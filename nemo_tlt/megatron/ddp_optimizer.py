@@ -1,0 +1,118 @@
+"""megatron-core's own data parallelism for a policy ``GPTModel``: DDP + the distributed optimizer.
+
+Contract (collective over megatron's parallel groups, called alike on every rank):
+* ``build_ddp_optimizer(model, optim, dtype)`` wraps this rank's ``GPTModel`` in
+  megatron-core ``DistributedDataParallel`` (contiguous fp32 grad buffers:
+  ``grad_reduce_in_fp32``; gradients reduce-scattered over the data-parallel group) and
+  builds megatron's ``DistributedOptimizer`` through ``get_megatron_optimizer``: Adam with
+  decoupled weight decay (torch ``AdamW`` where neither Transformer Engine nor apex is
+  installed, their fused Adam otherwise), fp32 main params (for bf16 weights; fp32 weights
+  are their own main params), fp32 Adam moments, each data-parallel rank holding
+  1 / DP of them. Weight decay applies to every weight (``config_overrides={}``; megatron's
+  default would exempt biases and norms, the torch backend does not), so both backends learn
+  the same thing.
+* The model's ``TransformerConfig`` must have ``calculate_per_token_loss=True``: the policy's
+  loss is already a share of the step's global token mean, so gradients are *summed* over
+  data-parallel replicas (megatron's default averages them).
+* ``finish_step(ddp, optimizer)``: after the backward passes of a step,
+  ``finalize_model_grads`` (the data-parallel reduce-scatter, the tied-embedding sum over
+  the first and last pipeline stage, the sequence-parallel norm sum) and the optimizer's own
+  step (global grad norm over every weight counted once, clip, Adam, fp32 -> bf16 copy,
+  parameter all-gather over DP). Returns the pre-clip grad norm (also when
+  ``grad_clip`` is 0, which disables clipping).
+* ``local_state(optimizer)`` / ``load_local_state(optimizer, state)``: this rank's own shard
+  of the optimizer (Adam moments and step of its main-param shards, and for bf16 weights its
+  fp32 main-param shards), exactly, for a run checkpoint written at the same TP x PP x DP;
+  the sharded, layout-independent form is ``optimizer.sharded_state_dict``
+  (``nemo_tlt.megatron.policy_checkpoint``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nemo_tlt.optim import OptimConfig
+
+ADAM_EPS = 1e-8  # torch AdamW's default, which the torch backend uses
+
+
+def build_ddp_optimizer(model: torch.nn.Module, optim: OptimConfig, dtype: torch.dtype):
+    """(DDP-wrapped model, megatron optimizer) for ``model`` (see the module docstring)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    if not model.config.calculate_per_token_loss:
+        raise ValueError("build_ddp_optimizer: the model's TransformerConfig needs calculate_per_token_loss=True "
+                         "(the policy loss is a share of the global token mean: replicas' gradients are summed)")
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False,
+        overlap_param_gather=False), model)
+    config = OptimizerConfig(
+        optimizer="adam", lr=optim.lr, min_lr=0.0, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1], adam_eps=ADAM_EPS,
+        # megatron computes the grad norm only when it clips; clip 0 (off) becomes an infinite bound,
+        # whose coefficient inf / norm never scales a gradient, so the norm is still reported
+        clip_grad=optim.grad_clip if optim.grad_clip > 0 else math.inf, bf16=dtype == torch.bfloat16,
+        params_dtype=dtype, use_distributed_optimizer=True, main_grads_dtype=torch.float32,
+        main_params_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32)
+    optimizer = get_megatron_optimizer(config, [ddp], config_overrides={})
+    return ddp, optimizer
+
+
+def zero_grads(ddp, optimizer) -> None:
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def finish_step(ddp, optimizer) -> float:
+    """Reduce, clip and step (see the module docstring); the pre-clip global grad norm."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([ddp])
+    ok, norm, _ = optimizer.step()
+    if not ok:  # only a loss-scaled fp16 step can be skipped; this policy never scales
+        raise RuntimeError("megatron optimizer skipped the step (inf / nan gradients)")
+    return float(norm)
+
+
+def distributed_optimizers(optimizer) -> list:
+    """The ``DistributedOptimizer``(s) inside ``optimizer`` (a ``ChainedOptimizer`` holds several)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _main_shards(opt) -> list[torch.Tensor]:
+    """This rank's fp32 main-param shards of bf16 weights, in the inner optimizer's order."""
+    return [p for group in opt.shard_fp32_from_float16_groups for p in group]
+
+
+def local_state(optimizer) -> list[dict]:
+    """This rank's optimizer shard, one entry per ``DistributedOptimizer`` (see the module docstring)."""
+    out = []
+    for opt in distributed_optimizers(optimizer):
+        out.append({"inner": opt.optimizer.state_dict(),
+                    "main": [m.detach().clone() for m in _main_shards(opt)]})
+    return out
+
+
+@torch.no_grad()
+def load_local_state(optimizer, state: list[dict]) -> None:
+    """Restore ``local_state`` of the same rank at the same layout, then the weights from the main params."""
+    opts = distributed_optimizers(optimizer)
+    if len(state) != len(opts):
+        raise ValueError(f"optimizer state holds {len(state)} optimizers, this policy has {len(opts)}")
+    for opt, saved in zip(opts, state):
+        opt.optimizer.load_state_dict(saved["inner"])
+        mains = _main_shards(opt)
+        if len(saved["main"]) != len(mains):
+            raise ValueError(f"optimizer state holds {len(saved['main'])} fp32 main shards, this rank has "
+                             f"{len(mains)} (another dtype or layout)")
+        for m, value in zip(mains, saved["main"]):
+            if m.shape != value.shape:
+                raise ValueError(f"an fp32 main shard of shape {tuple(value.shape)} for one of {tuple(m.shape)}")
+            m.copy_(value)
+        if mains:  # bf16 weights continue from the fp32 values, not from their rounding
+            opt._copy_main_params_to_model_params()
+    for opt in opts:
+        for chunk in opt.model_chunks:
+            chunk.start_param_sync(force_sync=True)
