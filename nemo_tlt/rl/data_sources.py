@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_tlt.rl.task import Prompt, answer_text, check_order, draw_rows
+from nemo_tlt.rl.task import Prompt, check_order, draw_rows, prompt_from_record
 
 # file suffix -> the datasets builder that reads it
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -61,16 +61,7 @@ class DatasetsTaskSource:
         self.rows: tuple[Prompt, ...] = tuple(self._row(i, r, prompt_key, answer_key) for i, r in enumerate(rows))
 
     def _row(self, index: int, row: dict[str, Any], prompt_key: str, answer_key: str) -> Prompt:
-        where = f"{self.path}: row {index}"
-        text = row[prompt_key]
-        if not isinstance(text, str) or not text:
-            raise ValueError(f"{where}: column {prompt_key!r} must be a non-empty string, got {text!r}")
-        try:
-            answer = answer_text(row.get(answer_key))
-        except TypeError:
-            raise ValueError(f"{where}: column {answer_key!r} must be a scalar or null, "
-                             f"got {row[answer_key]!r}") from None
-        return Prompt(text, answer, {k: v for k, v in row.items() if k not in (prompt_key, answer_key)})
+        return prompt_from_record(row, prompt_key, answer_key, f"{self.path}: row {index}", "column", "a scalar")
 
     def __len__(self) -> int:
         return len(self.rows)

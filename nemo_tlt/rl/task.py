@@ -143,6 +143,22 @@ def check_order(order: str, shuffle_seed: int, who: str) -> None:
 
 # ---- built in: prompts from a JSONL file ------------------------------------
 
+def prompt_from_record(record: dict, prompt_key: str, answer_key: str, where: str, field: str,
+                       scalar: str) -> Prompt:
+    """One prompt from a row of a prompts file: the text under ``prompt_key``, the answer
+    under ``answer_key`` (a scalar or null), every other entry as ``meta``; errors name
+    ``where`` and the ``field`` (a JSON "key", a table "column")."""
+    text = record[prompt_key]
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"{where}: {field} {prompt_key!r} must be a non-empty string, got {text!r}")
+    try:
+        answer = answer_text(record.get(answer_key))
+    except TypeError:
+        raise ValueError(f"{where}: {field} {answer_key!r} must be {scalar} or null, "
+                         f"got {record[answer_key]!r}") from None
+    return Prompt(text, answer, {k: v for k, v in record.items() if k not in (prompt_key, answer_key)})
+
+
 def answer_text(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
@@ -185,16 +201,7 @@ class JsonlTaskSource:
             raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         if prompt_key not in obj:
             raise ValueError(f"{where}: missing key {prompt_key!r} (the prompt text)")
-        text = obj[prompt_key]
-        if not isinstance(text, str) or not text:
-            raise ValueError(f"{where}: key {prompt_key!r} must be a non-empty string, got {text!r}")
-        try:
-            answer = answer_text(obj.get(answer_key))
-        except TypeError:
-            raise ValueError(f"{where}: key {answer_key!r} must be a JSON scalar or null, "
-                             f"got {obj[answer_key]!r}") from None
-        meta = {k: v for k, v in obj.items() if k not in (prompt_key, answer_key)}
-        return Prompt(text, answer, meta)
+        return prompt_from_record(obj, prompt_key, answer_key, where, "key", "a JSON scalar")
 
     def __len__(self) -> int:
         return len(self.rows)
