@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -20,10 +19,10 @@ from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.speculative.tree_shape import TreeShape
-from nemo_tlt.spot.coordinator import WorkerCoordinator
 from nemo_tlt.spot.harvest import HarvestBuffer, HarvestConfig
 from nemo_tlt.spot.losses import eagle_loss_fn
 from nemo_tlt.spot.trainer import DrafterOptimConfig, SpotTrainer, SpotTrainerConfig
+from spot._toys import open_coordinator
 from tiny import tiny_target
 
 
@@ -85,15 +84,6 @@ def test_plain_and_speculative_generation_make_nothing_off_device():
                 assert out.stats.sd_steps > 0
 
 
-def _open_coordinator() -> WorkerCoordinator:
-    store = dist.HashStore()
-    coord = WorkerCoordinator(store, 0, 2, min_idle_workers=1)
-    WorkerCoordinator(store, 1, 2, min_idle_workers=1)
-    coord.mark_idle()
-    coord.start_training()
-    return coord
-
-
 def test_a_drafter_training_round_on_harvested_samples_makes_nothing_off_device():
     target = tiny_target(seed=0)
     drafter = _drafters(target.config)["eagle2"]
@@ -101,7 +91,7 @@ def test_a_drafter_training_round_on_harvested_samples_makes_nothing_off_device(
     buffer = HarvestBuffer(HarvestConfig(hidden_size=target.config.hidden_size))
     trainer = SpotTrainer(drafter, eagle_loss_fn(target),
                           SpotTrainerConfig(batch_size=2, max_steps_per_round=2, optim=DrafterOptimConfig(lr=1e-3)))
-    coord = _open_coordinator()
+    coord = open_coordinator()
     with off_device():
         out = engine.generate(_requests(), SamplingParams("greedy", max_new_tokens=10), return_hidden=True)
         for req, res in zip(_requests(), out.results):

@@ -1,9 +1,12 @@
-"""Toy model, loss and harvested data shared by the spot trainer tests."""
+"""Toy model, loss, harvested data and an open training window shared by the spot trainer tests."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+import torch.distributed as dist
+
+from nemo_tlt.spot.coordinator import WorkerCoordinator
 from nemo_tlt.spot.harvest import HarvestBuffer, HarvestConfig, HarvestSample
 
 H = 6
@@ -36,3 +39,13 @@ def toy_buffer(seed: int = 0, n: int = 16, step: int = 0) -> HarvestBuffer:
             f.append(A @ f[-1])
         buf.add(torch.randint(0, 50, (9,), generator=g), torch.stack(f), step=step)
     return buf
+
+
+def open_coordinator() -> WorkerCoordinator:
+    """Rank 0 idle, rank 1 still busy: training may go on until someone preempts."""
+    store = dist.HashStore()
+    coord = WorkerCoordinator(store, 0, 2, min_idle_workers=1)
+    WorkerCoordinator(store, 1, 2, min_idle_workers=1)
+    coord.mark_idle()
+    coord.start_training()
+    return coord

@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.spot.averaging import average_replicas
@@ -19,19 +18,9 @@ from nemo_tlt.spot.losses import eagle_loss_fn
 from nemo_tlt.spot.trainer import SpotTrainer, DrafterOptimConfig, SpotTrainerConfig, lr_schedule
 from tiny import tiny_target
 
-from ._toys import H, regression_loss, toy_buffer, toy_model
+from ._toys import H, open_coordinator, regression_loss, toy_buffer, toy_model
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def open_coordinator() -> WorkerCoordinator:
-    """Rank 0 idle, rank 1 still busy: training may go on until someone preempts."""
-    store = dist.HashStore()
-    coord = WorkerCoordinator(store, 0, 2, min_idle_workers=1)
-    WorkerCoordinator(store, 1, 2, min_idle_workers=1)
-    coord.mark_idle()
-    coord.start_training()
-    return coord
 
 
 def test_config_validation_and_schedule():
