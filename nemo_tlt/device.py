@@ -10,8 +10,6 @@ Contract
   use NVLink peer-to-peer); ``auto`` is ``cuda`` when CUDA is available, else ``cpu``.
   ``cuda`` without CUDA, or a local rank past the node's GPU count, raises ``ValueError``
   naming ``workers.device`` and what was found.
-* ``resolve_kind(kind, cuda_available=None)``: ``cpu`` or ``cuda``, what ``auto`` means
-  here (the kind a run records in its ``config.yaml``); ``cuda`` without CUDA raises as above.
 * ``torch_dtype(name)``: the ``torch.dtype`` of a ``DTYPES`` name.
 * ``Placement(device, dtype)``: what a component is built with; nothing it creates lives
   elsewhere (tensors cross to the host only where a value must leave the device).
@@ -30,11 +28,6 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {name!r}")
     return DTYPES[name]
-
-
-def resolve_kind(kind: str, cuda_available: bool | None = None) -> str:
-    """``cpu`` or ``cuda``: the device kind `kind` resolves to on this host."""
-    return resolve_device(kind, 0, cuda_available, device_count=1).type
 
 
 def resolve_device(kind: str, local_rank: int = 0, cuda_available: bool | None = None,
