@@ -64,7 +64,7 @@ class RLWorker:
         cfg = self.cfg = spec.config
         self.spec, self.comm, self.stop = spec, comm, stop
         # every component of this rank lives on the device the launcher bound, in the run's dtype
-        self.placement = placement = Placement(comm.device, torch_dtype(cfg.model.dtype))
+        placement = Placement(comm.device, torch_dtype(cfg.model.dtype))
         policy_model = load_hf_folder(spec.target_dir)
         model_config, canonical = policy_model.config, policy_model.state_dict()
         self.task = build_task(cfg.task, spec.target_dir)
@@ -166,8 +166,9 @@ class RLWorker:
                         update=update, state=self.rank_state(), weights=weights,
                         arm_accept=arm_accept_counts(rollout.out.stats.trace))
         ranks = comm.gather(mine)
-        # A sharded optimizer state (TP x PP > 1) differs per rank: keep every rank's (on the
-        # host: device tensors pickled to another rank would land on its device of that index).
+        # A sharded optimizer state (the megatron backend's distributed optimizer on more than
+        # one rank) differs per rank: keep every rank's (on the host: device tensors pickled to
+        # another rank would land on its device of that index).
         self.policy_states = (comm.gather(to_host(self.policy.state_dict())) if self.policy.sharded_state
                               else [self.policy.state_dict()])
         if comm.rank != 0:
