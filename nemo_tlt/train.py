@@ -283,9 +283,10 @@ def _print_comparison(report: dict[str, Any]) -> None:
     print(format_pairs(report))
     print(f"TLT vs baseline, medians over {len(report['pairs'])} pair(s): speedup {report['speedup']:.2f}x "
           f"(baseline / TLT mean step time after the first), rollout speedup {report['rollout_speedup']:.2f}x, "
-          f"baseline rollout share {report['baseline_rollout_share']:.0%}, control ratio (update time, "
+          f"baseline rollout share {report['baseline_rollout_share']:.0%}, control ratio (update work, "
           f"baseline / TLT) {report['control_ratio']:.2f}; rewards identical in every run: "
-          f"{report['rewards_identical']}")
+          f"{report['rewards_identical']}, rollouts: {report['rollouts_identical']}, final policy weights: "
+          f"{report['final_policy_identical']}")
     if report["noisy"]:
         print(f"WARNING: {report['note']}")
 

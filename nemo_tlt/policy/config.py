@@ -37,6 +37,13 @@ class PolicyConfig:
     the sequence across TP ranks). recompute (megatron): activation recompute, ``none``,
     ``full`` (every decoder layer recomputed in backward) or ``selective`` (core attention only). The weights dtype is the
     run's ``model.dtype`` (handed to the backend with its device), not a key of this block.
+    pipelined_update (torch backend): each GRPO group's gradient is computed as soon as its
+    rollouts are complete, by whichever rank is free (with TLT, while other rows still
+    decode), in micro-batches of that group alone, summed in fixed point
+    (``nemo_tlt.policy.fixed_point``) so the step's gradient does not depend on who computed
+    what when; one optimizer step per RL step, as without it. TLT and its baseline both sum
+    this way (the baseline computes its own groups after the rollout), so they stay
+    bit-identical.
     """
 
     backend: str = "torch"
@@ -48,6 +55,7 @@ class PolicyConfig:
     kl_coef: float = 0.0
     sequence_parallel: bool = False
     recompute: str = "none"
+    pipelined_update: bool = False
     optim: PolicyOptimConfig = field(default_factory=PolicyOptimConfig)
 
     def __post_init__(self) -> None:
@@ -74,6 +82,11 @@ class PolicyConfig:
         if self.recompute != "none" and self.backend != "megatron":
             raise ValueError(f"policy.recompute={self.recompute!r} needs policy.backend=megatron (the torch backend "
                              "keeps every activation)")
+        if not isinstance(self.pipelined_update, bool):
+            raise ValueError(f"policy.pipelined_update must be a bool, got {self.pipelined_update!r}")
+        if self.pipelined_update and self.backend != "torch":
+            raise ValueError(f"policy.pipelined_update=true needs policy.backend=torch, got {self.backend!r} (a "
+                             "model-parallel replica would have to compute every group together)")
         if not isinstance(self.optim, OptimConfig):
             raise ValueError(f"policy.optim must be an OptimConfig, got {type(self.optim).__name__}")
 

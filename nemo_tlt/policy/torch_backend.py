@@ -31,6 +31,7 @@ from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.optim import build_optimizer
 from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, padded, scatter
 from nemo_tlt.policy.config import PolicyConfig
+from nemo_tlt.policy.fixed_point import FixedPointGrads
 from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty, token_logprobs
 from nemo_tlt.policy.master_weights import MasterWeights
 from nemo_tlt.policy.protocol import STATS, HiddenSink, LogprobSink, check_capture_layers, check_update_args
@@ -118,7 +119,28 @@ class TorchPolicy:
             ref = scatter([self._token_logprobs(self.reference, mb, batch, None) for mb in mbs], mbs, len(batch))
         return old, ref
 
-    # ---- update -------------------------------------------------------------------
+    # ---- update ----------------------------------------------------------------------
+    def _micro_loss(self, mb: MicroBatch, batch: Sequence[Sequence2], advantages: torch.Tensor,
+                    logp_old: list[torch.Tensor] | None, logp_ref: list[torch.Tensor] | None,
+                    on_hidden: HiddenSink | None, capture_layers: tuple[int, ...] | None,
+                    on_logprobs: LogprobSink | None) -> tuple[torch.Tensor, dict[str, float], float]:
+        """One micro-batch's loss (its token mean), its token-mean stats and its token count."""
+        idx = mb.index.tolist()
+        new = self._token_logprobs(self.model, mb, batch, on_hidden, capture_layers)
+        if on_logprobs is not None:
+            _emit_logprobs(on_logprobs, new, mb)
+        old = new.detach() if logp_old is None else padded([logp_old[i].to(mb.mask) for i in idx], mb.mask)
+        pg, stats = clipped_pg_loss(new, old, advantages[mb.index], mb.mask, self.config.clip_eps)
+        means = {"pg_loss": float(pg.detach()), "kl": 0.0, "clip_frac": stats["clip_frac"],
+                 "approx_kl": stats["approx_kl"]}
+        loss = pg
+        if logp_ref is not None:
+            kl = kl_penalty(new, padded([logp_ref[i].to(mb.mask) for i in idx], mb.mask), mb.mask)
+            loss = loss + self.config.kl_coef * kl
+            means["kl"] = float(kl.detach())
+        means["loss"] = float(loss.detach())
+        return loss, means, float(mb.mask.sum())
+
     def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None,
                capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None
@@ -129,35 +151,71 @@ class TorchPolicy:
         totals = dict.fromkeys(STATS, 0.0)
         advantages = advantages.to(self.device)
         for mb in micro_batches(batch, self.config.micro_batch, self.device):
-            idx = mb.index.tolist()
-            new = self._token_logprobs(self.model, mb, batch, on_hidden, capture_layers)
-            if on_logprobs is not None:
-                _emit_logprobs(on_logprobs, new, mb)
-            old = new.detach() if logp_old is None else padded([logp_old[i].to(mb.mask) for i in idx], mb.mask)
-            pg, stats = clipped_pg_loss(new, old, advantages[mb.index], mb.mask, self.config.clip_eps)
-            n_local = float(mb.mask.sum())
-            loss = pg
-            if logp_ref is not None:
-                kl = kl_penalty(new, padded([logp_ref[i].to(mb.mask) for i in idx], mb.mask), mb.mask)
-                loss = loss + self.config.kl_coef * kl
-                totals["kl"] += float(kl.detach()) * n_local / global_tokens
+            loss, means, n_local = self._micro_loss(mb, batch, advantages, logp_old, logp_ref, on_hidden,
+                                                    capture_layers, on_logprobs)
             # micro-batch token mean -> its share of the global token mean
             (loss * (n_local / global_tokens)).backward()
-            # (x * n) / g, not x * (n / g): the logged stats keep their exact bits
-            totals["loss"] += float(loss.detach()) * n_local / global_tokens
-            totals["pg_loss"] += float(pg.detach()) * n_local / global_tokens
-            totals["clip_frac"] += stats["clip_frac"] * n_local / global_tokens
-            totals["approx_kl"] += stats["approx_kl"] * n_local / global_tokens
+            for k in STATS:  # (x * n) / g, not x * (n / g): the logged stats keep their exact bits
+                totals[k] += means[k] * n_local / global_tokens
         self.master.grads_to_masters()
+        allreduce_flat([p.grad for p in self.master.masters])
+        return {**totals, **self._step()}
+
+    def _step(self) -> dict[str, float]:
+        """Clip the masters' reduced gradients, step, round back into the parameters."""
         masters = self.master.masters
-        allreduce_flat([p.grad for p in masters])
         clip = self.config.optim.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(masters, clip if clip > 0 else float("inf"))
         lr = self.schedule.apply(self.step)
         self.optimizer.step()
         self.master.masters_to_params()
         self.step += 1
-        return {**totals, "grad_norm": float(norm), "lr": lr}
+        return {"grad_norm": float(norm), "lr": lr}
+
+    # ---- the pipelined update (policy.pipelined_update) ------------------------------------
+    def begin_accumulation(self, token_budget: int) -> None:
+        """Start a step whose gradient comes in terms (``accumulate``), summed in fixed point
+        (``nemo_tlt.policy.fixed_point``); ``token_budget`` bounds the step's response tokens."""
+        self._sums = FixedPointGrads(self.master.masters, token_budget)
+
+    def accumulate(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
+                   logp_ref: list[torch.Tensor] | None, *, on_hidden: HiddenSink | None = None,
+                   capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None
+                   ) -> dict[str, float]:
+        """Add one term (one GRPO group) to the step's gradient: each of its micro-batches
+        (``micro_batches`` of ``batch`` alone, so they depend on the term's tokens only)
+        adds the gradient of its token-sum loss over the token budget. Returns the term's
+        token sums of ``STATS`` and its ``tokens``; the weights do not change."""
+        if getattr(self, "_sums", None) is None:
+            raise RuntimeError("TorchPolicy.accumulate: call begin_accumulation first")
+        check_update_args("TorchPolicy", batch, advantages, 1)
+        capture_layers = check_capture_layers("TorchPolicy.accumulate", capture_layers, self.model_config.num_layers)
+        sums = dict.fromkeys((*STATS, "tokens"), 0.0)
+        advantages = advantages.to(self.device)
+        for mb in micro_batches(batch, self.config.micro_batch, self.device):
+            self.master.zero_grads()
+            loss, means, n_local = self._micro_loss(mb, batch, advantages, logp_old, logp_ref, on_hidden,
+                                                    capture_layers, on_logprobs)
+            (loss * (n_local / self._sums.token_budget)).backward()
+            self.master.grads_to_masters()
+            self._sums.add([m.grad for m in self.master.masters], int(n_local))
+            for k in STATS:
+                sums[k] += means[k] * n_local
+            sums["tokens"] += n_local
+        return sums
+
+    def apply_accumulated(self, global_tokens: int) -> dict[str, float]:
+        """Sum the terms over every rank (exact), scale to the token mean over
+        ``global_tokens`` and take the one optimizer step; returns ``grad_norm`` and ``lr``."""
+        sums, self._sums = getattr(self, "_sums", None), None
+        if sums is None:
+            raise RuntimeError("TorchPolicy.apply_accumulated: call begin_accumulation first")
+        if global_tokens < 1:
+            raise ValueError(f"TorchPolicy.apply_accumulated: global_tokens must be >= 1, got {global_tokens}")
+        sums.reduce()
+        for master, grad in zip(self.master.masters, sums.result(sums.token_budget / global_tokens)):
+            master.grad = grad.to(master.device)
+        return self._step()
 
     # ---- weights and state --------------------------------------------------------------
     def canonical_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

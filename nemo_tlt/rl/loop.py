@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -34,11 +35,14 @@ from nemo_tlt.dist import build_node_groups, gather_topology
 from nemo_tlt.drafter.target_view import TargetView
 from nemo_tlt.model.hf_io import load_hf_folder
 from nemo_tlt.policy.factory import build_policy_backend
+from nemo_tlt.policy.protocol import STATS
 from nemo_tlt.rl.boundary import StepBoundary
 from nemo_tlt.rl.decode_segments import decode_segments
+from nemo_tlt.rl.group_board import Group, GroupBoard, board_prefix, cleanup
 from nemo_tlt.rl.grpo import group_advantages
 from nemo_tlt.rl.idle_drafter import IdleDrafter, idle_without_training
 from nemo_tlt.rl.logprob_gap import comparable, gap_sums
+from nemo_tlt.rl.pipelined_update import GroupCollector, claim_all, combine, group_term
 from nemo_tlt.rl.records import IdleResult, RankState, RankStep, Rollout, arm_accept_counts, step_record
 from nemo_tlt.rl.report import MetricsWriter, progress_bar
 from nemo_tlt.rl.run import RunSpec, shard_prompts, step_rng, step_seed
@@ -90,6 +94,7 @@ class RLWorker:
         # an EAGLE-3 drafter trains on its captured target layers and the final state, which the
         # policy's forward hands over in the rollout engine's layout when asked for them
         self.capture_layers = getattr(self.drafter.drafter, "capture_layers", None) if self.drafter else None
+        self.pipelined = cfg.policy.pipelined_update
         self.coord = WorkerCoordinator(comm.store, comm.rank, comm.world, cfg.drafter.min_idle_workers,
                                        prefix=f"tlt/{spec.mode}", timeout_s=cfg.workers.timeout_s)
         self.ckpt = RunCheckpointer(spec.checkpoint_dir, cfg.checkpoint.keep_last, writer=comm.rank == 0)
@@ -147,24 +152,37 @@ class RLWorker:
         comm, G = self.comm, self.cfg.grpo.group_size
         t_start = time.perf_counter()
         prompts = self.task.source.prompts(step, self.cfg.grpo.prompts_per_step, step_rng(self.cfg.seed, step))
-        rollout = self.rollout(step, prompts)
+        board = self._board(step) if self.pipelined and self.spec.tlt else None
+        collector = self._collector(prompts, board) if self.pipelined else None
+        rollout = self.rollout(step, prompts, collector)
+        early: dict[int, dict[str, float]] = {}
+        t_early = 0.0  # seconds of update work (not of waiting for groups) before the meet
+        if board is not None:  # the update's groups while other ranks still decode, then idle
+            self._begin_accumulation()
+            early, segments = claim_all(board, partial(self._group_term, step), self.coord.now)
+            rollout.segments.extend(segments)
+            t_early = sum(b - a for a, b, _ in segments)
         idle = self.idle_time(step, skip_drafter_round)
         t_meet = time.perf_counter()
         timeline = self.coord.collect_timelines(step) if comm.rank == 0 else []
         self.coord.mark_busy()
-        rewards = self.score(prompts, rollout)
-        batch = [(req.prompt, r.tokens) for req, r in zip(rollout.requests, rollout.out.results)]
-        gen_logprobs = [r.logprobs for r in rollout.out.results]  # the logprob_gap metric's generation side
-        update, t_logprob, t_update = self.update_policy(step, batch, rewards, gen_logprobs)
+        rewards = collector.rewards(rollout.ids) if collector is not None else self.score(prompts, rollout)
+        if self.pipelined:
+            update, t_logprob, t_update = self.pipelined_update(step, collector, rollout, early, board is None)
+        else:
+            batch = [(req.prompt, r.tokens) for req, r in zip(rollout.requests, rollout.out.results)]
+            gen_logprobs = [r.logprobs for r in rollout.out.results]  # the logprob_gap metric's generation side
+            update, t_logprob, t_update = self.update_policy(step, batch, rewards, gen_logprobs)
         t0 = time.perf_counter()
-        weights = self.sync_weights(idle)
+        weights, policy_digest = self.sync_weights(idle)
         t_sync = time.perf_counter() - t0
         mine = RankStep(rank=comm.rank, node=comm.node, ids=rollout.ids, tokens=[r.tokens for r in rollout.out.results],
                         rewards=rewards, gen_s=rollout.seconds, sd_steps=rollout.out.stats.sd_steps,
                         plain_steps=rollout.out.stats.plain_steps, accept_lengths=rollout.out.stats.accept_lengths,
                         segments=rollout.segments, idle=idle,
                         update=update, state=self.rank_state(), weights=weights,
-                        arm_accept=arm_accept_counts(rollout.out.stats.trace))
+                        arm_accept=arm_accept_counts(rollout.out.stats.trace),
+                        update_work_s=t_early + t_logprob + t_update, policy_digest=policy_digest)
         ranks = comm.gather(mine)
         # A sharded optimizer state (the megatron backend's distributed optimizer on more than
         # one rank) differs per rank: keep every rank's (on the host: device tensors pickled to
@@ -173,6 +191,8 @@ class RLWorker:
                               else [self.policy.state_dict()])
         if comm.rank != 0:
             return {}
+        if board is not None and step >= 2:  # every rank is past step - 2 (the gather above)
+            cleanup(comm.store, board_prefix(self.spec.mode, step - 2), self.cfg.grpo.prompts_per_step)
         self.rank_states = [r.state for r in ranks]
         times = {"step_s": time.perf_counter() - t_start, "rollout_s": t_meet - t_start, "logprob_s": t_logprob,
                  "update_s": t_update, "weight_sync_s": t_sync}
@@ -180,15 +200,17 @@ class RLWorker:
                            self.t0, self.coord.now())
 
     # ---- the phases -----------------------------------------------------------
-    def rollout(self, step: int, prompts: list) -> Rollout:
+    def rollout(self, step: int, prompts: list, on_finish: Callable | None = None) -> Rollout:
         cfg, G = self.cfg, self.cfg.grpo.group_size
         ids = [p * G + g for p in shard_prompts(len(prompts), self.comm.rank, self.comm.world) for g in range(G)]
         requests = [Request(self.task.tokenizer.encode(prompts[i // G].text, add_bos=True), seq_id=i) for i in ids]
         sampling = SamplingParams(cfg.grpo.acceptance, temperature=cfg.grpo.temperature,
                                   max_new_tokens=cfg.grpo.max_new_tokens, seed=step_seed(cfg.seed, step))
         t0, t_gen = time.perf_counter(), self.coord.now()
+        if on_finish is not None:
+            on_finish.bind(requests, ids)
         out = self.engine.generate(requests, sampling, policy=self.sd_policy,
-                                   return_hidden=self.harvest_from == "rollout")
+                                   return_hidden=self.harvest_from == "rollout", on_finish=on_finish)
         seconds = time.perf_counter() - t0
         if self.harvest_from == "rollout":
             self.drafter.buffer.advance_step(step)
@@ -250,22 +272,64 @@ class RLWorker:
             update = {**update, **gap_sums(gen_logprobs, [policy_lp[i] for i in own])}
         return update, t_logprob, time.perf_counter() - t0
 
-    def _harvest_sink(self, step: int, own: range) -> Callable:
-        """Drafter data from the policy's own forward: this rank's sequences of the batch."""
+    def _harvest_sink(self, step: int, own: range | None) -> Callable:
+        """Drafter data from the policy's own forward: this rank's sequences of the batch (None: all)."""
         self.drafter.buffer.advance_step(step)
 
         def on_hidden(index: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-            if index in own:
+            if own is None or index in own:
                 self.drafter.harvest(step, tokens.tolist(), hidden[:-1])
         return on_hidden
 
-    def sync_weights(self, idle: IdleResult) -> str:
+    # ---- the pipelined update (policy.pipelined_update; nemo_tlt.rl.pipelined_update) ------
+    def _board(self, step: int) -> GroupBoard:
+        return GroupBoard(self.comm.store, board_prefix(self.spec.mode, step), self.cfg.grpo.prompts_per_step,
+                          self.cfg.workers.timeout_s)
+
+    def _collector(self, prompts: list, board: GroupBoard | None) -> GroupCollector:
+        task = self.task
+        return GroupCollector(self.cfg.grpo.group_size,
+                              lambda gid, tokens: task.reward(prompts[gid], task.tokenizer.decode(tokens)),
+                              self.comm.rank, board.publish if board is not None else None)
+
+    def _begin_accumulation(self) -> None:
+        g = self.cfg.grpo
+        self.policy.begin_accumulation(g.prompts_per_step * g.group_size * g.max_new_tokens)
+
+    def _group_term(self, step: int, group: Group) -> dict[str, float]:
+        # drafter data from the policy's forward: every sequence of the groups this rank computes
+        on_hidden = self._harvest_sink(step, None) if self.harvest_from == "policy" else None
+        return group_term(self.policy, group, group_size=self.cfg.grpo.group_size,
+                          separate_logprob_pass=self.cfg.policy.separate_logprob_pass,
+                          gap=comparable(self.cfg.grpo.acceptance, self.cfg.grpo.temperature),
+                          on_hidden=on_hidden, capture_layers=self.capture_layers if on_hidden else None)
+
+    def pipelined_update(self, step: int, collector: GroupCollector, rollout: Rollout,
+                         early: dict[int, dict[str, float]], own_groups: bool) -> tuple[dict[str, float], float, float]:
+        """Finish the step's update: this rank's own groups first when they were not pipelined
+        (the baseline), then the exact sum over ranks and the one optimizer step."""
+        t0 = time.perf_counter()
+        sums = dict(early)
+        if own_groups:
+            self._begin_accumulation()
+            for group in collector.own_groups():
+                sums[group.gid] = self._group_term(step, group)
+        own_tokens = sum(len(r.tokens) for r in rollout.out.results)
+        global_tokens = int(self.comm.sum_(torch.tensor([float(own_tokens)], device="cpu")).item())
+        out = self.policy.apply_accumulated(global_tokens)
+        parts = self.comm.gather(sums)
+        # rank 0 logs the step's totals (the record sums the ranks' shares)
+        stats = combine(parts, global_tokens) if self.comm.rank == 0 else dict.fromkeys(STATS, 0.0)
+        return {**stats, **out}, 0.0, time.perf_counter() - t0
+
+    def sync_weights(self, idle: IdleResult) -> tuple[str, str]:
         """Policy weights to the engine and the drafter's view; new drafter weights to the
-        engine. Returns the digest of both (replicas must stay identical)."""
+        engine. Returns the digest of both (replicas must stay identical) and of the policy alone."""
         view = self.drafter.view if self.drafter is not None else None
         stream = WeightStream(self.policy.canonical_weights(), keep=self.comm.rank == 0, view=view)
         self.engine.load_policy_weights(stream)
         self.synced = stream.kept
+        policy_digest = stream.hexdigest()
         if self.drafter is not None:
             t0 = time.perf_counter()
             self.engine.load_drafter(self.drafter.drafter)
@@ -273,7 +337,7 @@ class RLWorker:
             if idle.drafter_steps and self.sd_policy is not None:
                 self.sd_policy.drafter_updated()  # it discounts what it measured of the old drafter
             stream.add(self.drafter.drafter)
-        return stream.hexdigest()
+        return stream.hexdigest(), policy_digest
 
     def log_and_checkpoint(self, step: int, record: dict[str, Any], writer: MetricsWriter, bar) -> None:
         self.records.append(record)

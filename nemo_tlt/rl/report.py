@@ -23,12 +23,17 @@ Contract
 * TLT and its baseline run in pairs of alternating order. ``pair_figures`` compares
   the two runs of one pair on means over the steps after the first (the first pays
   one-time warm-up); ``compare_pairs`` gives the ``report.json`` figures as medians
-  over pairs. Its ``control_ratio`` is the baseline / TLT ratio of the policy update
-  time, work that is identical in both runs: outside
+  over pairs. Its ``control_ratio`` is the baseline / TLT ratio of the policy update's
+  work (``update_work_s``: worker-seconds of log-probs, gradients and step per worker,
+  wherever and whenever they ran; records without it: ``update_s``), work that is identical
+  in both runs: outside
   [1 - CONTROL_TOLERANCE, 1 + CONTROL_TOLERANCE] the machine's speed changed between
   the runs of a pair enough to swamp the speedup, and the report says so
   (``noisy``, ``note``). ``rewards_identical`` / ``rollouts_identical`` compare every
-  run of every pair.
+  run of every pair, ``final_policy_identical`` the digests of the policies they end with.
+  The step-time breakdown shows ``update_s``, the update after the rollout; with
+  ``policy.pipelined_update`` the part done during the tail shows in the worker timeline
+  (an "update" strip) and in ``update_work_s``.
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ BREAKDOWN = (("rollout_s", "rollout"), ("logprob_s", "log-prob"), ("update_s", "
 STATE_COLORS = {"busy": "#4477aa", "idle": "#dddddd", "training": "#ee7733"}
 # decode strips: plain dark, SD shapes in colours the worker states do not use
 PLAIN_COLOR = "#333333"
+UPDATE_COLOR = "#ee3377"  # the pipelined update's group gradients, in the strip beside the decoding
 SHAPE_COLORS = ("#44bb99", "#aa3377", "#ccbb44", "#99ddff", "#882255", "#bbcc33")
 _SKIP_SCALARS = {"step", "mode", "rewards", "timeline", "decode_segments", "rollout_digest", "rollout_gen_s",
                  "run_started"}
@@ -165,10 +171,15 @@ def pair_figures(order: tuple[str, str], tlt: list[dict[str, Any]], baseline: li
     t_mean, b_mean = mean(tlt, "step_s"), mean(baseline, "step_s")
     t_rollout, b_rollout = mean(tlt, "rollout_s"), mean(baseline, "rollout_s")
     t_update, b_update = mean(tlt, "update_s"), mean(baseline, "update_s")
+    # the control: the update's work, identical in both runs; with the pipelined update TLT
+    # does part of it inside the rollout, so its work (not its phase) is what compares
+    key = "update_work_s" if all("update_work_s" in r for r in tlt + baseline) else "update_s"
+    t_work, b_work = mean(tlt, key), mean(baseline, key)
     return {"order": list(order), "tlt_mean_step_s": t_mean, "baseline_mean_step_s": b_mean,
             "speedup": ratio(b_mean, t_mean), "step_time_ratio": ratio(t_mean, b_mean),
             "rollout_speedup": ratio(b_rollout, t_rollout), "baseline_rollout_share": ratio(b_rollout, b_mean),
-            "tlt_update_s": t_update, "baseline_update_s": b_update, "control_ratio": ratio(b_update, t_update)}
+            "tlt_update_s": t_update, "baseline_update_s": b_update, "tlt_update_work_s": t_work,
+            "baseline_update_work_s": b_work, "control_ratio": ratio(b_work, t_work)}
 
 
 def summarize_pairs(pairs: list[dict[str, Any]], tolerance: float = CONTROL_TOLERANCE) -> dict[str, Any]:
@@ -180,7 +191,7 @@ def summarize_pairs(pairs: list[dict[str, Any]], tolerance: float = CONTROL_TOLE
     noisy = control_is_noisy(control, tolerance)
     note = None
     if noisy:
-        note = (f"the machine was too noisy for the speedup to mean much: the policy update, the same work in "
+        note = (f"the machine was too noisy for the speedup to mean much: the policy update's work, the same in "
                 f"both runs, took {control:.2f}x as long in the baseline runs as in the TLT runs (median over "
                 f"{len(pairs)} pair(s); outside [{1 - tolerance:.2f}, {1 + tolerance:.2f}])")
     return {"speedup": med("speedup"), "step_time_ratio": med("step_time_ratio"),
@@ -215,6 +226,9 @@ def compare_pairs(pairs: list[tuple[tuple[str, str], dict[str, Any], dict[str, A
         "pairs": per_pair,
         "rewards_identical": all_identical([[r["rewards"] for r in s["records"]] for s in runs]),
         "rollouts_identical": all_identical([[r["rollout_digest"] for r in s["records"]] for s in runs]),
+        # the policy each run ends with (records without the digest: None)
+        "final_policy_identical": all_identical([s["records"][-1].get("policy_digest") if s["records"] else None
+                                                 for s in runs]),
         "steps_compared": min(len(s["records"]) for s in runs) if runs else 0,
     }
 
@@ -362,10 +376,12 @@ def worker_labels(recs: list[dict]) -> dict[int, str]:
 
 
 def decode_colors(runs: dict[str, list[dict]]) -> dict[str, str]:
-    """One colour per decode choice over all runs (the same shape: the same colour)."""
-    shapes = sorted({c for recs in runs.values() for items in decode_strips(recs).values()
-                     for _, _, c in items if c != "plain"})
-    return {"plain": PLAIN_COLOR, **{s: SHAPE_COLORS[i % len(SHAPE_COLORS)] for i, s in enumerate(shapes)}}
+    """One colour per decode choice over all runs (the same shape: the same colour), and one
+    for the pipelined update's "update" segments when there are any."""
+    choices = {c for recs in runs.values() for items in decode_strips(recs).values() for _, _, c in items}
+    shapes = sorted(choices - {"plain", "update"})
+    update = {"update": UPDATE_COLOR} if "update" in choices else {}  # the pipelined update's group gradients
+    return {"plain": PLAIN_COLOR, **update, **{s: SHAPE_COLORS[i % len(SHAPE_COLORS)] for i, s in enumerate(shapes)}}
 
 
 def plot_worker_timeline(runs: dict[str, list[dict]], path: str | Path) -> Path:

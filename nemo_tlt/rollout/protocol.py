@@ -7,7 +7,7 @@ engine passes the same conformance suite (``tests/conformance``).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -46,6 +46,10 @@ class RequestResult:
     # top-k, top-p for rejection / coupled; the raw log-softmax at temperature 1 for greedy),
     # from the logits that predicted it (with SD: the verify forward's, no extra forward)
     logprobs: list[float] = field(default_factory=list)
+
+
+# (the request's index in ``requests``, its final result): ``RolloutEngine.generate``'s ``on_finish``
+FinishSink = Callable[[int, RequestResult], None]
 
 
 @dataclass
@@ -173,7 +177,8 @@ class RolloutEngine(Protocol):
         ...
 
     def generate(self, requests: list[Request], sampling: SamplingParams, *,
-                 policy: SpecPolicy | None = None, return_hidden: bool = False) -> GenerateOutput:
+                 policy: SpecPolicy | None = None, return_hidden: bool = False,
+                 on_finish: FinishSink | None = None) -> GenerateOutput:
         """Decode every request to EOS (when ``sampling.stop_on_eos``; included as the last
         token, stop_reason "eos") or ``sampling.max_new_tokens`` (stop_reason "length").
 
@@ -185,6 +190,11 @@ class RolloutEngine(Protocol):
         or, when the loaded drafter declares ``capture_layers`` (EAGLE-3), the outputs of
         those target layers concatenated, then the final hidden state,
         [..., (len(capture_layers) + 1) * hidden_size].
+        ``on_finish(index, result)``, if given, is called once per request, on the calling
+        thread, as soon as that request's result is final (an engine that finishes every
+        request together calls it for each before returning), with the very object
+        returned in ``results``; what it raises propagates out of ``generate``. A caller can
+        start work on the finished requests while the rest still decode.
         Bad input (no requests, an empty prompt, a token id outside the vocabulary, a
         prompt plus max_new_tokens beyond the context, sampling that is not a valid
         SamplingParams) is a ValueError naming the field, raised before any decoding.

@@ -61,8 +61,8 @@ from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout.prefill import prefill_chunks
 from nemo_tlt.rollout.row_batch import RowBatch
 from nemo_tlt.rollout.weight_load import check_weight, compute_copy, weight_pair
-from nemo_tlt.rollout.protocol import (GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult,
-                                       StepTrace)
+from nemo_tlt.rollout.protocol import (FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request,
+                                       RequestResult, StepTrace)
 from nemo_tlt.rollout.validate import validate_requests
 from nemo_tlt.speculative.acceptance import accept_greedy, accept_rejection
 from nemo_tlt.speculative.sampling import (SamplingParams, coupled_draw, coupled_noise_table, draw,
@@ -158,8 +158,8 @@ class TorchRolloutEngine:
 
     @torch.no_grad()
     def generate(self, requests: list[Request], sampling: SamplingParams, *, policy: SpecPolicy | None = None,
-                 return_hidden: bool = False) -> GenerateOutput:
-        """See `RolloutEngine.generate`."""
+                 return_hidden: bool = False, on_finish: FinishSink | None = None) -> GenerateOutput:
+        """See `RolloutEngine.generate` (``on_finish`` runs as each row retires)."""
         self._validate(requests, sampling)
         stats = GenerationStats()
         t_start, syncs_start = time.perf_counter(), host_syncs()
@@ -172,7 +172,7 @@ class TorchRolloutEngine:
         stats.prefill_s = time.perf_counter() - t_start
         done = self._done(batch, sampling)
         any_done, longest = host_list(torch.stack((done.any().long(), _longest_running(batch, done))))
-        self._retire(batch, done, bool(any_done), longest, sampling, results, return_hidden)
+        self._retire(batch, done, bool(any_done), longest, sampling, results, return_hidden, on_finish)
         while batch.rows.numel():
             running, syncs0 = batch.rows.numel(), host_syncs()
             shape = self._choose(policy, running)
@@ -195,7 +195,7 @@ class TorchRolloutEngine:
             stats.tokens_generated += made
             if policy is not None:
                 policy.observe(running, shape, made, dt)
-            self._retire(batch, done, bool(any_done), longest, sampling, results, return_hidden)
+            self._retire(batch, done, bool(any_done), longest, sampling, results, return_hidden, on_finish)
             stats.trace.append(StepTrace(running, shape.name if shape else None, made, made / running, dt,
                                          batch.kv_bytes(), host_syncs() - syncs0))
         if accepted:
@@ -387,7 +387,7 @@ class TorchRolloutEngine:
         return done
 
     def _retire(self, batch: RowBatch, done: torch.Tensor, any_done: bool, longest: int, sampling: SamplingParams,
-                results: list, return_hidden: bool) -> None:
+                results: list, return_hidden: bool, on_finish: FinishSink | None = None) -> None:
         """Hand the finished rows their results and drop them (`longest`: the longest
         committed length of the rows that stay). Reads the finished rows' bookkeeping, then
         their tokens and log-probs together, back (two syncs): both as float64, exact for
@@ -409,6 +409,9 @@ class TorchRolloutEngine:
                                          hidden, lps[P: P + G])
         finished = {b for b, _, _, _ in rows_done}
         batch.select(fill_holes_order_host([b not in finished for b in range(batch.rows.numel())]), longest)
+        if on_finish is not None:  # after the batch is consistent again: the sink may take its time
+            for _, row, _, _ in rows_done:
+                on_finish(row, results[row])
 
 
 def _longest_running(batch: RowBatch, done: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,7 @@ from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_config, read_state_dict
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout import validate
-from nemo_tlt.rollout.protocol import GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
+from nemo_tlt.rollout.protocol import FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
 from nemo_tlt.rollout.trtllm_config import TRTLLM_PACKAGE, TRTLLMEngineConfig, missing_package_message
 from nemo_tlt.rollout.trtllm_schedule import draft_len_schedule
 from nemo_tlt.rollout.trtllm_stats import SpeculationReport, speculation_report
@@ -339,9 +339,10 @@ class TRTLLMRolloutEngine:
         self._drafter_loaded = True
 
     def generate(self, requests: list[Request], sampling: SamplingParams, *, policy: SpecPolicy | None = None,
-                 return_hidden: bool = False) -> GenerateOutput:
+                 return_hidden: bool = False, on_finish: FinishSink | None = None) -> GenerateOutput:
         """See `RolloutEngine.generate` and the module docstring (coupled and
-        return_hidden are refused)."""
+        return_hidden are refused; ``on_finish`` sees every request at the end: the LLM API's
+        batch call returns them together)."""
         if self._failed_load is not None:
             raise ValueError(f"generate: the last load_policy_weights failed midway ({self._failed_load}); "
                              "load complete weights first")
@@ -366,6 +367,9 @@ class TRTLLMRolloutEngine:
         self.last_speculation = None
         if speculating:  # plain decoding reports no acceptance, as the torch engine's plain steps
             self.last_speculation, stats.accept_lengths = speculation_report(outputs)
+        if on_finish is not None:
+            for i, result in enumerate(results):
+                on_finish(i, result)
         return GenerateOutput(results, stats)
 
     def _install_schedule(self, policy: SpecPolicy | None) -> None:

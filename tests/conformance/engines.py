@@ -192,7 +192,7 @@ class TRTLLMLimitedTorchEngine:
         check_drafter_layers(drafter, self._captured)
         self._engine.load_drafter(read_eagle3_hf(drafter))
 
-    def generate(self, requests, sampling, *, policy=None, return_hidden=False) -> GenerateOutput:
+    def generate(self, requests, sampling, *, policy=None, return_hidden=False, on_finish=None) -> GenerateOutput:
         validate_requests(requests, sampling, self.model_config)  # TensorRT-LLM's checks: coupled refused
         if return_hidden:
             raise ValueError("generate: return_hidden is not available from TensorRT-LLM's LLM API")
@@ -204,6 +204,8 @@ class TRTLLMLimitedTorchEngine:
             reported = SimpleNamespace(outputs=[SimpleNamespace(request_perf_metrics=None)], decoding_iter=len(steps),
                                        avg_decoded_tokens_per_iter=sum(steps) / len(steps))
             _, stats.accept_lengths = speculation_report([reported])
+        for i, result in enumerate(out.results if on_finish is not None else ()):  # together, as the LLM API's
+            on_finish(i, result)
         return GenerateOutput(out.results, stats)
 
 

@@ -100,3 +100,19 @@ def test_with_an_eagle3_drafter_hidden_states_are_the_captured_layers(make_engin
             expected = torch.cat((captured, hidden), -1)[0, :-1]
         assert res.hidden_states.shape == (seq.shape[1] - 1, (len(layers) + 1) * engine.model_config.hidden_size)
         torch.testing.assert_close(res.hidden_states, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=POLICY_IDS)
+def test_on_finish_sees_each_result_once(make_engine, engine, policy):
+    """``on_finish`` gets every request once, with the object ``results`` returns; an engine
+    with per-step stats (it retires rows as they finish) calls it in the order rows finish."""
+    reqs = requests([3, 5, 2, 4] * 4, seed=2)
+    sp = SamplingParams(mode=make_engine.sampled_mode(), temperature=1.5, max_new_tokens=30, seed=3)
+    seen: list[tuple[int, object, int]] = []
+    out = engine.generate(reqs, sp, policy=policy, on_finish=lambda i, r: seen.append((i, r, len(r.tokens))))
+    assert sorted(i for i, _, _ in seen) == list(range(len(reqs)))
+    assert all(r is out.results[i] for i, r, _ in seen)
+    assert tokens(engine.generate(reqs, sp, policy=policy)) == tokens(out)  # the sink changes nothing
+    if policy is None and make_engine.spec.step_stats:  # plain: one token per row per step
+        lengths = [n for _, _, n in seen]
+        assert lengths == sorted(lengths) and lengths[0] < lengths[-1], lengths

@@ -54,3 +54,7 @@ def test_worker_timeline_draws_decode_strips(tmp_path):
     assert list(colors) == ["plain", "4_1_4", "6_2_12"] and len(set(colors.values())) == 3
     out = plot_worker_timeline({"tlt": tlt, "baseline": base}, tmp_path / "worker_timeline.png")
     assert out.stat().st_size > 0
+    # the pipelined update's group gradients get a colour of their own
+    tlt[1]["decode_segments"].append([1, 13.0, 14.5, "update"])
+    colors = decode_colors({"tlt": tlt, "baseline": base})
+    assert list(colors) == ["plain", "update", "4_1_4", "6_2_12"] and len(set(colors.values())) == 4

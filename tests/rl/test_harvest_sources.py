@@ -65,7 +65,8 @@ def tiny_eagle3(tiny_models):
 def _same_harvest(tmp_path: Path, target: Path, drafter: Path, width: int) -> None:
     from_rollout = _harvest(tmp_path, target, drafter, "torch", [])
     from_policy = _harvest(tmp_path, target, drafter, "megatron", [
-        "policy.backend=megatron", "policy.tensor_parallel=2", "drafter.harvest_from=policy"])
+        "policy.backend=megatron", "policy.tensor_parallel=2", "drafter.harvest_from=policy",
+        "policy.pipelined_update=false"])
     # every rank holds its own rollout's sequences (rank 1's start past rank 0's in the
     # model-parallel group's union batch); the policy's forward visits them in
     # length-sorted micro-batches, so compare by sequence

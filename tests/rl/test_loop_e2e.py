@@ -82,14 +82,16 @@ def _rollout_span(timeline: list, rank: int) -> tuple[float, float]:
 RUNS = [(1, "tlt"), (1, "baseline"), (2, "baseline"), (2, "tlt")]  # two pairs, alternating order
 
 
-def test_tlt_vs_baseline_two_workers(tiny_models, tmp_path):
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined_update", "update_after_rollout"])
+def test_tlt_vs_baseline_two_workers(tiny_models, tmp_path, pipelined):
     target, drafter = tiny_models
     run_dir = tmp_path / "run"
     yaml = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
-    assert main([str(yaml), *tiny_overrides(target, drafter, run_dir), "--compare-baseline"]) == 0
+    overrides = [*tiny_overrides(target, drafter, run_dir), f"policy.pipelined_update={str(pipelined).lower()}"]
+    assert main([str(yaml), *overrides, "--compare-baseline"]) == 0
 
     report = json.loads((run_dir / "report.json").read_text())
-    assert report["rollouts_identical"] and report["rewards_identical"]
+    assert report["rollouts_identical"] and report["rewards_identical"] and report["final_policy_identical"]
     assert [p["order"] for p in report["pairs"]] == [["tlt", "baseline"], ["baseline", "tlt"]]
     assert report["speedup"] > 0 and report["control_ratio"] > 0 and isinstance(report["noisy"], bool)
     assert [(r["pair"], r["mode"]) for r in report["runs"]] == RUNS
@@ -128,7 +130,13 @@ def test_tlt_vs_baseline_two_workers(tiny_models, tmp_path):
                 assert all(busy - 1e-3 <= a <= b <= idle + 1e-3 for a, b, _ in segs), (busy, idle, segs, r["timeline"])
                 assert 0 < sum(b - a for a, b, _ in segs) <= idle - busy + 1e-3
     assert all(seg[3] == "plain" for base in bases for r in base for seg in r["decode_segments"])
-    assert any(seg[3] != "plain" for tlt in tlts for r in tlt for seg in r["decode_segments"])
+    assert any(seg[3] not in ("plain", "update") for tlt in tlts for r in tlt for seg in r["decode_segments"])
+    # the pipelined update: TLT computed every group's gradient before the meet, one
+    # "update" segment each (after the rank's own decoding, inside its BUSY span: above)
+    for tlt in tlts:
+        for r in tlt:
+            early = [seg for seg in r["decode_segments"] if seg[3] == "update"]
+            assert len(early) == (4 if pipelined else 0), early
     # coupled sampling: every run of every pair has the same tokens, rewards and policy weights
     first = runs[RUNS[0]]
     for recs in runs.values():

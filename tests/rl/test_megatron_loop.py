@@ -37,7 +37,8 @@ def test_megatron_backend_matches_torch_backend(tiny_models, tmp_path, tp, pp):
     for backend in ("torch", "megatron"):
         run_dir = tmp_path / backend
         parallel = [f"policy.tensor_parallel={tp}", f"policy.pipeline_parallel={pp}"] if backend == "megatron" else []
-        args = [str(yaml), *tiny_overrides(target, drafter, run_dir, steps=2), f"policy.backend={backend}", *parallel]
+        args = [str(yaml), *tiny_overrides(target, drafter, run_dir, steps=2), f"policy.backend={backend}", *parallel,
+                "policy.pipelined_update=false"]
         assert main([*args, "--compare-baseline", "--pairs", "1"] if backend == "megatron" else args) == 0
         runs[backend] = run_dir
     mc = runs["megatron"]
@@ -76,6 +77,8 @@ def _initial(target: Path) -> dict[str, torch.Tensor]:
     (["policy.tensor_parallel=2"], "need policy.backend=megatron"),
     (["policy.backend=megatron", "policy.tensor_parallel=4"], "multiple of"),
     (["policy.backend=megatron", "workers.num_workers=1", "grpo.prompts_per_step=1"], "num_workers >= 2"),
+    (["policy.backend=megatron", "policy.pipelined_update=true"], "pipelined_update=true needs policy.backend=torch"),
+    (["policy.pipelined_update=maybe"], "policy.pipelined_update"),
 ])
 def test_bad_policy_block(overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -47,7 +47,8 @@ def tiny_models(tmp_path_factory):
     return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets")
 
 
-BACKENDS = {"torch": (), "megatron_tp2": ("policy.backend=megatron", "policy.tensor_parallel=2")}
+BACKENDS = {"torch": (), "megatron_tp2": ("policy.backend=megatron", "policy.tensor_parallel=2",
+                                                   "policy.pipelined_update=false")}
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
