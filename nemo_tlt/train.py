@@ -287,6 +287,9 @@ def _print_comparison(report: dict[str, Any]) -> None:
           f"baseline / TLT) {report['control_ratio']:.2f}; rewards identical in every run: "
           f"{report['rewards_identical']}, rollouts: {report['rollouts_identical']}, final policy weights: "
           f"{report['final_policy_identical']}")
+    print(f"policy update after the rollout: TLT {report['tlt_update_s']:.2f} s of {report['tlt_update_work_s']:.2f} s "
+          f"of update work per worker, baseline {report['baseline_update_s']:.2f} s of "
+          f"{report['baseline_update_work_s']:.2f} s (policy.pipelined_update does the rest in the rollout's tail)")
     if report["noisy"]:
         print(f"WARNING: {report['note']}")
 

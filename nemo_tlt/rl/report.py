@@ -196,6 +196,9 @@ def summarize_pairs(pairs: list[dict[str, Any]], tolerance: float = CONTROL_TOLE
                 f"{len(pairs)} pair(s); outside [{1 - tolerance:.2f}, {1 + tolerance:.2f}])")
     return {"speedup": med("speedup"), "step_time_ratio": med("step_time_ratio"),
             "rollout_speedup": med("rollout_speedup"), "baseline_rollout_share": med("baseline_rollout_share"),
+            # the phase split: update time left after the rollout, and the update's whole work
+            "tlt_update_s": med("tlt_update_s"), "baseline_update_s": med("baseline_update_s"),
+            "tlt_update_work_s": med("tlt_update_work_s"), "baseline_update_work_s": med("baseline_update_work_s"),
             "control_ratio": control, "noisy": noisy, "note": note}
 
 

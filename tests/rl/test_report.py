@@ -37,6 +37,15 @@ def test_pair_figures_skip_the_first_step_and_take_the_update_as_control():
     assert p["baseline_rollout_share"] == pytest.approx(1.9 / 3.0)
 
 
+def test_the_control_is_the_update_work_where_records_have_it():
+    """Pipelined: TLT's update after the rollout is short, its work is not; the control compares work."""
+    tlt = [{**r, "update_work_s": 2.0} for r in records([9.0, 2.0, 2.0], update_s=[5.0, 0.1, 0.1])]
+    base = [{**r, "update_work_s": 2.2} for r in records([9.0, 4.0, 4.0], update_s=[5.0, 2.2, 2.2])]
+    p = pair_figures(("tlt", "baseline"), tlt, base)
+    assert p["control_ratio"] == pytest.approx(1.1) and p["tlt_update_s"] == pytest.approx(0.1)
+    assert p["tlt_update_work_s"] == pytest.approx(2.0)
+
+
 def test_median_over_pairs():
     assert median_over_pairs([1.2, 1.8, 1.4]) == pytest.approx(1.4)
     assert median_over_pairs([1.2, 1.6]) == pytest.approx(1.4)
@@ -51,10 +60,12 @@ def test_control_ratio_outside_ten_percent_is_noisy(ratio, noisy):
 
 def test_summary_is_the_median_over_pairs_and_flags_a_noisy_machine():
     quiet = [{"speedup": s, "step_time_ratio": 1 / s, "rollout_speedup": 2 * s, "baseline_rollout_share": 0.7,
-              "control_ratio": c} for s, c in ((1.2, 1.02), (1.9, 0.97), (1.5, 1.0))]
+              "control_ratio": c, "tlt_update_s": 0.1 * s, "baseline_update_s": 1.0, "tlt_update_work_s": 1.0,
+              "baseline_update_work_s": c} for s, c in ((1.2, 1.02), (1.9, 0.97), (1.5, 1.0))]
     out = summarize_pairs(quiet)
     assert out["speedup"] == pytest.approx(1.5) and out["rollout_speedup"] == pytest.approx(3.0)
     assert out["control_ratio"] == pytest.approx(1.0)
+    assert out["tlt_update_s"] == pytest.approx(0.15) and out["baseline_update_work_s"] == pytest.approx(1.0)
     assert out["noisy"] is False and out["note"] is None
     # the first-run advantage: the update (same work) 25% slower in the baseline runs
     noisy = summarize_pairs([{**p, "control_ratio": 1.25} for p in quiet])
@@ -176,3 +187,12 @@ def test_a_resumed_metrics_file_keeps_the_validation_records_of_the_kept_steps(t
     kept = read_metrics(tmp_path / "metrics.jsonl")
     assert [(r["step"], r.get("split")) for r in kept] == [(0, None), (1, None), (1, "validation"), (2, None)]
     assert read_validation(tmp_path) == [_validation(1)]
+
+
+def test_final_policy_identity_compares_the_last_records_digests():
+    def run(*digests):
+        return summary([{**r, "policy_digest": d} for r, d in zip(records([5.0, 2.0]), digests)])
+    same = compare_pairs([(("tlt", "baseline"), run("a", "z"), run("b", "z"))])
+    assert same["final_policy_identical"]
+    differ = compare_pairs([(("tlt", "baseline"), run("a", "z"), run("a", "y"))])
+    assert not differ["final_policy_identical"] and differ["rewards_identical"]
