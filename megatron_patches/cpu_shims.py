@@ -14,7 +14,13 @@ patches, for its lifetime only:
 * ``Tensor.type()`` (no argument) of a float32 / float16 / bfloat16 tensor -> its
   ``torch.cuda.*Tensor`` name, by the same mode, because megatron-core's mixed-precision
   and distributed optimizers dispatch on that string (``distrib_optimizer.py``
-  ``_build_model_and_main_param_groups`` raises TypeError for ``torch.FloatTensor``).
+  ``_build_model_and_main_param_groups`` raises TypeError for ``torch.FloatTensor``);
+* megatron-core's ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``
+  -> the CPU generator's state / a no-op, because activation recompute
+  (``tensor_parallel.checkpoint``: ``recompute_granularity`` full and selective) saves the
+  CUDA RNG state before the forward and restores it around the recomputed one. On CPU every
+  random draw comes from the CPU generator, which megatron saves and restores beside it
+  (``_get_all_rng_states``), so the recomputed forward sees the same randomness.
 
 The shims refuse to run where CUDA is available: on a GPU they would silently
 move training to the CPU, which is never what anyone wants. CPU work on a GPU
@@ -22,13 +28,16 @@ host runs in processes that cannot see the GPU: ``nemo_tlt.dist.launch_local``
 starts its children with ``CUDA_VISIBLE_DEVICES=""`` (what ``nemo-tlt convert`` and
 ``nemo-tlt bench reshard`` use).
 
-Imports only torch: nothing of nemo_tlt, nothing of megatron.
+Imports torch, and megatron-core's ``tensor_parallel.random`` (the module it patches) where
+megatron-core is installed; nothing of nemo_tlt.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
 import contextlib
+import importlib
+import importlib.util
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -68,6 +77,24 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_MEGATRON_RNG = "megatron.core.tensor_parallel.random"
+
+
+def _megatron_rng_module() -> Any | None:
+    """megatron-core's RNG module (None where megatron-core is not installed)."""
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        return None
+    return importlib.import_module(_MEGATRON_RNG)
+
+
+def _cpu_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 class CpuShims:
     """Handle for applied shims; ``remove()`` restores every patched attribute."""
 
@@ -85,6 +112,11 @@ class CpuShims:
         }
         torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment]
         torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+        self._rng = _megatron_rng_module()
+        if self._rng is not None:
+            self._saved.update(get_rng=self._rng._get_cuda_rng_state, set_rng=self._rng._set_cuda_rng_state)
+            self._rng._get_cuda_rng_state = _cpu_rng_state
+            self._rng._set_cuda_rng_state = _no_cuda_rng_state
         self._mode = _CudaToCpuMode()
         self._mode.__enter__()
         self._active = True
@@ -95,6 +127,9 @@ class CpuShims:
         self._mode.__exit__(None, None, None)
         torch.cuda.current_device = self._saved["current_device"]  # type: ignore[assignment]
         torch.cuda.synchronize = self._saved["synchronize"]  # type: ignore[assignment]
+        if self._rng is not None:
+            self._rng._get_cuda_rng_state = self._saved["get_rng"]
+            self._rng._set_cuda_rng_state = self._saved["set_rng"]
         self._active = False
 
 

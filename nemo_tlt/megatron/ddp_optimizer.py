@@ -35,6 +35,9 @@ import torch
 from nemo_tlt.optim import OptimConfig
 
 ADAM_EPS = 1e-8  # torch AdamW's default, which the torch backend uses
+# What every megatron policy runs with (``nemo-tlt plan`` checks a plan against these):
+DISTRIBUTED_OPTIMIZER = True  # fp32 main params and Adam state sharded over data-parallel replicas
+GRAD_BYTES = 4                # grad_reduce_in_fp32: fp32 gradient buffers
 
 
 def build_ddp_optimizer(model: torch.nn.Module, optim: OptimConfig, dtype: torch.dtype):
@@ -46,7 +49,7 @@ def build_ddp_optimizer(model: torch.nn.Module, optim: OptimConfig, dtype: torch
         raise ValueError("build_ddp_optimizer: the model's TransformerConfig needs calculate_per_token_loss=True "
                          "(the policy loss is a share of the global token mean: replicas' gradients are summed)")
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=False,
+        grad_reduce_in_fp32=GRAD_BYTES == 4, use_distributed_optimizer=DISTRIBUTED_OPTIMIZER, overlap_grad_reduce=False,
         overlap_param_gather=False), model)
     config = OptimizerConfig(
         optimizer="adam", lr=optim.lr, min_lr=0.0, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
@@ -54,7 +57,7 @@ def build_ddp_optimizer(model: torch.nn.Module, optim: OptimConfig, dtype: torch
         # megatron computes the grad norm only when it clips; clip 0 (off) becomes an infinite bound,
         # whose coefficient inf / norm never scales a gradient, so the norm is still reported
         clip_grad=optim.grad_clip if optim.grad_clip > 0 else math.inf, bf16=dtype == torch.bfloat16,
-        params_dtype=dtype, use_distributed_optimizer=True, main_grads_dtype=torch.float32,
+        params_dtype=dtype, use_distributed_optimizer=DISTRIBUTED_OPTIMIZER, main_grads_dtype=torch.float32,
         main_params_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32)
     optimizer = get_megatron_optimizer(config, [ddp], config_overrides={})
     return ddp, optimizer

@@ -3,8 +3,12 @@
 Contract: loaded like the training config (defaults <- YAML <- ``key=value``; OmegaConf
 refuses unknown keys and wrong types, re-raised as ``ValueError`` naming the key); every
 block validates itself. ``train_config`` optionally names the ``nemo-tlt train`` YAML the
-plan is for: the values both files hold (TP / PP, batch, response length, SD threshold and
-arms, GPUs = workers) must agree, and a disagreement is refused naming both keys.
+plan is for (``check_train_config``): what the plan assumes must be what that run does, and a
+disagreement is refused naming both keys and values. Compared: TP / PP, batch, response
+length, SD threshold and arms, GPUs = workers, the weights dtype (``model.dtype``),
+recompute and sequence parallelism (``policy.*``), and what the run's backends always do:
+the distributed optimizer (the megatron backend always shards it, the torch backend never),
+fp32 gradients, and the rollout engine's TP (``nemo_tlt.rollout.factory.engine_tensor_parallel``).
 """
 from __future__ import annotations
 
@@ -17,6 +21,9 @@ from nemo_tlt.config import load_config
 from nemo_tlt.structured import load_structured
 from nemo_tlt.plan.cluster import ClusterSpec
 from nemo_tlt.plan.memory import RECOMPUTE, TRAINING_STATE
+
+# The memory and cost formulas are bf16's (2-byte weights, KV cache and activations; the GPU's bf16 peak).
+PLAN_DTYPES = ("bfloat16",)
 from nemo_tlt.speculative.tree_shape import TreeShape
 
 
@@ -147,6 +154,7 @@ class MeasuredPlan:
 class PlanConfig:
     model_config: str = "conf/models/qwen2.5-32b"  # folder holding the HF config.json
     train_config: Optional[str] = None             # the `nemo-tlt train` YAML this plan is for
+    dtype: str = "bfloat16"                        # weights of engine, drafter and policy (the run's model.dtype)
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     training: TrainingPlan = field(default_factory=TrainingPlan)
     rollout: RolloutPlan = field(default_factory=RolloutPlan)
@@ -160,6 +168,9 @@ class PlanConfig:
     def __post_init__(self) -> None:
         check_int("steps", self.steps, 1)
         check_int("seed", self.seed, 0)
+        if self.dtype not in PLAN_DTYPES:
+            raise ValueError(f"dtype must be one of {list(PLAN_DTYPES)} (memory and costs are computed for bf16 "
+                             f"weights, KV cache and activations), got {self.dtype!r}")
         world, mp = self.cluster.world, self.training.tensor_parallel * self.training.pipeline_parallel
         if world % mp:
             raise ValueError(f"training.tensor_parallel x pipeline_parallel = {mp} must divide the cluster's "
@@ -190,13 +201,24 @@ def load_plan_config(path: str | Path | None, overrides: Sequence[str] = ()) -> 
 
 
 def check_train_config(plan: PlanConfig) -> None:
-    """Refuse a plan that disagrees with the training config it names."""
+    """Refuse a plan that disagrees with the training config it names: each planned value
+    against the run's key, or against what the run's backend always does (named after the key
+    that picks that backend)."""
+    from nemo_tlt.megatron.ddp_optimizer import DISTRIBUTED_OPTIMIZER, GRAD_BYTES
+    from nemo_tlt.rollout.factory import engine_tensor_parallel
+
     train = load_config(plan.train_config)
-    pairs = [
-        ("training.tensor_parallel", plan.training.tensor_parallel, "policy.tensor_parallel",
-         train.policy.tensor_parallel),
+    policy = train.policy
+    megatron = policy.backend == "megatron"
+    # (plan key, planned value, run key, its value, the run's value of the planned quantity, why)
+    rows = [
+        ("training.tensor_parallel", plan.training.tensor_parallel, "policy.tensor_parallel", policy.tensor_parallel),
         ("training.pipeline_parallel", plan.training.pipeline_parallel, "policy.pipeline_parallel",
-         train.policy.pipeline_parallel),
+         policy.pipeline_parallel),
+        ("training.sequence_parallel", plan.training.sequence_parallel, "policy.sequence_parallel",
+         policy.sequence_parallel),
+        ("training.recompute", plan.training.recompute, "policy.recompute", policy.recompute),
+        ("dtype", plan.dtype, "model.dtype", train.model.dtype),
         ("batch.prompts", plan.batch.prompts, "grpo.prompts_per_step", train.grpo.prompts_per_step),
         ("batch.group_size", plan.batch.group_size, "grpo.group_size", train.grpo.group_size),
         ("batch.max_response_len", plan.batch.max_response_len, "grpo.max_new_tokens", train.grpo.max_new_tokens),
@@ -206,6 +228,20 @@ def check_train_config(plan: PlanConfig) -> None:
         ("sd.drafter_training", plan.sd.drafter_training, "drafter.train_on_idle", train.drafter.train_on_idle),
         ("cluster GPUs", plan.cluster.world, "workers.num_workers", train.workers.num_workers),
     ]
-    for mine, a, theirs, b in pairs:
+    derived = [
+        ("training.distributed_optimizer", plan.training.distributed_optimizer, "policy.backend", policy.backend,
+         megatron and DISTRIBUTED_OPTIMIZER,
+         "megatron-core's DistributedOptimizer shards the optimizer over DP" if megatron
+         else "every replica of the torch backend holds the whole optimizer state"),
+        ("training.grad_bytes", plan.training.grad_bytes, "policy.backend", policy.backend, GRAD_BYTES,
+         "fp32 gradients"),
+        ("rollout.tensor_parallel", plan.rollout.tensor_parallel, "rollout.engine", train.rollout.engine,
+         engine_tensor_parallel(train.rollout), "every worker's engine serves the whole model"),
+    ]
+    for mine, a, theirs, b in rows:
         if a != b:
             raise ValueError(f"plan {mine}={a!r} disagrees with {plan.train_config}: {theirs}={b!r}")
+    for mine, a, theirs, b, runs, why in derived:
+        if a != runs:
+            raise ValueError(f"plan {mine}={a!r} disagrees with {plan.train_config}: {theirs}={b!r} runs with "
+                             f"{mine.split('.')[-1]}={runs!r} ({why})")

@@ -10,8 +10,9 @@ every running row; its FLOPs are 2 x parameters per query token plus attention
 each with a smaller fixed overhead)
 plus one target verify pass of ``num_verify + 1`` query tokens per row. Training
 phases are compute-bound: 2 x P FLOPs per token for log-probs, 6 x P for the update
-(8 x P with full recomputation), spread over all GPUs, stretched by the pipeline
-bubble (1 + (pp - 1) / micro-batches).
+(8 x P with full recomputation; selective recomputation repeats only the core attention,
+whose FLOPs these training costs leave out, so 6 x P), spread over all GPUs, stretched by
+the pipeline bubble (1 + (pp - 1) / micro-batches).
 """
 from __future__ import annotations
 

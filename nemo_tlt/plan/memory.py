@@ -14,7 +14,10 @@ Training (Megatron, bf16 weights, Adam), per GPU of the fullest pipeline stage:
                A_layer = 2 s b (4h + (2q + 2kv + 3f) / t) (no sequence parallel)
                i.e. the stored inputs of the two norms and the q/k/v, attention-output,
                fc1 (gate and up) and fc2 inputs; flash attention keeps no s x s scores.
-               Full recomputation stores 2 s b h / t per layer plus one layer's A_layer.
+               Full recomputation stores each layer's input, 2 s b h / t (sequence parallel) or
+               2 s b h (not), plus one layer's A_layer. Selective recomputation (megatron's:
+               core attention only) stores what none does here: it drops the s x s scores
+               that unfused attention keeps, which flash attention never stores.
                inflight = min(pp, micro-batches) on the first stage (1F1B schedule).
   logits       last stage: 2 x 4 B x s b V_pad / t (fp32 logits and their gradient)
   reserve      CUDA context, NCCL buffers and allocator slack (a configured allowance)
@@ -42,7 +45,7 @@ from nemo_tlt.model.config import LMConfig
 from nemo_tlt.plan.cluster import GIB
 from nemo_tlt.weights.layout import ParallelLayout
 
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")  # policy.recompute's names
 TRAINING_STATE = ("offload", "weights", "all")
 
 
@@ -120,7 +123,8 @@ def training_memory(cfg: LMConfig, shape: TrainingShape) -> dict[str, float]:
         per_layer = activation_bytes_per_layer(cfg, tokens, layout.tp, shape.sequence_parallel)
         inflight = min(layout.pp - p, shape.num_micro_batches)
         if shape.recompute == "full":
-            acts = inflight * counts[p] * 2 * tokens * cfg.hidden_size // layout.tp + per_layer
+            stored = 2 * tokens * cfg.hidden_size // (layout.tp if shape.sequence_parallel else 1)
+            acts = inflight * counts[p] * stored + per_layer
         else:
             acts = inflight * counts[p] * per_layer
         logits = 8 * tokens * layout.padded_vocab_size(cfg.vocab_size) // layout.tp if p == layout.pp - 1 else 0

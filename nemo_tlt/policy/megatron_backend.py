@@ -23,7 +23,9 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
   (``nemo_tlt.megatron.gpt_builder.Training``); under sequence parallelism every forward pads
   its sequence to a multiple of TP (right padding: causal, so no real token sees it) and the
   logits are cut back. The layer spec is Transformer Engine's where it is importable and the
-  policy is on a GPU, the local spec otherwise (logged at build).
+  policy is on a GPU, the local spec otherwise (logged at build). Sequence parallelism needs
+  Transformer Engine's spec (the local spec's norm refuses it): refused before any collective
+  where the local spec would be built (on CPU, so it is not tested here).
 * ``captures_hidden`` is True: a hook on the final norm (``megatron_patches.hidden_capture``)
   captures the hidden states of the log-prob / update forward on the last stage; with
   ``capture_layers`` hooks on those decoder layers capture them on the stages holding them
@@ -87,6 +89,15 @@ def check_policy_model(config: PolicyConfig, model_config: LMConfig) -> None:
         raise ValueError(f"policy.pipeline_parallel={config.pipeline_parallel}: {err}") from None
 
 
+def check_policy_spec(config: PolicyConfig, spec: str, device_type: str) -> None:
+    """Refuse sequence parallelism where megatron-core's local layer spec would be built: its norm
+    (``WrappedTorchNorm``, apex absent) asserts ``sequence_parallel`` is off."""
+    if config.sequence_parallel and spec == "local":
+        raise ValueError("policy.sequence_parallel=true needs Transformer Engine's layer spec (transformer_engine "
+                         f"installed, the policy on a GPU); on this {device_type} rank megatron-core's local spec "
+                         "would be built, whose norm (WrappedTorchNorm) does not support sequence parallelism")
+
+
 def _batch_digest(batch: Sequence[Sequence2]) -> str:
     return hashlib.sha256(repr([(list(p), list(r)) for p, r in batch]).encode()).hexdigest()
 
@@ -107,6 +118,9 @@ class MegatronPolicy:
         if not temperature > 0:
             raise ValueError(f"MegatronPolicy: temperature must be > 0, got {temperature!r}")
         check_policy_model(config, model_config)  # before any collective: a bad TP fails alike on every rank
+        from nemo_tlt.megatron.gpt_builder import layer_spec_name
+
+        check_policy_spec(config, layer_spec_name(placement.device.type), placement.device.type)
         if not dist.is_initialized():
             raise RuntimeError("policy.backend=megatron needs an initialised torch.distributed world "
                                f"(backend {default_backend()!r}); the launcher (nemo_tlt.dist / torchrun / SLURM) "
@@ -116,7 +130,7 @@ class MegatronPolicy:
         self.dtype = placement.dtype
         self.device = placement.device
         from nemo_tlt.megatron.ddp_optimizer import build_ddp_optimizer
-        from nemo_tlt.megatron.gpt_builder import Training, layer_spec_name
+        from nemo_tlt.megatron.gpt_builder import Training
 
         self.spec = layer_spec_name(self.device.type)
         log.info("megatron policy: %s layer spec (TP=%d, PP=%d, sequence_parallel=%s, recompute=%s)", self.spec,

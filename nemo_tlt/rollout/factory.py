@@ -6,6 +6,14 @@ from nemo_tlt.rollout.config import RolloutConfig
 from nemo_tlt.rollout.protocol import RolloutEngine
 
 
+def engine_tensor_parallel(config: RolloutConfig) -> int:
+    """The tensor-parallel size of the engine ``build_rollout_engine`` builds: 1 for either
+    engine. Every worker builds its own engine serving the whole model (the torch engine has
+    no TP; the TensorRT-LLM engine is built with ``tensor_parallel_size`` 1). ``nemo-tlt plan``
+    refuses a plan whose rollout TP differs."""
+    return 1
+
+
 def build_rollout_engine(config: RolloutConfig, model_dir: str, placement: Placement = Placement()) -> RolloutEngine:
     """The engine ``config.engine`` serving the HF-format model in ``model_dir``, in
     ``placement``'s dtype on its device (the torch engine computes in ``rollout.compute_dtype``)."""
@@ -14,11 +22,11 @@ def build_rollout_engine(config: RolloutConfig, model_dir: str, placement: Place
         return TorchRolloutEngine.from_hf_folder(model_dir, device=placement.device, dtype=placement.dtype,
                                                  compute_dtype=config.engine_compute_dtype)
     if config.engine == "trtllm":
-        return _trtllm_engine(model_dir, placement)
+        return _trtllm_engine(model_dir, placement, engine_tensor_parallel(config))
     raise ValueError(f"rollout.engine={config.engine!r} has no factory")  # RolloutConfig refuses it first
 
 
-def _trtllm_engine(model_dir: str, placement: Placement) -> RolloutEngine:
+def _trtllm_engine(model_dir: str, placement: Placement, tensor_parallel: int) -> RolloutEngine:
     """TensorRT-LLM's LLM API serving ``model_dir`` without a drafter (a drafter is an
     EAGLE-3 folder fixed at build time: ``rollout.trtllm_run``). TensorRT-LLM places its
     own workers on the node's GPUs and takes the dtype from the folder's config."""
@@ -26,4 +34,4 @@ def _trtllm_engine(model_dir: str, placement: Placement) -> RolloutEngine:
         raise ValueError(f"rollout.engine=trtllm runs on CUDA devices only; this rank is placed on {placement.device}")
     from nemo_tlt.rollout.trtllm_config import TRTLLMEngineConfig
     from nemo_tlt.rollout.trtllm_engine import TRTLLMRolloutEngine  # lazy: optional package
-    return TRTLLMRolloutEngine(TRTLLMEngineConfig(target_dir=model_dir))
+    return TRTLLMRolloutEngine(TRTLLMEngineConfig(target_dir=model_dir, tensor_parallel_size=tensor_parallel))

@@ -40,3 +40,17 @@ def test_refused_where_cuda_is_available(monkeypatch):
     with pytest.raises(RuntimeError, match="must not be applied where CUDA is available(.|\n)*"
                                            "CUDA_VISIBLE_DEVICES=(.|\n)*without the shims"):
         apply_cpu_shims()
+
+
+@needs_no_cuda
+def test_megatron_activation_checkpoint_rng_state_is_the_cpu_generators_inside_the_shims():
+    """megatron's tensor_parallel.checkpoint (activation recompute) saves and restores the CUDA RNG
+    state: inside the shims that is the CPU generator's state and a no-op; outside, megatron's own."""
+    rng = pytest.importorskip("megatron.core.tensor_parallel.random")
+    original_get, original_set = rng._get_cuda_rng_state, rng._set_cuda_rng_state
+    with cpu_shims():
+        torch.manual_seed(3)
+        state = rng._get_cuda_rng_state(graph_safe=False)
+        assert torch.equal(state, torch.get_rng_state())
+        rng._set_cuda_rng_state(state)  # megatron's own would queue a CUDA call
+    assert rng._get_cuda_rng_state is original_get and rng._set_cuda_rng_state is original_set

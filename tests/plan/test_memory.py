@@ -47,6 +47,22 @@ def test_training_terms_split_by_tp_and_pp():
     assert one["weights"] > split["weights"]
 
 
+def test_recomputed_activations_by_hand():
+    """Full recompute stores each layer's input (split by TP only under sequence parallelism) plus
+    one layer's activations; selective stores what none does (flash attention keeps no scores)."""
+    def acts(recompute: str, sp: bool) -> float:
+        return training_memory(CFG, TrainingShape(ParallelLayout(2, 1), dp=1, micro_batch=1, seq_len=10,
+                                                  num_micro_batches=4, sequence_parallel=sp, recompute=recompute,
+                                                  reserve_gib=0.0))["activations"]
+
+    split = 2 * 64 + 2 * 32 + 3 * 128
+    layer_sp, layer_no_sp = 2 * 10 * (4 * 64 + split) // 2, 2 * 10 * (4 * 64 + split // 2)
+    assert acts("none", True) == acts("selective", True) == 2 * layer_sp
+    assert acts("none", False) == acts("selective", False) == 2 * layer_no_sp
+    assert acts("full", True) == 2 * (2 * 10 * 64 // 2) + layer_sp
+    assert acts("full", False) == 2 * (2 * 10 * 64) + layer_no_sp
+
+
 def test_rollout_terms_by_hand():
     shape = RolloutShape(tp=1, concurrency=4, context=10, sd=True, sd_rows=2, max_num_verify=3,
                          drafter_training=True, harvest_bytes=1000, workspace_gib=0.0, reserve_gib=0.0)

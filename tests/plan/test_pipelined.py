@@ -53,8 +53,9 @@ def test_the_chosen_share_never_predicts_a_slower_step():
 
 
 def test_plan_reports_both_and_the_chosen_share_is_not_slower(monkeypatch):
-    """On the 70B plan, giving the update all idle capacity starves drafter training and is
-    slower than not pipelining; the chosen share is not."""
+    """On the 70B plan at rollout TP 8 (8 replicas; a layout the RL loop does not run yet, so
+    without its training config), giving the update all idle capacity starves drafter training
+    and is slower than not pipelining; the chosen share is not."""
     from pathlib import Path
 
     from nemo_tlt.plan.build import make_plan
@@ -62,7 +63,8 @@ def test_plan_reports_both_and_the_chosen_share_is_not_slower(monkeypatch):
 
     conf = Path(__file__).resolve().parents[2] / "conf"
     monkeypatch.chdir(conf.parent)
-    load = lambda *kv: load_plan_config(conf / "llama3.3-70b_plan.yaml", ["steps=3", *kv])  # noqa: E731
+    load = lambda *kv: load_plan_config(conf / "llama3.3-70b_plan.yaml", ["steps=3", "train_config=null",
+                                                                    "rollout.tensor_parallel=8", *kv])  # noqa: E731
     chosen = make_plan(load("sd.pipelined_update=true"), simulate_steps=True)[0]["simulation"]
     greedy = make_plan(load("sd.pipelined_update=true", "sd.pipelined_share=1.0"), simulate_steps=True)[0]["simulation"]
     off = make_plan(load(), simulate_steps=True)[0]["simulation"]

@@ -61,7 +61,10 @@ def run_case(case: PolicyCase, world: int) -> dict | None:
              "hidden": hidden, "features": features, "rollout": rollout,
              "norms": {k: v.clone() for k, v in trainer.model.state_dict().items() if "layernorm.weight" in k},
              "opt_state_keys": sorted(trainer.state_dict()),
-             "train_ranks": trainer.train_ranks, "sharded_state": trainer.sharded_state}
+             "train_ranks": trainer.train_ranks, "sharded_state": trainer.sharded_state,
+             # what megatron-core was built with (the policy keys must reach its TransformerConfig)
+             "mcore": {"sequence_parallel": trainer.model.config.sequence_parallel,
+                       "recompute_granularity": trainer.model.config.recompute_granularity}}
     everyone = _gather(local, world)
     parallel_state.destroy_model_parallel()
     if dist.get_rank() != 0:

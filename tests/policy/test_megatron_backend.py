@@ -116,7 +116,8 @@ def results():
 
 
 def _torch_policy(case: PolicyCase) -> TorchPolicy:
-    config = replace(case.policy, backend="torch", tensor_parallel=1, pipeline_parallel=1)
+    config = replace(case.policy, backend="torch", tensor_parallel=1, pipeline_parallel=1, sequence_parallel=False,
+                     recompute="none")
     return TorchPolicy(build_decoder(case.canonical, case.cfg), config, temperature=1.0)
 
 

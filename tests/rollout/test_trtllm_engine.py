@@ -26,7 +26,7 @@ from nemo_tlt.integrations.interface_facts import (TRTLLM_COMPLETION_FIELDS, TRT
 from nemo_tlt.model.hf_io import save_hf_folder
 from nemo_tlt.rollout import trtllm_run
 from nemo_tlt.rollout.config import RolloutConfig
-from nemo_tlt.rollout.factory import build_rollout_engine
+from nemo_tlt.rollout.factory import build_rollout_engine, engine_tensor_parallel
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.trtllm_config import TRTLLM_REQUIREMENT, WORKER_EXTENSION, TRTLLMEngineConfig
 from nemo_tlt.rollout.trtllm_run import TrainRunAsks, train_run_refusal, unsupported_settings
@@ -74,6 +74,8 @@ def test_factory_builds_the_trtllm_engine_on_cuda_only(monkeypatch, tmp_path):
         build_rollout_engine(RolloutConfig(engine="trtllm"), str(folder), Placement.cpu())
     engine = build_rollout_engine(RolloutConfig(engine="trtllm"), str(folder), Placement(torch.device("cuda", 0)))
     assert isinstance(engine, TRTLLMRolloutEngine) and engine.llm.kwargs["speculative_config"] is None
+    # the TP `nemo-tlt plan` holds a plan's rollout TP to is the one the engine is built with
+    assert engine.llm.kwargs["tensor_parallel_size"] == engine_tensor_parallel(RolloutConfig(engine="trtllm")) == 1
 
 
 def test_coupled_sampling_is_refused_with_the_reason():
