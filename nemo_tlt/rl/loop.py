@@ -168,11 +168,13 @@ class RLWorker:
         self.coord.mark_busy()
         rewards = collector.rewards(rollout.ids) if collector is not None else self.score(prompts, rollout)
         if self.pipelined:
-            update, t_logprob, t_update = self.pipelined_update(step, collector, rollout, early, board is None)
+            update, t_update, t_work = self.pipelined_update(step, collector, rollout, early, board is None)
+            t_logprob, t_work = 0.0, t_work + t_early
         else:
             batch = [(req.prompt, r.tokens) for req, r in zip(rollout.requests, rollout.out.results)]
             gen_logprobs = [r.logprobs for r in rollout.out.results]  # the logprob_gap metric's generation side
             update, t_logprob, t_update = self.update_policy(step, batch, rewards, gen_logprobs)
+            t_work = t_logprob + t_update
         t0 = time.perf_counter()
         weights, policy_digest = self.sync_weights(idle)
         t_sync = time.perf_counter() - t0
@@ -182,7 +184,7 @@ class RLWorker:
                         segments=rollout.segments, idle=idle,
                         update=update, state=self.rank_state(), weights=weights,
                         arm_accept=arm_accept_counts(rollout.out.stats.trace),
-                        update_work_s=t_early + t_logprob + t_update, policy_digest=policy_digest)
+                        update_work_s=t_work, policy_digest=policy_digest)
         ranks = comm.gather(mine)
         # A sharded optimizer state (the megatron backend's distributed optimizer on more than
         # one rank) differs per rank: keep every rank's (on the host: device tensors pickled to
@@ -307,20 +309,25 @@ class RLWorker:
     def pipelined_update(self, step: int, collector: GroupCollector, rollout: Rollout,
                          early: dict[int, dict[str, float]], own_groups: bool) -> tuple[dict[str, float], float, float]:
         """Finish the step's update: this rank's own groups first when they were not pipelined
-        (the baseline), then the exact sum over ranks and the one optimizer step."""
+        (the baseline), then the exact sum over ranks and the one optimizer step. Returns the
+        update's dict, its seconds, and the seconds of its work alone (group gradients and the
+        step, not the wait for the other ranks: the report's control)."""
         t0 = time.perf_counter()
         sums = dict(early)
         if own_groups:
             self._begin_accumulation()
             for group in collector.own_groups():
                 sums[group.gid] = self._group_term(step, group)
+        t_groups = time.perf_counter() - t0
         own_tokens = sum(len(r.tokens) for r in rollout.out.results)
         global_tokens = int(self.comm.sum_(torch.tensor([float(own_tokens)], device="cpu")).item())
+        t1 = time.perf_counter()
         out = self.policy.apply_accumulated(global_tokens)
+        t_step = time.perf_counter() - t1
         parts = self.comm.gather(sums)
         # rank 0 logs the step's totals (the record sums the ranks' shares)
         stats = combine(parts, global_tokens) if self.comm.rank == 0 else dict.fromkeys(STATS, 0.0)
-        return {**stats, **out}, 0.0, time.perf_counter() - t0
+        return {**stats, **out}, time.perf_counter() - t0, t_groups + t_step
 
     def sync_weights(self, idle: IdleResult) -> tuple[str, str]:
         """Policy weights to the engine and the drafter's view; new drafter weights to the
