@@ -198,6 +198,33 @@ def build_gpt_model(
         parallel_output=True,
         vp_stage=vp_stage,
     )
+    if not initialize:
+        mark_tensor_parallel(model, tconf)
     # torch-norm layers ignore params_dtype; Megatron's Float16Module casts the whole model the
     # same way in bf16 / fp16 training, so every weight ends up in one dtype.
     return model.to(dtype) if dtype != torch.float32 else model
+
+
+def mark_tensor_parallel(model: torch.nn.Module, tconf) -> None:
+    """Give the TP-split weights of an uninitialised model the attributes megatron's initialisation
+    sets (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``).
+
+    megatron-core 0.16 sets them only inside its weight initialisers, so without
+    ``perform_initialization`` the grad-norm and checkpoint code would take every TP shard for
+    a replica. The rules are those of its layers: column-parallel linears and the vocab-parallel
+    embedding split dim 0 (stride 2 for a gated MLP's ``linear_fc1``, which interleaves
+    [gate, up] per rank), row-parallel linears dim 1. Tested against an initialised build.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
+    )
+
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            gated_fc1 = name.endswith("linear_fc1") and tconf.gated_linear_unit
+            set_tensor_model_parallel_attributes(weight, True, 0, 2 if gated_fc1 else 1)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)

@@ -17,6 +17,7 @@ def build_from_folder(ctx: RankContext, folder: str, policy: PolicyConfig, dtype
     from megatron.core import parallel_state
 
     from nemo_tlt.device import Placement
+    from nemo_tlt.megatron.gpt_builder import build_gpt_model
     from nemo_tlt.megatron.live import local_shard
 
     source = SafetensorsFolder(folder)
@@ -24,7 +25,10 @@ def build_from_folder(ctx: RankContext, folder: str, policy: PolicyConfig, dtype
     trainer = build_policy_backend(policy, source, canonical.config, temperature=1.0, seed=1234,
                                    placement=Placement(dtype=dtype))
     want = canonical_to_megatron(canonical.state_dict(), canonical.config, trainer.layout)[trainer.coords]
-    mine = {"coords": trainer.coords, "bytes_read": source.bytes_read,
+    with trainer._device_context():
+        attributes = {flag: _param_attributes(build_gpt_model(canonical.config, trainer.layout, dtype=dtype,
+                                                              initialize=flag)) for flag in (True, False)}
+    mine = {"coords": trainer.coords, "bytes_read": source.bytes_read, "attributes": attributes,
             "model": {k: v.clone() for k, v in local_shard(trainer.model).items()},
             "reference": {k: v.clone() for k, v in local_shard(trainer.reference).items()},
             "want": {k: v.to(dtype) for k, v in want.items()}}
@@ -32,3 +36,9 @@ def build_from_folder(ctx: RankContext, folder: str, policy: PolicyConfig, dtype
     dist.gather_object(mine, box, dst=0)
     parallel_state.destroy_model_parallel()
     return box
+
+
+def _param_attributes(model: torch.nn.Module) -> dict:
+    """The plain attributes megatron hangs on each parameter (tensor_model_parallel, partition_dim, ...)."""
+    return {name: {k: v for k, v in vars(p).items() if isinstance(v, (bool, int, float, str, type(None)))}
+            for name, p in model.named_parameters()}

@@ -49,6 +49,16 @@ def test_every_rank_holds_todays_shard_in_its_model_and_reference(ranks):
             assert torch.equal(r["reference"][name], want), (r["coords"], name)
 
 
+def test_an_uninitialised_model_carries_megatrons_tensor_parallel_attributes(ranks):
+    """Without them megatron's grad norm counts a TP-split weight once per TP group, not per shard."""
+    for r in ranks:
+        initialised, loaded = r["attributes"][True], r["attributes"][False]
+        assert sorted(loaded) == sorted(initialised)
+        assert any(a.get("tensor_model_parallel") for a in initialised.values())
+        for name, attrs in initialised.items():
+            assert loaded[name] == attrs, (r["coords"], name)
+
+
 def test_each_rank_reads_its_shard_once(ranks):
     for r in ranks:
         # the folder is fp32 (4 bytes); Megatron's zero padding rows of the vocabulary are never read
