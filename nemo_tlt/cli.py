@@ -6,6 +6,7 @@
     nemo-tlt bench drafter --out F.json
     nemo-tlt bench precision --out F.json # SD vs plain token identity and speed per dtype
     nemo-tlt bench reshard --out F.json
+    nemo-tlt bench load --out F.json      # per-rank peak host memory building a TP2 x PP2 policy from an HF folder
     nemo-tlt convert ...                  # checkpoint conversion (Megatron / HF / TensorRT-LLM)
     nemo-tlt drafter train --target DIR --prompts F.jsonl --out DIR   # a first drafter for your target
     nemo-tlt plan CONFIG.yaml [key=value ...]   # memory / reshard plan and simulated speedup (or --calibrate RUN_DIR)
@@ -24,6 +25,7 @@ _COMMANDS = {
     ("bench", "drafter"): "nemo_tlt.bench.drafter",
     ("bench", "precision"): "nemo_tlt.bench.precision",
     ("bench", "reshard"): "nemo_tlt.bench.reshard",
+    ("bench", "load"): "nemo_tlt.bench.load",
     ("convert",): "nemo_tlt.convert",
     ("drafter", "train"): "nemo_tlt.first_drafter.cli",
     ("train",): "nemo_tlt.train",

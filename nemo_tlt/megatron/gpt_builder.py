@@ -105,8 +105,9 @@ def layer_spec_name(device_type: str = "cuda") -> str:
 
 
 def transformer_config(cfg: LMConfig, layout: ParallelLayout, *, dtype: torch.dtype = torch.float32,
-                       training: Training = Training()):
-    """The megatron ``TransformerConfig`` equivalent of ``cfg`` under ``layout``."""
+                       training: Training = Training(), initialize: bool = True):
+    """The megatron ``TransformerConfig`` equivalent of ``cfg`` under ``layout``; ``initialize=False``
+    leaves the weights uninitialised (``perform_initialization``) for a caller that loads every one."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_megatron_model(cfg)
@@ -137,6 +138,7 @@ def transformer_config(cfg: LMConfig, layout: ParallelLayout, *, dtype: torch.dt
         num_layers_in_first_pipeline_stage=layout.num_layers_in_first_stage,
         num_layers_in_last_pipeline_stage=layout.num_layers_in_last_stage,
         use_cpu_initialization=True,
+        perform_initialization=initialize,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
@@ -156,8 +158,14 @@ def transformer_config(cfg: LMConfig, layout: ParallelLayout, *, dtype: torch.dt
 def build_gpt_model(
     cfg: LMConfig, layout: ParallelLayout, *, dtype: torch.dtype = torch.float32, vp_stage: int | None = None,
     padded_vocab_size: int | None = None, training: Training = Training(), spec: str = "local",
+    initialize: bool = True,
 ):
     """This rank's ``GPTModel`` (pre/post process decided by its PP stage).
+
+    ``initialize=False`` skips megatron's random initialisation: the weights are allocated
+    (untouched memory) for a caller that loads every one of them next. With
+    ``use_cpu_initialization`` megatron initialises each TP-split weight by building the
+    whole (all-TP) tensor first, which a loader that never holds a full tensor must avoid.
 
     ``padded_vocab_size`` overrides Megatron's padding rule, e.g. to load a checkpoint
     that was written at another TP size (its padding is baked into the tensors). ``spec``
@@ -170,7 +178,7 @@ def build_gpt_model(
     if padded_vocab_size is not None and (padded_vocab_size < cfg.vocab_size or padded_vocab_size % layout.tp):
         raise ValueError(f"padded_vocab_size={padded_vocab_size} must be >= vocab_size={cfg.vocab_size} "
                          f"and divisible by tp={layout.tp}")
-    tconf = transformer_config(cfg, layout, dtype=dtype, training=training)
+    tconf = transformer_config(cfg, layout, dtype=dtype, training=training, initialize=initialize)
     if spec == "transformer_engine":
         layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     elif spec == "local":
@@ -190,6 +198,33 @@ def build_gpt_model(
         parallel_output=True,
         vp_stage=vp_stage,
     )
+    if not initialize:
+        mark_tensor_parallel(model, tconf)
     # torch-norm layers ignore params_dtype; Megatron's Float16Module casts the whole model the
     # same way in bf16 / fp16 training, so every weight ends up in one dtype.
     return model.to(dtype) if dtype != torch.float32 else model
+
+
+def mark_tensor_parallel(model: torch.nn.Module, tconf) -> None:
+    """Give the TP-split weights of an uninitialised model the attributes megatron's initialisation
+    sets (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``).
+
+    megatron-core 0.16 sets them only inside its weight initialisers, so without
+    ``perform_initialization`` the grad-norm and checkpoint code would take every TP shard for
+    a replica. The rules are those of its layers: column-parallel linears and the vocab-parallel
+    embedding split dim 0 (stride 2 for a gated MLP's ``linear_fc1``, which interleaves
+    [gate, up] per rank), row-parallel linears dim 1. Tested against an initialised build.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
+    )
+
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            gated_fc1 = name.endswith("linear_fc1") and tconf.gated_linear_unit
+            set_tensor_model_parallel_attributes(weight, True, 0, 2 if gated_fc1 else 1)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)

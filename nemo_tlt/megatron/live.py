@@ -3,6 +3,9 @@
 Contract: ``local_shard(model)`` is this rank's state dict without the
 ``_extra_state`` entries; ``load_shard(model, shard)`` loads one produced by
 ``canonical_to_megatron`` and fails loudly on any missing or unexpected weight;
+``load_shard_items(model, items, spec)`` does the same from a stream of ``(name, tensor)``
+pairs (``nemo_tlt.weights.megatron_source``), copying each into its weight as it comes so
+that no second copy of the shard exists;
 ``spec_names(shard, spec)`` renames a local-spec shard's norms to Transformer Engine's
 fused names; ``gather_canonical(model, cfg, layout)`` collects every rank's shard on global rank 0
 and returns the canonical state dict there (``None`` elsewhere): the simple
@@ -14,7 +17,7 @@ package imports without megatron-core).
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,29 @@ def load_shard(model: torch.nn.Module, shard: Mapping[str, torch.Tensor]) -> Non
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
         raise ValueError(f"load_shard: missing weights {missing}, unexpected weights {result.unexpected_keys}")
+
+
+@torch.no_grad()
+def load_shard_items(model: torch.nn.Module, items: Iterable[tuple[str, torch.Tensor]], spec: str) -> None:
+    """Copy local-spec ``(name, tensor)`` pairs into ``model`` one by one (renamed for ``spec``); every
+    weight of the model must come exactly once, with its shape."""
+    own = {k: v for k, v in model.state_dict(keep_vars=True).items()
+           if not k.endswith("_extra_state") and isinstance(v, torch.Tensor)}
+    seen: set[str] = set()
+    unexpected = []
+    for name, tensor in items:
+        (name, tensor), = spec_names({name: tensor}, spec).items()
+        if name not in own or name in seen:
+            unexpected.append(name)
+            continue
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise ValueError(f"load_shard_items: {name} has shape {tuple(tensor.shape)}, the model's is "
+                             f"{tuple(own[name].shape)}")
+        own[name].copy_(tensor)
+        seen.add(name)
+    missing = sorted(set(own) - seen)
+    if missing or unexpected:
+        raise ValueError(f"load_shard_items: missing weights {missing}, unexpected or repeated weights {unexpected}")
 
 
 # local-spec norm names -> Transformer Engine's (its norms are fused into the next linear)

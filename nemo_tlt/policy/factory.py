@@ -14,16 +14,23 @@ from nemo_tlt.device import Placement
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.policy.protocol import PolicyBackend
+from nemo_tlt.weights.sources import CanonicalSource, check_source, expected_shapes, read_whole
 
 
-def build_policy_backend(config: PolicyConfig, canonical: Mapping[str, torch.Tensor], model_config: LMConfig, *,
-                         temperature: float, seed: int, placement: Placement = Placement()) -> PolicyBackend:
-    """The backend ``config.backend`` names, holding a copy of ``canonical``; ``temperature`` is the
+def build_policy_backend(config: PolicyConfig, canonical: Mapping[str, torch.Tensor] | CanonicalSource,
+                         model_config: LMConfig, *, temperature: float, seed: int,
+                         placement: Placement = Placement()) -> PolicyBackend:
+    """The backend ``config.backend`` names, holding a copy of ``canonical`` (a state dict, or a
+    ``CanonicalSource`` such as ``SafetensorsFolder``: the megatron backend then reads only its
+    rank's slices; the torch backend, a whole replica, reads everything); ``temperature`` is the
     sampling temperature the log-probs are taken at; ``seed`` seeds megatron's RNG tracker;
     ``placement`` is the rank's device and the weights dtype (fp32 master weights either way)."""
     if config.backend == "torch":
         from nemo_tlt.policy.torch_backend import TorchPolicy, build_decoder
 
+        if isinstance(canonical, CanonicalSource):
+            check_source(canonical, model_config)
+            canonical = read_whole(canonical, expected_shapes(model_config), placement.dtype)
         return TorchPolicy(build_decoder(canonical, model_config, placement), config, temperature=temperature)
     from nemo_tlt.policy.megatron_backend import MegatronPolicy
 

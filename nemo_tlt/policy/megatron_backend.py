@@ -4,7 +4,13 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
 * Built on *every* rank of an initialised ``torch.distributed`` world (gloo on CPU, NCCL
   on GPU) of size TP x PP x data-parallel; the launcher owns the world. It initialises
   megatron's parallel state (or checks the existing one), builds this rank's real
-  ``GPTModel`` (CPU shims around every call only on CPU) and loads its shard of the canonical (HF-named) weights via the layout adapters.
+  ``GPTModel`` (CPU shims around every call only on CPU, megatron's random initialisation
+  skipped) and loads its shard of the canonical (HF-named) weights, given as a state dict
+  or as a ``CanonicalSource`` such as the lazily read HF folder
+  (``nemo_tlt.weights.hf_source.SafetensorsFolder``): this rank reads only its own slices,
+  once, in the weights dtype, and copies them into its weights tensor by tensor
+  (``nemo_tlt.weights.megatron_source``), so it never holds the full model nor a second
+  copy of its shard. The KL reference copies the policy's freshly loaded weights.
 * The same length-sorted micro-batches as the torch backend; log-probs of
   ``log_softmax(logits / T)`` over the *true* vocabulary (Megatron's padded rows masked
   out). Every rank of a model-parallel group passes the same batch (checked); results
@@ -62,7 +68,8 @@ from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty
 from nemo_tlt.policy.protocol import STATS, HiddenSink, LogprobSink, check_capture_layers, check_update_args
 from nemo_tlt.weights.layout import ParallelLayout
-from nemo_tlt.weights.megatron_layout import canonical_to_megatron, check_tp
+from nemo_tlt.weights.megatron_layout import check_tp
+from nemo_tlt.weights.sources import CanonicalSource, MappingSource
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +113,8 @@ class MegatronPolicy:
     """One rank's policy shard in megatron's DDP, its distributed optimizer + schedule and the
     optional frozen KL reference."""
 
-    def __init__(self, canonical: Mapping[str, torch.Tensor], model_config: LMConfig, config: PolicyConfig, *,
-                 temperature: float, seed: int, placement: Placement = Placement()) -> None:
+    def __init__(self, canonical: Mapping[str, torch.Tensor] | CanonicalSource, model_config: LMConfig,
+                 config: PolicyConfig, *, temperature: float, seed: int, placement: Placement = Placement()) -> None:
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             raise RuntimeError("policy.backend=megatron needs megatron-core, which is not installed; install it "
                                "with pip install -e \".[megatron]\" (or pip install megatron-core)")
@@ -139,10 +146,11 @@ class MegatronPolicy:
             from nemo_tlt.megatron.parallel import ensure_model_parallel
 
             ensure_model_parallel(self.layout.tp, self.layout.pp, seed=seed, owner="policy")
-            self.model = self._build(canonical, Training(config.sequence_parallel, config.recompute, True)).train()
+            source = canonical if isinstance(canonical, CanonicalSource) else MappingSource(canonical)
+            self.model = self._build(source, Training(config.sequence_parallel, config.recompute, True)).train()
             self.reference = None
             if config.kl_coef > 0:
-                self.reference = self._build(canonical, Training(config.sequence_parallel)).eval().requires_grad_(False)
+                self.reference = self._build(None, Training(config.sequence_parallel)).eval().requires_grad_(False)
             self.ddp, self.optimizer = build_ddp_optimizer(self.model, config.optim, self.dtype)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.schedule = LRSchedule(self.optimizer, config.optim)
@@ -188,13 +196,17 @@ class MegatronPolicy:
 
         return device_context(self.device)
 
-    def _build(self, canonical: Mapping[str, torch.Tensor], training) -> torch.nn.Module:
+    def _build(self, source: CanonicalSource | None, training) -> torch.nn.Module:
+        """This rank's GPTModel holding its shard of ``source``, or (None) a copy of ``self.model``'s weights."""
         from nemo_tlt.megatron.gpt_builder import build_gpt_model
-        from nemo_tlt.megatron.live import load_shard, rank_coords, spec_names
+        from nemo_tlt.megatron.live import load_shard_items, local_shard, rank_coords
+        from nemo_tlt.weights.megatron_source import megatron_shard_items
 
-        model = build_gpt_model(self.model_config, self.layout, dtype=self.dtype, training=training, spec=self.spec)
-        shard = canonical_to_megatron(canonical, self.model_config, self.layout)[rank_coords()]
-        load_shard(model, spec_names({k: v.to(self.dtype) for k, v in shard.items()}, self.spec))
+        model = build_gpt_model(self.model_config, self.layout, dtype=self.dtype, training=training, spec=self.spec,
+                                initialize=False)
+        items = (local_shard(self.model).items() if source is None else
+                 megatron_shard_items(source, self.model_config, self.layout, rank_coords(), self.dtype))
+        load_shard_items(model, items, self.spec)
         return model.to(self.device)
 
     # ---- forward pieces ------------------------------------------------------------------
@@ -416,12 +428,11 @@ class MegatronPolicy:
 
     def load_canonical(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Replace the policy weights (e.g. on resume); the KL reference keeps the initial policy."""
-        from nemo_tlt.megatron.live import load_shard, spec_names
+        from nemo_tlt.megatron.live import load_shard_items
+        from nemo_tlt.weights.megatron_source import megatron_shard_items
 
-        shard = canonical_to_megatron(weights, self.model_config, self.layout)[self.coords]
-        with torch.no_grad():
-            load_shard(self.model, spec_names({k: v.to(self.device, self.dtype) for k, v in shard.items()},
-                                              self.spec))
+        items = megatron_shard_items(MappingSource(weights), self.model_config, self.layout, self.coords, self.dtype)
+        load_shard_items(self.model, items, self.spec)
         with self._device_context():
             self.optimizer.reload_model_params()  # the fp32 main params follow the new weights
 
