@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-sd-running", type=int, default=None,
                    help="learned: optional bound, never speculate above this many running rows")
     p.add_argument("--bucket-edges", default=None,
-                   help="batch-size bucket edges (default: learned 2,4,...,128; threshold 2,4,8,16)")
+                   help="batch-size bucket edges of the threshold policy's bandit and of the headroom report "
+                        "(default: learned 2,4,...,128, for the report only; threshold 2,4,8,16)")
     p.add_argument("--epsilon", type=float, default=0.1, help="threshold: the bandit's exploration rate")
     p.add_argument("--min-pulls", type=int, default=None,
                    help="pulls of every arm per bucket before exploiting (default: learned 2, threshold 3)")
@@ -111,7 +112,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.arm_shapes = [TreeShape.parse(s, field=f"--arms[{i}]") for i, s in enumerate(args.arms.split(","))]
     learned = args.policy == "learned"
     if args.bucket_edges is None:
-        args.bucket_edges = ",".join(map(str, LearnedSDConfig().bucket_edges if learned else (2, 4, 8, 16)))
+        args.bucket_edges = ",".join(map(str, (2, 4, 8, 16, 32, 64, 128) if learned else (2, 4, 8, 16)))
     if args.min_pulls is None:
         args.min_pulls = LearnedSDConfig.min_pulls if learned else 3
     try:
@@ -124,7 +125,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def make_adaptive(args: argparse.Namespace) -> AdaptiveSDPolicy | LearnedSDPolicy:
     """A fresh policy of `longtail_adaptive` (a new one every round: the cold case)."""
     if args.policy == "learned":
-        return LearnedSDPolicy(LearnedSDConfig(tuple(args.arm_shapes), args.edges, min_pulls=args.min_pulls,
+        return LearnedSDPolicy(LearnedSDConfig(tuple(args.arm_shapes), min_pulls=args.min_pulls,
                                                max_sd_running=args.max_sd_running))
     bandit = BegMab(BanditConfig(tuple(args.arm_shapes), args.edges, args.epsilon, min_pulls=args.min_pulls),
                     np.random.default_rng(args.seed))
@@ -291,8 +292,8 @@ def compare(args, target, drafter, reqs: list[Request], warm_up_reqs: list[Reque
                    "ratios_warm_round_median": warm["median"],
                    "trace_warm": [vars(t) for t in traces["adaptive_warm"]]}),
                "bandit": adaptive.log_dict() if learned else adaptive.bandit.log_dict(),
-               "step_time_exponent": (adaptive.table.pooled_exponent() if learned else adaptive.step_cost.exponent()),
-               "step_time_exponents": ({"plain" if a is None else a.name: adaptive.table.exponent(i)
+               "step_time_exponent": (adaptive.costs.pooled_exponent() if learned else adaptive.step_cost.exponent()),
+               "step_time_exponents": ({"plain" if a is None else a.name: adaptive.costs.exponent(i)
                                         for i, a in enumerate((None, *args.arm_shapes))} if learned else None),
                "response_lengths": {"median": lengths[len(lengths) // 2], "max": lengths[-1], "min": lengths[0],
                                     "samples": lengths},  # sorted; `nemo-tlt plan --measured` reads them

@@ -54,7 +54,7 @@ def _adaptive(seed: int = 0) -> AdaptiveSDPolicy:
 
 
 def _learned() -> LearnedSDPolicy:
-    return LearnedSDPolicy(LearnedSDConfig(ARMS, bucket_edges=(2, 4, 8, 16), min_pulls=1, probe_shortest=2,
+    return LearnedSDPolicy(LearnedSDConfig(ARMS, min_pulls=1, probe_shortest=2,
                                            reprobe_shortest=4))
 
 
