@@ -68,7 +68,8 @@ class LearnedSDConfig:
     probe_shortest: int = 8      # decode steps before a losing arm is first probed again
     probe_longest: int = 256     # the longest a plausible losing arm goes unprobed (decode steps)
     collapse_accept: float = 1.3  # accepted tokens per row per SD step below which SD is lost
-    collapse_steps: int = 3      # SD steps whose mean acceptance decides a collapse
+    collapse_steps: int = 3      # SD steps whose pooled acceptance decides a collapse...
+    collapse_rows: int = 16      # ...or fewer, as soon as they hold this many rows
     reprobe_shortest: int = 16   # decode steps before a collapsed drafter is first probed
     reprobe_longest: int = 1024  # the longest a collapsed drafter goes unprobed (decode steps)
     max_sd_running: Optional[int] = None  # optional bound: never speculate above this many rows
@@ -84,6 +85,7 @@ class LearnedSDConfig:
         check_int("LearnedSDConfig.probe_longest", self.probe_longest, self.probe_shortest)
         check_float("LearnedSDConfig.collapse_accept", self.collapse_accept, 1.0)
         check_int("LearnedSDConfig.collapse_steps", self.collapse_steps, 1)
+        check_int("LearnedSDConfig.collapse_rows", self.collapse_rows, 1)
         check_int("LearnedSDConfig.reprobe_shortest", self.reprobe_shortest, 1)
         check_int("LearnedSDConfig.reprobe_longest", self.reprobe_longest, self.reprobe_shortest)
         if self.max_sd_running is not None:
@@ -149,7 +151,7 @@ class LearnedSDPolicy:
         # A new rollout (begin_rollout, or more running rows than last step: rows only
         # finish within one) starts with a catch-up, as does a tree after plain steps.
         catching_up = arm != 0 and (previous is None or previous[1] == 0 or num_running > previous[0])
-        if arm and self.guard.record(tokens_generated / num_running) == "recovered":
+        if arm and self.guard.record(tokens_generated / num_running, num_running) == "recovered":
             # A drafter that accepts again is a different drafter: measure its trees afresh.
             self.costs.forget(range(1, len(self._choices)))
         if not catching_up:
@@ -223,4 +225,5 @@ class LearnedSDPolicy:
 
     def _fresh_guard(self) -> CollapseGuard:
         c = self.config
-        return CollapseGuard(c.collapse_accept, c.collapse_steps, c.reprobe_shortest, c.reprobe_longest)
+        return CollapseGuard(c.collapse_accept, c.collapse_steps, c.collapse_rows, c.reprobe_shortest,
+                             c.reprobe_longest)

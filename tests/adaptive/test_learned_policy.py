@@ -61,6 +61,18 @@ def test_learns_plain_for_the_crowded_head_and_sd_for_the_tail():
     assert spent <= 1.05 * best
 
 
+@pytest.mark.parametrize("accept", [None, {None: 1.0, CHAIN: 6.0, TREE: 4.0}], ids=["plain_head", "sd_pays"])
+def test_a_fresh_policy_pays_little_in_its_first_rollout(accept):
+    # The cold case (an RL run's first step): what every step teaches is shared across
+    # batch sizes, so exploration is a short start-up and a few probes, not every
+    # choice in every bucket (per-bucket tables paid 1.13x here on the sd_pays machine).
+    sim, p = Sim(accept), policy()
+    steps = sim.rollout(p)
+    spent = sum(sim.cost(s, r) / (sim.accept[s] * r) for r, s in steps)
+    best = sum(sim.cost(oracle(sim, r), r) / (sim.accept[oracle(sim, r)] * r) for r, s in steps)
+    assert spent <= 1.08 * best
+
+
 def test_a_threshold_free_start_is_not_stuck_plain_on_a_big_batch_when_sd_pays():
     # A machine where SD pays at every batch size: the policy speculates from the head on.
     sim = Sim({None: 1.0, CHAIN: 6.0, TREE: 4.0})
@@ -89,6 +101,18 @@ def test_collapse_is_noticed_within_a_few_sd_steps_and_probed_on_back_off():
     assert all(probes[i] is CHAIN for i in sd)  # the cheapest tree probes
     gaps = [b - a for a, b in zip(sd, sd[1:])]
     assert gaps == sorted(gaps)
+
+
+def test_one_sd_step_of_a_crowded_batch_is_enough_to_notice_a_collapse():
+    # 32 rows accepting nothing: the pooled evidence of one step is 32 rows (>= collapse_rows),
+    # so the first SD step (of the start-up profile, after plain's pulls) already decides.
+    sim = Sim({None: 1.0, CHAIN: 1.0, TREE: 1.0})
+    p = policy()
+    shapes = []
+    while not p.collapsed:
+        shapes.append(sim.step(p, 32))
+    assert sum(s is not None for s in shapes) == 1
+    assert all(sim.step(p, 32) is None for _ in range(10))
 
 
 def test_a_retrained_drafter_is_picked_up_soon_after_drafter_updated():
@@ -168,6 +192,17 @@ def test_bad_state_is_refused_and_changes_nothing():
             p.load_state_dict(bad)
 
 
+def test_a_version_1_state_of_per_bucket_tables_is_refused_by_name():
+    p = policy()
+    Sim().rollout(p)
+    old = {"version": 1, "kind": "learned", "arms": [CHAIN.name, TREE.name], "table": {}, "collapse": {},
+           "previous": None, "pending": None}
+    before = p.state_dict()
+    with pytest.raises(ValueError, match="version 1 .*per-bucket.*cannot carry it over"):
+        p.load_state_dict(old)
+    assert p.state_dict() == before
+
+
 def test_observe_refuses_an_unknown_shape_and_bad_outcomes():
     p = policy()
     with pytest.raises(ValueError, match="neither None"):
@@ -187,6 +222,8 @@ def test_observe_refuses_an_unknown_shape_and_bad_outcomes():
     ({"min_pulls": 20}, "min_pulls"),
     ({"probe_longest": 4}, "probe_longest"),
     ({"collapse_accept": 0.5}, "collapse_accept"),
+    ({"collapse_rows": 0}, "collapse_rows"),
+    ({"exponent_error": 1.5}, "exponent_error"),
     ({"max_sd_running": 0}, "max_sd_running"),
 ])
 def test_config_validation_names_the_field(kwargs, match):
