@@ -41,8 +41,10 @@ import math
 from collections import deque
 from typing import Any, Iterable, NamedTuple
 
+import numpy as np
+
 from nemo_tlt.adaptive.backoff import Backoff
-from nemo_tlt.adaptive.step_cost import StepCostFit, throughput_at
+from nemo_tlt.adaptive.step_cost import StepCostFit
 from nemo_tlt.checks import check_float, check_int
 
 
@@ -51,19 +53,16 @@ def octave(running: int) -> int:
     return int(running).bit_length() - 1
 
 
-def weighted_median(pairs: list[tuple[float, float]]) -> float:
-    """The value at which the cumulative weight of (value, weight) pairs reaches half
-    (the mean of the two values either side where it reaches half exactly, as the
-    plain median of an even count)."""
-    pairs = sorted(pairs)
-    half, acc = sum(w for _, w in pairs) / 2.0, 0.0
-    for i, (value, weight) in enumerate(pairs):
-        acc += weight
-        if acc >= half:
-            if math.isclose(acc, half, rel_tol=1e-9) and i + 1 < len(pairs):
-                return 0.5 * (value + pairs[i + 1][0])
-            return value
-    return pairs[-1][0]
+def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    """The value at which the cumulative weight reaches half (the mean of the two values
+    either side where it reaches half exactly, as the plain median of an even count)."""
+    order = np.argsort(values, kind="stable")
+    v, cum = values[order], np.cumsum(weights[order])
+    half = cum[-1] / 2.0
+    i = min(int(np.searchsorted(cum, half * (1.0 - 1e-9))), len(v) - 1)
+    if math.isclose(cum[i], half, rel_tol=1e-9) and i + 1 < len(v):
+        return float(0.5 * (v[i] + v[i + 1]))
+    return float(v[i])
 
 
 class Estimate(NamedTuple):
@@ -92,6 +91,8 @@ class ArmCosts:
         self.clock = 0
         self._probes = [Backoff(probe_shortest, probe_longest) for _ in range(num_arms)]
         self._fits = [StepCostFit() for _ in range(num_arms)]  # one group: the arm's own curve
+        self._arrays: list[tuple[np.ndarray, np.ndarray] | None] = [None] * num_arms  # (log r, tokens/s)
+        self._cache: list[dict[tuple[int, float], Estimate]] = [{} for _ in range(num_arms)]
         self._pooled = StepCostFit()  # groups: arms
 
     # ---- estimates ------------------------------------------------------------
@@ -105,20 +106,31 @@ class ArmCosts:
 
     def estimate(self, arm: int, running: int) -> Estimate | None:
         """The arm's throughput at batch ``running``, its optimistic bound and the steps it
-        rests on there; None if the arm has no steps."""
-        b, pairs, uppers = self.exponent(arm), [], []
-        for steps in self._steps[arm].values():
-            for r, tokens, seconds in steps:
-                log_f = math.log(running / r)
-                z = log_f / self._log_bw
-                w, moved = math.exp(-0.5 * z * z), throughput_at(tokens / seconds, r, running, b)
-                pairs.append((moved, w))
-                uppers.append((moved * math.exp(self.exponent_error * abs(log_f)), w))
-        if not pairs:
+        rests on there; None if the arm has no steps. Cached per (batch size, exponent)
+        until the arm's steps change: the policy asks every arm at every step."""
+        b = self.exponent(arm)
+        cache = self._cache[arm]
+        if (running, b) in cache:
+            return cache[(running, b)]
+        if self._arrays[arm] is None:
+            steps = [e for key in sorted(self._steps[arm]) for e in self._steps[arm][key]]
+            self._arrays[arm] = (np.log([r for r, _, _ in steps]), np.array([t / s for _, t, s in steps]))
+        log_r, tps = self._arrays[arm]
+        if not len(tps):
             return None
-        near = sum(w for _, w in pairs)
-        return Estimate(weighted_median(pairs), weighted_median(uppers) * (1.0 + self.spread / math.sqrt(1.0 + near)),
-                        near)
+        log_f = math.log(running) - log_r
+        w = np.exp(-0.5 * (log_f / self._log_bw) ** 2)
+        moved = tps * np.exp((1.0 - b) * log_f)  # throughput_at, for every step at once
+        near = float(w.sum())
+        upper = weighted_median(moved * np.exp(self.exponent_error * np.abs(log_f)), w)
+        est = Estimate(weighted_median(moved, w), upper * (1.0 + self.spread / math.sqrt(1.0 + near)), near)
+        if len(cache) >= 64:  # b moves with every step of an arm that has no fit of its own
+            cache.clear()
+        cache[(running, b)] = est
+        return est
+
+    def _changed(self, arm: int) -> None:
+        self._arrays[arm], self._cache[arm] = None, {}
 
     def best(self, running: int) -> int | None:
         """The arm with the best estimate at ``running`` (ties: lowest index); None if none pulled."""
@@ -159,6 +171,7 @@ class ArmCosts:
         key = octave(running)
         steps = self._steps[arm].setdefault(key, deque(maxlen=self.window))
         steps.append((int(running), int(tokens), float(seconds)))
+        self._changed(arm)
         self._pulls[arm] += 1
         self._stale[arm] = False
         self._fits[arm].add("arm", running, seconds)
@@ -170,6 +183,7 @@ class ArmCosts:
         for arm in arms:
             for key, steps in self._steps[arm].items():
                 self._steps[arm][key] = deque(list(steps)[len(steps) // 2:], maxlen=self.window)
+            self._changed(arm)
             self._probes[arm].halve(self.clock)
             self._stale[arm] = True
 
@@ -178,6 +192,7 @@ class ArmCosts:
         Their step-time fits stay: timing does not depend on the drafter."""
         for arm in arms:
             self._steps[arm] = {}
+            self._changed(arm)
             self._pulls[arm] = 0
             self._probes[arm].reset(self.clock)
 
@@ -230,4 +245,6 @@ class ArmCosts:
             fit.load_state_dict(s)
         self._pooled.load_state_dict(state.get("pooled"))
         self._steps, self._pulls, self.clock = steps, list(state["pulls"]), state["clock"]
+        for arm in range(na):
+            self._changed(arm)
         self._stale = list(stale)
