@@ -13,7 +13,8 @@ rollouts of its own (`ratios_warm`, same keys). `--drafter untrained` swaps the 
 drafter for a freshly initialised one (what a run starts with, or a drafter gone
 stale). Methods run in round-robin rounds, each round starting one method later;
 each reports its median round. `ratios_rounds` holds each round's own ratios
-(methods of one round ran back to back) and `noise` the spread between rounds.
+(methods of one round ran back to back) and `noise` the spread between rounds;
+`ratios_cpu` / `ratios_warm_cpu` are the same ratios on each run's CPU time.
 Writes JSON with the adaptive run's step trace and a timeline PNG beside it.
 """
 from __future__ import annotations
@@ -158,12 +159,21 @@ def longtail_requests(task, num_prompts: int, group: int, seed: int) -> list[Req
     return [Request(r.prompt, seq_id=i * group + g) for i, r in enumerate(prompts) for g in range(group)]
 
 
+def median_ratios(rounds: dict[str, list], key: str, adaptive: str) -> dict[str, Any]:
+    """adaptive / best fixed arm and adaptive / plain on each method's median ``key`` over
+    the rounds (the best fixed arm chosen on ``key`` too)."""
+    med = {name: float(np.median([r[key] for r, _ in rs])) for name, rs in rounds.items()}
+    best = min((v, n) for n, v in med.items() if n.startswith("longtail_fixed_"))[1]
+    return {"adaptive_vs_best_fixed": med[adaptive] / med[best],
+            "adaptive_vs_plain": med[adaptive] / med["longtail_plain"], "best_fixed": best}
+
+
 def _run(engine: TorchRolloutEngine, reqs, sp, policy) -> tuple[dict[str, Any], list[list[int]], Any]:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = engine.generate(reqs, sp, policy=policy)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     s = out.stats
-    return ({"wall_s": wall, "tokens": s.tokens_generated, "tokens_per_s": s.tokens_generated / wall,
+    return ({"wall_s": wall, "cpu_s": cpu, "tokens": s.tokens_generated, "tokens_per_s": s.tokens_generated / wall,
              "target_forwards": s.target_forwards, "sd_steps": s.sd_steps, "plain_steps": s.plain_steps,
              "mean_accept_len": s.mean_accept_len, "prefill_s": s.prefill_s,
              "outside_steps_s": s.outside_steps_s}, [r.tokens for r in out.results], s.trace)
@@ -260,7 +270,8 @@ def compare(args, target, drafter, reqs: list[Request], warm_up_reqs: list[Reque
     for name, key in runs:
         res, traces[key] = median_round(rounds[name])
         results[name] = res | {"wall_s_rounds": [r["wall_s"] for r, _ in rounds[name]],
-                               "wall_s_min": min(r["wall_s"] for r, _ in rounds[name])}
+                               "wall_s_min": min(r["wall_s"] for r, _ in rounds[name]),
+                               "cpu_s_rounds": [r["cpu_s"] for r, _ in rounds[name]]}
     trace = traces["adaptive"]
     identical = all(o == outputs["plain"] for o in outputs.values())
     lengths = sorted(len(o) for o in outputs["plain"])
@@ -287,6 +298,11 @@ def compare(args, target, drafter, reqs: list[Request], warm_up_reqs: list[Reque
     payload = {"benchmark": "rollout", "workload": "longtail", "results": results, "outputs_identical": identical,
                "ratios": ratios, "ratios_rounds": per_round["rounds"], "ratios_round_median": per_round["median"],
                "noise": per_round["noise"], "headroom": headroom, "timeline_png": str(png),
+               # The same ratios on CPU time (one thread: the work each method did), which
+               # other processes taking the cores inflate far less than wall time.
+               "ratios_cpu": median_ratios(rounds, "cpu_s", "longtail_adaptive"),
+               **({} if warm is None else {
+                   "ratios_warm_cpu": median_ratios(rounds, "cpu_s", "longtail_adaptive_warm")}),
                **({} if warm is None else {
                    "ratios_warm": warm["median_of_medians"], "ratios_warm_rounds": warm["rounds"],
                    "ratios_warm_round_median": warm["median"],
@@ -309,6 +325,10 @@ def _print_summary(payload: dict[str, Any], out: str) -> None:
     print(format_table(results, ["wall_s", "tokens_per_s", "target_forwards", "sd_steps", "mean_accept_len",
                                  "outside_steps_s"]))
     print("ratios: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in ratios.items()))
+    print("on CPU time: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in payload["ratios_cpu"].items())
+          + ("" if "ratios_warm_cpu" not in payload else "; warm " + ", ".join(
+              f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in payload["ratios_warm_cpu"].items())))
     if "ratios_warm" in payload:
         print("ratios_warm: " + ", ".join(f"{k}={v:.2f}" for k, v in payload["ratios_warm"].items())
               + " | per round: " + "; ".join(f"{k} " + " ".join(f"{x:.2f}" for x in v)

@@ -135,6 +135,11 @@ def test_longtail_warm_keeps_one_policy_across_rounds_and_reports_both(tiny, mon
     assert payload["ratios_warm"]["adaptive_vs_plain"] == pytest.approx(
         res["longtail_adaptive_warm"]["wall_s"] / res["longtail_plain"]["wall_s"])
     assert len(payload["ratios_warm_rounds"]["adaptive_vs_plain"]) == 3 and payload["trace_warm"]
+    cpu = {n: sorted(r["cpu_s_rounds"])[1] for n, r in res.items()}  # the median of 3
+    assert payload["ratios_warm_cpu"]["adaptive_vs_plain"] == pytest.approx(
+        cpu["longtail_adaptive_warm"] / cpu["longtail_plain"])
+    assert payload["ratios_cpu"]["adaptive_vs_best_fixed"] == pytest.approx(
+        cpu["longtail_adaptive"] / cpu[payload["ratios_cpu"]["best_fixed"]])
     assert payload["outputs_identical"] is True
 
 
