@@ -24,9 +24,9 @@ estimate resting on one step).
 
 Choice. First every arm ``min_pulls`` times in a row, wherever the batch is (plain
 first, then the trees in order): a short start-up profile, in the head of the first
-rollout. Then the arm with the best estimate at r, except that
-another arm is probed when its optimistic bound reaches the best estimate (it could
-be better) and either less than one step's worth of its measurements lies near r
+rollout. Then the arm with the best estimate at r, except that another arm is
+probed when its optimistic bound reaches the best estimate (it could be better) and
+either less than one step's worth of its measurements lies near r
 (``n < 1``: probe where the estimate is least certain) or its
 :class:`~nemo_tlt.adaptive.backoff.Backoff` (counted in steps) is due; each probe
 doubles that arm's wait. An arm clearly worse at r (e.g. plain decoding in the tail)

@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=400)
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma-separated depth_topk_numverify")
     p.add_argument("--policy", choices=["learned", "threshold"], default="learned",
-                   help="the adaptive method: learned plain-or-tree per bucket, or threshold + BEG-MAB")
+                   help="the adaptive method: learned plain-or-tree per step, or threshold + BEG-MAB")
     p.add_argument("--drafter", choices=["trained", "untrained"], default="trained",
                    help="the demo drafter, or a freshly initialised one of the same shape (seeded by --seed)")
     p.add_argument("--threshold-on", type=int, default=64, help="threshold: SD turns on at <= this many running")
@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default: learned 2,4,...,128, for the report only; threshold 2,4,8,16)")
     p.add_argument("--epsilon", type=float, default=0.1, help="threshold: the bandit's exploration rate")
     p.add_argument("--min-pulls", type=int, default=None,
-                   help="pulls of every arm per bucket before exploiting (default: learned 2, threshold 3)")
+                   help="pulls of every arm before exploiting: learned in all (default 2), threshold per bucket (3)")
     p.add_argument("--reward", choices=list(REWARDS), default="scaled",
                    help="threshold: bandit reward, tokens/s over running**(1-b) (b fitted), per running row, "
                         "or tokens/s")
