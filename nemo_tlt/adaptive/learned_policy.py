@@ -1,5 +1,5 @@
-"""The learned SD policy: per batch-size bucket, plain decoding or a tree shape,
-chosen from what the steps that ran cost.
+"""The learned SD policy: per step, plain decoding or a tree shape, chosen from what
+the steps that ran cost.
 
 Contract
 --------
@@ -7,15 +7,17 @@ Contract
   ``observe``). Its choices depend only on running-row counts, tokens-kept counts
   and step timings, never on the tokens sampled, so every acceptance mode stays
   lossless whatever it picks.
-* Plain decoding is arm 0 of every bucket, beside the tree shapes; the measure
-  and the bounded exploration are those of :class:`~nemo_tlt.adaptive.arm_table.ArmTable`
-  (throughput moved to the batch size being decided with a fitted step-time
-  exponent per arm; probes of losing arms on exponential back-off).
+* Plain decoding is arm 0, beside the tree shapes; the measure and the bounded
+  exploration are those of :class:`~nemo_tlt.adaptive.arm_costs.ArmCosts`: every
+  step of an arm informs its estimate at every batch size (moved along the arm's
+  fitted step-cost curve, weighted by closeness in batch size), a short start-up
+  profile pulls each arm ``min_pulls`` times, and probes go where an arm could be
+  the best and its estimate rests on the fewest steps.
 * ``max_sd_running`` is an optional bound (never speculate above that many rows),
   not the mechanism.
 * A :class:`~nemo_tlt.adaptive.collapse.CollapseGuard` watches the accepted length
   per row of the SD steps: when it collapses (untrained or stale drafter), every
-  bucket decodes plainly and one SD step with the cheapest tree (fewest verified
+  step decodes plainly and one SD step with the cheapest tree (fewest verified
   nodes) probes the drafter on exponential back-off. A probe that accepts again ends
   the collapse and the tree arms are measured afresh.
 * An SD step right after plain steps (or the first of a rollout) also runs the
@@ -24,58 +26,66 @@ Contract
   its time is kept out of the estimates (its acceptance still counts for collapse);
   recorded, it would make whichever tree runs first look several times too slow.
   The same tree then runs one more step, which is measured: a probe of a tree in a
-  bucket where plain decoding leads would otherwise never be.
+  batch size where plain decoding leads would otherwise never be.
 * :meth:`drafter_updated` is called when the drafter's weights change: what the tree
-  arms measured (acceptance is the drafter's) is discounted (windows halved, probe
+  arms measured (acceptance is the drafter's) is discounted (kept steps halved, probe
   waits halved) and a collapsed drafter is probed again soon; plain decoding's
   measurements do not depend on the drafter and are kept.
-* ``state_dict`` is JSON-serialisable and restores the same future choices.
+* ``state_dict`` is JSON-serialisable and restores the same future choices. A state
+  of version 1 (per-bucket tables) is refused with an error that says so: its
+  throughput windows hold no step times, so they cannot be carried over.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from nemo_tlt.adaptive.arm_table import ArmTable
+from nemo_tlt.adaptive.arm_costs import ArmCosts
 from nemo_tlt.adaptive.collapse import CollapseGuard
 from nemo_tlt.adaptive.sd_policy import check_outcome, check_running
 from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.speculative.tree_shape import TreeShape, parse_arms
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 
 
 @dataclass(frozen=True)
 class LearnedSDConfig:
-    """Arms, buckets, exploration and collapse detection of a :class:`LearnedSDPolicy`."""
+    """Arms, cost sharing across batch sizes, exploration and collapse detection of a :class:`LearnedSDPolicy`."""
 
     arms: List[Any] = field(default_factory=lambda: ["4_1_4", "6_2_12"])  # "4_2_8" strings parsed here, once
-    # Doubling buckets: the right choice changes with the batch size, and within a
-    # bucket spanning a factor 2 moving throughputs with one exponent is accurate.
-    bucket_edges: List[int] = field(default_factory=lambda: [2, 4, 8, 16, 32, 64, 128])
-    window: int = 16             # steps per (bucket, arm) the estimate is the median of
-    min_pulls: int = 2           # pulls of every arm (plain too) per bucket before exploiting
-    probe_shortest: int = 8      # bucket steps before a losing arm is first probed again
-    probe_longest: int = 256     # the longest a losing arm goes unprobed (bucket steps)
+    window: int = 16             # steps kept per arm and octave of batch size ([4, 7], [8, 15], ...)
+    min_pulls: int = 2           # start-up: pulls of every arm (plain too) before the estimates decide
+    # A step at a batch size this factor away from the one decided weighs 0.61, two
+    # factors away 0.14: the right choice changes with the batch size, slowly.
+    bandwidth: float = 2.0
+    # The relative error of an estimate that rests on one step: an arm is probed where
+    # its estimate x (1 + probe_spread / sqrt(1 + steps near)) reaches the best one.
+    probe_spread: float = 0.3
+    # How far the fitted step-time exponent may be off: an estimate moved by a factor f
+    # in batch size may be off by f**exponent_error (its optimistic bound allows that).
+    exponent_error: float = 0.25
+    probe_shortest: int = 8      # decode steps before a losing arm is first probed again
+    probe_longest: int = 256     # the longest a plausible losing arm goes unprobed (decode steps)
     collapse_accept: float = 1.3  # accepted tokens per row per SD step below which SD is lost
-    collapse_steps: int = 3      # SD steps whose mean acceptance decides a collapse
+    collapse_steps: int = 3      # SD steps whose pooled acceptance decides a collapse...
+    collapse_rows: int = 16      # ...or fewer, as soon as they hold this many rows
     reprobe_shortest: int = 16   # decode steps before a collapsed drafter is first probed
     reprobe_longest: int = 1024  # the longest a collapsed drafter goes unprobed (decode steps)
     max_sd_running: Optional[int] = None  # optional bound: never speculate above this many rows
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arms", parse_arms(self.arms, "LearnedSDConfig"))
-        object.__setattr__(self, "bucket_edges", tuple(self.bucket_edges))
-        for i, edge in enumerate(self.bucket_edges):
-            check_int(f"LearnedSDConfig.bucket_edges[{i}]", edge, 2)
-            if i and edge <= self.bucket_edges[i - 1]:
-                raise ValueError(f"LearnedSDConfig.bucket_edges must be strictly increasing, got {self.bucket_edges}")
         check_int("LearnedSDConfig.window", self.window, 1)
         check_int("LearnedSDConfig.min_pulls", self.min_pulls, 1, self.window)
+        check_float("LearnedSDConfig.bandwidth", self.bandwidth, 1.0, lo_open=True)
+        check_float("LearnedSDConfig.probe_spread", self.probe_spread, 0.0)
+        check_float("LearnedSDConfig.exponent_error", self.exponent_error, 0.0, 1.0)
         check_int("LearnedSDConfig.probe_shortest", self.probe_shortest, 1)
         check_int("LearnedSDConfig.probe_longest", self.probe_longest, self.probe_shortest)
         check_float("LearnedSDConfig.collapse_accept", self.collapse_accept, 1.0)
         check_int("LearnedSDConfig.collapse_steps", self.collapse_steps, 1)
+        check_int("LearnedSDConfig.collapse_rows", self.collapse_rows, 1)
         check_int("LearnedSDConfig.reprobe_shortest", self.reprobe_shortest, 1)
         check_int("LearnedSDConfig.reprobe_longest", self.reprobe_longest, self.reprobe_shortest)
         if self.max_sd_running is not None:
@@ -91,7 +101,7 @@ class LearnedSDPolicy:
         self.config = config
         self._choices: tuple[TreeShape | None, ...] = (None, *config.arms)
         self._index = {shape: i for i, shape in enumerate(self._choices)}
-        self.table, self.guard = self._fresh_table(), self._fresh_guard()
+        self.costs, self.guard = self._fresh_costs(), self._fresh_guard()
         self._previous: tuple[int, int] | None = None  # (running, arm) of the last observed step
         # A tree whose last step only caught the drafter up (not recorded): run it once more
         # so that it is measured; else a probe after plain steps never would be.
@@ -116,8 +126,19 @@ class LearnedSDPolicy:
         elif self._pending is not None:
             arm = self._pending
         else:
-            arm = self.table.choose(num_running)
+            arm = self.costs.choose(num_running)
         return self._choices[arm]
+
+    def best_choice(self, num_running: int) -> TreeShape | None:
+        """What the estimates pick at ``num_running`` rows, without exploring or any side
+        effect (plain decoding while collapsed or above ``max_sd_running``; the first tree
+        while nothing is measured)."""
+        check_running(num_running)
+        bound = self.config.max_sd_running
+        if self.guard.collapsed or (bound is not None and num_running > bound):
+            return None
+        arm = self.costs.best(num_running)
+        return self.config.arms[0] if arm is None else self._choices[arm]
 
     def observe(self, num_running: int, shape: TreeShape | None, tokens_generated: int, elapsed_s: float) -> None:
         check_running(num_running)
@@ -130,11 +151,11 @@ class LearnedSDPolicy:
         # A new rollout (begin_rollout, or more running rows than last step: rows only
         # finish within one) starts with a catch-up, as does a tree after plain steps.
         catching_up = arm != 0 and (previous is None or previous[1] == 0 or num_running > previous[0])
-        if arm and self.guard.record(tokens_generated / num_running) == "recovered":
+        if arm and self.guard.record(tokens_generated / num_running, num_running) == "recovered":
             # A drafter that accepts again is a different drafter: measure its trees afresh.
-            self.table.forget(range(1, len(self._choices)))
+            self.costs.forget(range(1, len(self._choices)))
         if not catching_up:
-            self.table.record(num_running, arm, tokens_generated / elapsed_s, elapsed_s)
+            self.costs.record(num_running, arm, tokens_generated, elapsed_s)
         self._pending = arm if catching_up else None
 
     def begin_rollout(self) -> None:
@@ -144,31 +165,37 @@ class LearnedSDPolicy:
 
     def drafter_updated(self) -> None:
         """The drafter's weights changed: discount what depended on them."""
-        self.table.discount(range(1, len(self._choices)))
+        self.costs.discount(range(1, len(self._choices)))
         self.guard.drafter_changed()
 
     def log_dict(self, prefix: str = "sd_policy") -> dict[str, float]:
-        """Flat scalars: collapse state, and per bucket the pulls and the estimate of each
-        choice at the bucket's lowest batch size (plain is named 'plain')."""
+        """Flat scalars: collapse state; per choice (plain is named 'plain') its pulls, its
+        fitted step-time exponent, and its estimate at 1, 2, 4, ... rows up to the largest
+        batch measured, with the steps it rests on there."""
         out = {f"{prefix}/collapsed": float(self.guard.collapsed), f"{prefix}/collapses": float(self.guard.collapses)}
-        edges = self.config.bucket_edges
-        for b in range(self.table.num_buckets):
-            lo = 1 if b == 0 else edges[b - 1]
-            label = f"[{lo},{edges[b] if b < len(edges) else 'inf'})"
-            for arm, shape in enumerate(self._choices):
-                name = "plain" if shape is None else shape.name
-                out[f"{prefix}/bucket{b}{label}/pulls/{name}"] = float(self.table.pulls(b)[arm])
-                est = self.table.estimate(b, arm, lo)
+        sizes = [1 << k for k in range(self.costs.largest_running().bit_length())]
+        for arm, shape in enumerate(self._choices):
+            name = "plain" if shape is None else shape.name
+            out[f"{prefix}/pulls/{name}"] = float(self.costs.pulls()[arm])
+            out[f"{prefix}/step_time_exponent/{name}"] = self.costs.exponent(arm)
+            for r in sizes:
+                est = self.costs.estimate(arm, r)
                 if est is not None:
-                    out[f"{prefix}/bucket{b}{label}/tokens_per_s/{name}"] = est
+                    out[f"{prefix}/at{r}/tokens_per_s/{name}"] = est.value
+                    out[f"{prefix}/at{r}/steps_near/{name}"] = est.near
         return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION, "kind": "learned", "arms": [a.name for a in self.config.arms],
-                "table": self.table.state_dict(), "collapse": self.guard.state_dict(),
+                "costs": self.costs.state_dict(), "collapse": self.guard.state_dict(),
                 "previous": None if self._previous is None else list(self._previous), "pending": self._pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if isinstance(state, dict) and state.get("kind") == "learned" and state.get("version") == 1:
+            raise ValueError(f"LearnedSDPolicy state has version 1 (per-bucket throughput tables, no step "
+                             f"times); this policy reads version {_STATE_VERSION} (step costs shared across "
+                             f"batch sizes) and cannot carry it over: drop the checkpoint's sd_policy state "
+                             f"and the policy starts afresh")
         if not isinstance(state, dict) or state.get("kind") != "learned" or state.get("version") != _STATE_VERSION:
             raise ValueError(f"LearnedSDPolicy state must be a dict with kind 'learned' and version "
                              f"{_STATE_VERSION}, got {state if not isinstance(state, dict) else state.get('kind')!r}")
@@ -184,17 +211,19 @@ class LearnedSDPolicy:
         if pending is not None and not (isinstance(pending, int) and not isinstance(pending, bool)
                                         and 1 <= pending < len(self._choices)):
             raise ValueError(f"LearnedSDPolicy state 'pending' must be null or a tree arm index, got {pending!r}")
-        table, guard = self._fresh_table(), self._fresh_guard()
-        table.load_state_dict(state.get("table"))  # into fresh copies: a bad state changes nothing
+        costs, guard = self._fresh_costs(), self._fresh_guard()
+        costs.load_state_dict(state.get("costs"))  # into fresh copies: a bad state changes nothing
         guard.load_state_dict(state.get("collapse"))
-        self.table, self.guard = table, guard
+        self.costs, self.guard = costs, guard
         self._previous = None if previous is None else (previous[0], previous[1])
         self._pending = pending
 
-    def _fresh_table(self) -> ArmTable:
+    def _fresh_costs(self) -> ArmCosts:
         c = self.config
-        return ArmTable(len(self._choices), c.bucket_edges, c.window, c.min_pulls, c.probe_shortest, c.probe_longest)
+        return ArmCosts(len(self._choices), c.window, c.min_pulls, c.bandwidth, c.probe_spread,
+                        c.exponent_error, c.probe_shortest, c.probe_longest)
 
     def _fresh_guard(self) -> CollapseGuard:
         c = self.config
-        return CollapseGuard(c.collapse_accept, c.collapse_steps, c.reprobe_shortest, c.reprobe_longest)
+        return CollapseGuard(c.collapse_accept, c.collapse_steps, c.collapse_rows, c.reprobe_shortest,
+                             c.reprobe_longest)

@@ -4,15 +4,18 @@ One rollout = P prompts x G samples (coupled sampling, so every method must emit
 the same tokens) whose lengths are long-tailed. Methods, same prompts and seeds:
 `longtail_plain`; SD always on with each fixed arm (`longtail_fixed_<d>_<k>_<n>`);
 `longtail_adaptive`: with `--policy learned` (default) plain decoding or a tree per
-batch-size bucket, learned from step costs (nemo_tlt.adaptive.learned_policy); with
+step, learned from step costs (nemo_tlt.adaptive.learned_policy); with
 `--policy threshold` SD below a running-batch threshold and BEG-MAB picking the arm.
-`--drafter untrained` swaps the demo drafter for a freshly initialised one (what a
-run starts with, or a drafter gone stale). Methods run in round-robin rounds, each
-round starting one method later; each reports its median round (the adaptive policy
-keeps learning across rounds, as it does across RL steps, so its first, cold round
-counts as one of them). `ratios_rounds` holds each round's own ratios (methods of
-one round ran back to back) and `noise` the spread between rounds. Writes JSON with
-the adaptive run's step trace and a timeline PNG beside it.
+`longtail_adaptive` starts every round with a fresh policy: the cold case, an RL
+run's first steps (`ratios`). `--warm` adds `longtail_adaptive_warm`: one policy kept
+across the rounds, as the RL loop keeps it across steps, after `--warm-up` untimed
+rollouts of its own (`ratios_warm`, same keys). `--drafter untrained` swaps the demo
+drafter for a freshly initialised one (what a run starts with, or a drafter gone
+stale). Methods run in round-robin rounds, each round starting one method later;
+each reports its median round. `ratios_rounds` holds each round's own ratios
+(methods of one round ran back to back) and `noise` the spread between rounds;
+`ratios_cpu` / `ratios_warm_cpu` are the same ratios on each run's CPU time.
+Writes JSON with the adaptive run's step trace and a timeline PNG beside it.
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=400)
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma-separated depth_topk_numverify")
     p.add_argument("--policy", choices=["learned", "threshold"], default="learned",
-                   help="the adaptive method: learned plain-or-tree per bucket, or threshold + BEG-MAB")
+                   help="the adaptive method: learned plain-or-tree per step, or threshold + BEG-MAB")
     p.add_argument("--drafter", choices=["trained", "untrained"], default="trained",
                    help="the demo drafter, or a freshly initialised one of the same shape (seeded by --seed)")
     p.add_argument("--threshold-on", type=int, default=64, help="threshold: SD turns on at <= this many running")
@@ -69,15 +72,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-sd-running", type=int, default=None,
                    help="learned: optional bound, never speculate above this many running rows")
     p.add_argument("--bucket-edges", default=None,
-                   help="batch-size bucket edges (default: learned 2,4,...,128; threshold 2,4,8,16)")
+                   help="batch-size bucket edges of the threshold policy's bandit and of the headroom report "
+                        "(default: learned 2,4,...,128, for the report only; threshold 2,4,8,16)")
     p.add_argument("--epsilon", type=float, default=0.1, help="threshold: the bandit's exploration rate")
     p.add_argument("--min-pulls", type=int, default=None,
-                   help="pulls of every arm per bucket before exploiting (default: learned 2, threshold 3)")
+                   help="pulls of every arm before exploiting: learned in all (default 2), threshold per bucket (3)")
     p.add_argument("--reward", choices=list(REWARDS), default="scaled",
                    help="threshold: bandit reward, tokens/s over running**(1-b) (b fitted), per running row, "
                         "or tokens/s")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm", action="store_true",
+                   help="also run longtail_adaptive_warm: one policy kept across the rounds (as the RL loop does)")
+    p.add_argument("--warm-up", type=int, default=1,
+                   help="--warm: untimed rollouts the kept policy decodes before the first round")
     p.add_argument("--repeats", type=int, default=5,
                    help="rounds over all methods (round-robin); each method reports its median round")
     p.add_argument("--cache-dir", default=None, help=f"default {default_cache_dir()}")
@@ -91,6 +99,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag, instead in NOT_LONGTAIL.items():
         if vars(args).pop(flag[2:].replace("-", "_")) is not None:
             p.error(f"{flag} is an option of the default workload; the longtail workload {instead}")
+    if args.warm_up < 0:
+        p.error(f"--warm-up must be >= 0, got {args.warm_up}")
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.threads < 0:
@@ -103,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.arm_shapes = [TreeShape.parse(s, field=f"--arms[{i}]") for i, s in enumerate(args.arms.split(","))]
     learned = args.policy == "learned"
     if args.bucket_edges is None:
-        args.bucket_edges = ",".join(map(str, LearnedSDConfig().bucket_edges if learned else (2, 4, 8, 16)))
+        args.bucket_edges = ",".join(map(str, (2, 4, 8, 16, 32, 64, 128) if learned else (2, 4, 8, 16)))
     if args.min_pulls is None:
         args.min_pulls = LearnedSDConfig.min_pulls if learned else 3
     try:
@@ -114,9 +124,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_adaptive(args: argparse.Namespace) -> AdaptiveSDPolicy | LearnedSDPolicy:
-    """The policy of `longtail_adaptive`; one for all rounds, so it learns across rollouts."""
+    """A fresh policy of `longtail_adaptive` (a new one every round: the cold case)."""
     if args.policy == "learned":
-        return LearnedSDPolicy(LearnedSDConfig(tuple(args.arm_shapes), args.edges, min_pulls=args.min_pulls,
+        return LearnedSDPolicy(LearnedSDConfig(tuple(args.arm_shapes), min_pulls=args.min_pulls,
                                                max_sd_running=args.max_sd_running))
     bandit = BegMab(BanditConfig(tuple(args.arm_shapes), args.edges, args.epsilon, min_pulls=args.min_pulls),
                     np.random.default_rng(args.seed))
@@ -131,12 +141,12 @@ def untrained_like(drafter, seed: int) -> EagleDrafter:
     return EagleDrafter(drafter.config, generator=torch.Generator().manual_seed(seed)).eval()
 
 
-def round_ratios(rounds: dict[str, list], best_fixed: str) -> dict[str, Any]:
+def round_ratios(rounds: dict[str, list], best_fixed: str, adaptive: str = "longtail_adaptive") -> dict[str, Any]:
     """Each round's adaptive / plain and adaptive / best fixed (the methods of one round
     ran back to back, so these pair out slow and quiet moments), and the spread of each
     method's wall times between rounds ((max - min) / median)."""
     walls = {name: [r["wall_s"] for r, _ in rs] for name, rs in rounds.items()}
-    ada = walls["longtail_adaptive"]
+    ada = walls[adaptive]
     per_round = {"adaptive_vs_plain": [a / b for a, b in zip(ada, walls["longtail_plain"])],
                  "adaptive_vs_best_fixed": [a / b for a, b in zip(ada, walls[best_fixed])]}
     noise = {name: (max(w) - min(w)) / float(np.median(w)) for name, w in walls.items()}
@@ -149,12 +159,21 @@ def longtail_requests(task, num_prompts: int, group: int, seed: int) -> list[Req
     return [Request(r.prompt, seq_id=i * group + g) for i, r in enumerate(prompts) for g in range(group)]
 
 
+def median_ratios(rounds: dict[str, list], key: str, adaptive: str) -> dict[str, Any]:
+    """adaptive / best fixed arm and adaptive / plain on each method's median ``key`` over
+    the rounds (the best fixed arm chosen on ``key`` too)."""
+    med = {name: float(np.median([r[key] for r, _ in rs])) for name, rs in rounds.items()}
+    best = min((v, n) for n, v in med.items() if n.startswith("longtail_fixed_"))[1]
+    return {"adaptive_vs_best_fixed": med[adaptive] / med[best],
+            "adaptive_vs_plain": med[adaptive] / med["longtail_plain"], "best_fixed": best}
+
+
 def _run(engine: TorchRolloutEngine, reqs, sp, policy) -> tuple[dict[str, Any], list[list[int]], Any]:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = engine.generate(reqs, sp, policy=policy)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     s = out.stats
-    return ({"wall_s": wall, "tokens": s.tokens_generated, "tokens_per_s": s.tokens_generated / wall,
+    return ({"wall_s": wall, "cpu_s": cpu, "tokens": s.tokens_generated, "tokens_per_s": s.tokens_generated / wall,
              "target_forwards": s.target_forwards, "sd_steps": s.sd_steps, "plain_steps": s.plain_steps,
              "mean_accept_len": s.mean_accept_len, "prefill_s": s.prefill_s,
              "outside_steps_s": s.outside_steps_s}, [r.tokens for r in out.results], s.trace)
@@ -175,20 +194,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.drafter == "untrained":
         drafter = untrained_like(drafter, args.seed)
     reqs = longtail_requests(config.task, args.num_prompts, args.group_size, 30_000 + args.seed)
-    compare(args, target, drafter, reqs)
+    # The kept policy's warm-up decodes other prompts: in RL every step's prompts are new.
+    warm_up_reqs = longtail_requests(config.task, args.num_prompts, args.group_size, 40_000 + args.seed)
+    compare(args, target, drafter, reqs, warm_up_reqs)
     return 0
 
 
-def run_rounds(args, target, drafter, reqs: list[Request], sp: SamplingParams):
-    """Every method once per round, `args.repeats` rounds. Returns (rounds: name ->
-    [(result, trace)], outputs: key -> token lists, the adaptive policy, run keys)."""
+def run_rounds(args, target, drafter, reqs: list[Request], sp: SamplingParams,
+               warm_up_reqs: list[Request] | None = None):
+    """Every method once per round, `args.repeats` rounds (`warm_up_reqs`, default
+    `reqs`: what the kept policy of --warm decodes first, untimed). Returns (rounds: name ->
+    [(result, trace)], outputs: key -> token lists, the policy to log (the kept one
+    with --warm, else the last round's fresh one), run keys)."""
     plain, sd = TorchRolloutEngine(target), TorchRolloutEngine(target, drafter)
     sd.generate(reqs[:2], sp, policy=FixedSDPolicy(args.arm_shapes[0]))  # warm-up
-    adaptive = make_adaptive(args)
+    policies = []
+
+    def fresh():
+        policies.append(make_adaptive(args))
+        return policies[-1]
+
     runs = [("longtail_plain", "plain", plain, lambda: None)]
     runs += [(f"longtail_fixed_{s.name}", f"longtail_fixed_{s.name}", sd, lambda s=s: FixedSDPolicy(s))
              for s in args.arm_shapes]
-    runs.append(("longtail_adaptive", "adaptive", sd, lambda: adaptive))
+    runs.append(("longtail_adaptive", "adaptive", sd, fresh))
+    kept = None
+    if args.warm:
+        kept = make_adaptive(args)
+        for _ in range(args.warm_up):  # its cold rollouts: what `longtail_adaptive` measures
+            sd.generate(reqs if warm_up_reqs is None else warm_up_reqs, sp, policy=kept)
+        runs.append(("longtail_adaptive_warm", "adaptive_warm", sd, lambda: kept))
     rounds: dict[str, list] = {name: [] for name, *_ in runs}
     outputs = {}
     for r in range(args.repeats):
@@ -199,7 +234,7 @@ def run_rounds(args, target, drafter, reqs: list[Request], sp: SamplingParams):
             gc.collect()
             res, outputs[key], trace = _run(engine, reqs, sp, make_policy())
             rounds[name].append((res, trace))
-    return rounds, outputs, adaptive, [(name, key) for name, key, *_ in runs]
+    return rounds, outputs, kept if kept is not None else policies[-1], [(name, key) for name, key, *_ in runs]
 
 
 def headroom_of(args, traces: dict[str, Any], adaptive_trace) -> dict[str, Any]:
@@ -223,11 +258,11 @@ def headroom_of(args, traces: dict[str, Any], adaptive_trace) -> dict[str, Any]:
     return headroom
 
 
-def compare(args, target, drafter, reqs: list[Request]) -> dict[str, Any]:
+def compare(args, target, drafter, reqs: list[Request], warm_up_reqs: list[Request] | None = None) -> dict[str, Any]:
     """Run every method in rounds, write the JSON and the timeline, print the tables."""
     sp = SamplingParams("coupled", temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                         seed=args.seed)
-    rounds, outputs, adaptive, runs = run_rounds(args, target, drafter, reqs, sp)
+    rounds, outputs, adaptive, runs = run_rounds(args, target, drafter, reqs, sp, warm_up_reqs)
     # Each method reports its median round: on a noisy machine the fastest of several
     # rounds favours whichever method drew a quiet moment, and "best fixed arm" (a
     # minimum over arms too) would be a minimum over arms x rounds.
@@ -235,7 +270,8 @@ def compare(args, target, drafter, reqs: list[Request]) -> dict[str, Any]:
     for name, key in runs:
         res, traces[key] = median_round(rounds[name])
         results[name] = res | {"wall_s_rounds": [r["wall_s"] for r, _ in rounds[name]],
-                               "wall_s_min": min(r["wall_s"] for r, _ in rounds[name])}
+                               "wall_s_min": min(r["wall_s"] for r, _ in rounds[name]),
+                               "cpu_s_rounds": [r["cpu_s"] for r, _ in rounds[name]]}
     trace = traces["adaptive"]
     identical = all(o == outputs["plain"] for o in outputs.values())
     lengths = sorted(len(o) for o in outputs["plain"])
@@ -246,6 +282,12 @@ def compare(args, target, drafter, reqs: list[Request]) -> dict[str, Any]:
               "speedup_vs_plain": results["longtail_plain"]["wall_s"] / ada,
               "best_fixed_vs_plain": best_fixed[0] / results["longtail_plain"]["wall_s"]}
     per_round = round_ratios(rounds, best_fixed[1])
+    warm = None
+    if args.warm:
+        ada_warm = results["longtail_adaptive_warm"]["wall_s"]
+        warm = round_ratios(rounds, best_fixed[1], "longtail_adaptive_warm")
+        warm["median_of_medians"] = {"adaptive_vs_best_fixed": ada_warm / best_fixed[0],
+                                     "adaptive_vs_plain": ada_warm / results["longtail_plain"]["wall_s"]}
     headroom = headroom_of(args, traces, trace)
     png = plot_rollout_timeline({k: traces[k] for k in ("plain", "adaptive")} |
                                 {f"fixed {best_fixed[1][len('longtail_fixed_'):]}": traces[best_fixed[1]]},
@@ -256,9 +298,18 @@ def compare(args, target, drafter, reqs: list[Request]) -> dict[str, Any]:
     payload = {"benchmark": "rollout", "workload": "longtail", "results": results, "outputs_identical": identical,
                "ratios": ratios, "ratios_rounds": per_round["rounds"], "ratios_round_median": per_round["median"],
                "noise": per_round["noise"], "headroom": headroom, "timeline_png": str(png),
+               # The same ratios on CPU time (one thread: the work each method did), which
+               # other processes taking the cores inflate far less than wall time.
+               "ratios_cpu": median_ratios(rounds, "cpu_s", "longtail_adaptive"),
+               **({} if warm is None else {
+                   "ratios_warm_cpu": median_ratios(rounds, "cpu_s", "longtail_adaptive_warm")}),
+               **({} if warm is None else {
+                   "ratios_warm": warm["median_of_medians"], "ratios_warm_rounds": warm["rounds"],
+                   "ratios_warm_round_median": warm["median"],
+                   "trace_warm": [vars(t) for t in traces["adaptive_warm"]]}),
                "bandit": adaptive.log_dict() if learned else adaptive.bandit.log_dict(),
-               "step_time_exponent": (adaptive.table.pooled_exponent() if learned else adaptive.step_cost.exponent()),
-               "step_time_exponents": ({"plain" if a is None else a.name: adaptive.table.exponent(i)
+               "step_time_exponent": (adaptive.costs.pooled_exponent() if learned else adaptive.step_cost.exponent()),
+               "step_time_exponents": ({"plain" if a is None else a.name: adaptive.costs.exponent(i)
                                         for i, a in enumerate((None, *args.arm_shapes))} if learned else None),
                "response_lengths": {"median": lengths[len(lengths) // 2], "max": lengths[-1], "min": lengths[0],
                                     "samples": lengths},  # sorted; `nemo-tlt plan --measured` reads them
@@ -274,6 +325,14 @@ def _print_summary(payload: dict[str, Any], out: str) -> None:
     print(format_table(results, ["wall_s", "tokens_per_s", "target_forwards", "sd_steps", "mean_accept_len",
                                  "outside_steps_s"]))
     print("ratios: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in ratios.items()))
+    print("on CPU time: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in payload["ratios_cpu"].items())
+          + ("" if "ratios_warm_cpu" not in payload else "; warm " + ", ".join(
+              f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in payload["ratios_warm_cpu"].items())))
+    if "ratios_warm" in payload:
+        print("ratios_warm: " + ", ".join(f"{k}={v:.2f}" for k, v in payload["ratios_warm"].items())
+              + " | per round: " + "; ".join(f"{k} " + " ".join(f"{x:.2f}" for x in v)
+                                             for k, v in payload["ratios_warm_rounds"].items()))
     print("per round: " + "; ".join(f"{k} " + " ".join(f"{x:.2f}" for x in v)
                                     for k, v in payload["ratios_rounds"].items())
           + " | noise (max-min)/median: " + ", ".join(f"{k[len('longtail_'):]}={v:.2f}"

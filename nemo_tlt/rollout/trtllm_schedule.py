@@ -16,8 +16,9 @@ between rollouts without side effects (no ``choose``, no exploration):
   of each iteration, with no memory. Per bandit bucket the draft length is the depth
   of the bucket's greedy arm (the first arm while the bucket is untried). The
   bandit cannot explore inside TensorRT-LLM, and no per-step reward reaches it.
-* ``LearnedSDPolicy``: per bucket, the best estimate at each batch size (plain
-  decoding is length 0); a collapsed drafter is all zeros; ``max_sd_running`` bounds.
+* ``LearnedSDPolicy``: the best estimate at each batch size (plain decoding is
+  length 0; the first tree while nothing is measured); a collapsed drafter is all
+  zeros; ``max_sd_running`` bounds.
 * ``FixedSDPolicy``: its shape's depth everywhere (shape None: all zeros); None: all zeros.
 
 A tree shape maps to its ``depth`` only: TensorRT-LLM's EAGLE-3 tree width
@@ -49,7 +50,7 @@ def draft_lengths(policy: SpecPolicy | None, max_draft_len: int, max_batch_size:
     elif isinstance(policy, AdaptiveSDPolicy):
         shapes = [_adaptive_shape(policy, b) if b <= policy.config.threshold_on else None for b in sizes]
     elif isinstance(policy, LearnedSDPolicy):
-        shapes = [_learned_shape(policy, b) for b in sizes]
+        shapes = [policy.best_choice(b) for b in sizes]
     else:
         raise ValueError(f"policy: a {type(policy).__name__} cannot be mapped to TensorRT-LLM's "
                          "draft_len_schedule (AdaptiveSDPolicy, LearnedSDPolicy, FixedSDPolicy or None can)")
@@ -91,13 +92,3 @@ def _adaptive_shape(policy: AdaptiveSDPolicy, batch_size: int) -> TreeShape:
     best = policy.bandit.bucket_stats(policy.bandit.bucket_of(batch_size)).best_arm
     return best if best is not None else policy.bandit.arms[0]
 
-
-def _learned_shape(policy: LearnedSDPolicy, batch_size: int) -> TreeShape | None:
-    bound = policy.config.max_sd_running
-    if policy.collapsed or (bound is not None and batch_size > bound):
-        return None
-    table = policy.table
-    arm = table.best(table.bucket_of(batch_size), batch_size)
-    if arm is None:  # nothing measured in this bucket yet: speculate with the first tree
-        return policy.config.arms[0]
-    return None if arm == 0 else policy.config.arms[arm - 1]

@@ -1,5 +1,6 @@
-"""The learned SD policy: plain decoding or a tree per bucket from step costs, collapse
-fallback with back-off probes, discount on a new drafter, state that travels."""
+"""The learned SD policy: plain decoding or a tree per step from step costs shared across
+batch sizes, collapse fallback with back-off probes, discount on a new drafter, state
+that travels."""
 from __future__ import annotations
 
 import json
@@ -60,6 +61,18 @@ def test_learns_plain_for_the_crowded_head_and_sd_for_the_tail():
     assert spent <= 1.05 * best
 
 
+@pytest.mark.parametrize("accept", [None, {None: 1.0, CHAIN: 6.0, TREE: 4.0}], ids=["plain_head", "sd_pays"])
+def test_a_fresh_policy_pays_little_in_its_first_rollout(accept):
+    # The cold case (an RL run's first step): what every step teaches is shared across
+    # batch sizes, so exploration is a short start-up and a few probes, not every
+    # choice in every bucket (per-bucket tables paid 1.13x here on the sd_pays machine).
+    sim, p = Sim(accept), policy()
+    steps = sim.rollout(p)
+    spent = sum(sim.cost(s, r) / (sim.accept[s] * r) for r, s in steps)
+    best = sum(sim.cost(oracle(sim, r), r) / (sim.accept[oracle(sim, r)] * r) for r, s in steps)
+    assert spent <= 1.08 * best
+
+
 def test_a_threshold_free_start_is_not_stuck_plain_on_a_big_batch_when_sd_pays():
     # A machine where SD pays at every batch size: the policy speculates from the head on.
     sim = Sim({None: 1.0, CHAIN: 6.0, TREE: 4.0})
@@ -90,6 +103,18 @@ def test_collapse_is_noticed_within_a_few_sd_steps_and_probed_on_back_off():
     assert gaps == sorted(gaps)
 
 
+def test_one_sd_step_of_a_crowded_batch_is_enough_to_notice_a_collapse():
+    # 32 rows accepting nothing: the pooled evidence of one step is 32 rows (>= collapse_rows),
+    # so the first SD step (of the start-up profile, after plain's pulls) already decides.
+    sim = Sim({None: 1.0, CHAIN: 1.0, TREE: 1.0})
+    p = policy()
+    shapes = []
+    while not p.collapsed:
+        shapes.append(sim.step(p, 32))
+    assert sum(s is not None for s in shapes) == 1
+    assert all(sim.step(p, 32) is None for _ in range(10))
+
+
 def test_a_retrained_drafter_is_picked_up_soon_after_drafter_updated():
     sim = Sim({None: 1.0, CHAIN: 1.0, TREE: 1.0})
     p = policy()
@@ -107,12 +132,12 @@ def test_drafter_updated_halves_tree_windows_and_keeps_plain():
     sim, p = Sim(), policy()
     for _ in range(3):
         sim.rollout(p)
-    bucket = p.table.bucket_of(1)
-    before = [len(w) for w in p.table._windows[bucket]]
+    octaves = [{k: len(v) for k, v in p.costs._steps[a].items()} for a in range(3)]
     p.drafter_updated()
-    after = [len(w) for w in p.table._windows[bucket]]
-    assert after[0] == before[0]
-    assert after[1:] == [n - n // 2 for n in before[1:]]
+    after = [{k: len(v) for k, v in p.costs._steps[a].items()} for a in range(3)]
+    assert after[0] == octaves[0]
+    assert after[1:] == [{k: n - n // 2 for k, n in o.items()} for o in octaves[1:]]
+    assert all(n >= 1 for o in after for n in o.values())
 
 
 def test_choices_depend_on_the_measured_cost_not_on_a_threshold():
@@ -167,6 +192,17 @@ def test_bad_state_is_refused_and_changes_nothing():
             p.load_state_dict(bad)
 
 
+def test_a_version_1_state_of_per_bucket_tables_is_refused_by_name():
+    p = policy()
+    Sim().rollout(p)
+    old = {"version": 1, "kind": "learned", "arms": [CHAIN.name, TREE.name], "table": {}, "collapse": {},
+           "previous": None, "pending": None}
+    before = p.state_dict()
+    with pytest.raises(ValueError, match="version 1 .*per-bucket.*cannot carry it over"):
+        p.load_state_dict(old)
+    assert p.state_dict() == before
+
+
 def test_observe_refuses_an_unknown_shape_and_bad_outcomes():
     p = policy()
     with pytest.raises(ValueError, match="neither None"):
@@ -181,11 +217,13 @@ def test_observe_refuses_an_unknown_shape_and_bad_outcomes():
     ({"arms": ()}, "arms"),
     ({"arms": (CHAIN, CHAIN)}, "duplicates"),
     ({"arms": ("4_1",)}, r"arms\[0\]"),
-    ({"bucket_edges": (4, 2)}, "increasing"),
-    ({"bucket_edges": (1, 4)}, r"bucket_edges\[0\]"),
+    ({"bandwidth": 1.0}, "bandwidth"),
+    ({"probe_spread": -0.1}, "probe_spread"),
     ({"min_pulls": 20}, "min_pulls"),
     ({"probe_longest": 4}, "probe_longest"),
     ({"collapse_accept": 0.5}, "collapse_accept"),
+    ({"collapse_rows": 0}, "collapse_rows"),
+    ({"exponent_error": 1.5}, "exponent_error"),
     ({"max_sd_running": 0}, "max_sd_running"),
 ])
 def test_config_validation_names_the_field(kwargs, match):
@@ -202,33 +240,76 @@ def test_is_a_spec_policy_and_logs():
     assert any(k.endswith("/tokens_per_s/plain") for k in log)
 
 
-def test_arms_pulled_early_and_late_in_a_bucket_compare_at_the_batch_size_decided():
+def costs(num_arms: int, **kw):
+    from nemo_tlt.adaptive.arm_costs import ArmCosts
+    args = dict(window=8, min_pulls=1, bandwidth=2.0, spread=0.3, exponent_error=0.25, probe_shortest=4,
+                probe_longest=64) | kw
+    return ArmCosts(num_arms, **args)
+
+
+def record_rate(table, r: int, arm: int, tokens_per_row: float, seconds: float) -> None:
+    table.record(r, arm, round(tokens_per_row * r), seconds)
+
+
+def test_arms_pulled_at_different_batch_sizes_compare_at_the_batch_size_decided():
     # Steps cost 0.01 * r**0.3 for both arms; arm 2 keeps 3.3 tokens a row, arm 1 3.0.
-    # In the bucket [32, 64) arm 1 only ran at 60 rows and arm 2 at 33: by raw
-    # throughput arm 1 looks better (more rows); moved to the same batch size, arm 2 wins.
-    from nemo_tlt.adaptive.arm_table import ArmTable
-    table = ArmTable(3, (2, 4, 8, 16, 32, 64), window=8, min_pulls=1, probe_shortest=8, probe_longest=64)
+    # Arm 1 only ran at 60 rows and arm 2 at 33 lately: by raw throughput arm 1 looks
+    # better (more rows); moved to the same batch size, arm 2 wins.
+    table = costs(3)
     for arm, acc in ((1, 3.0), (2, 3.3)):  # the fit: each arm at several batch sizes of the tail
         for r in (1, 2, 3, 5, 7, 9, 12, 15):
-            table.record(r, arm, acc * r / (0.01 * r ** 0.3), 0.01 * r ** 0.3)
-    table.record(60, 1, 3.0 * 60 / (0.01 * 60 ** 0.3), 0.01 * 60 ** 0.3)
-    table.record(33, 2, 3.3 * 33 / (0.01 * 33 ** 0.3), 0.01 * 33 ** 0.3)
-    assert table.exponent(1) == pytest.approx(0.3, abs=1e-6)
-    bucket = table.bucket_of(40)
-    assert table.best(bucket, 40) == 2 and table.best(bucket, 60) == 2
+            record_rate(table, r, arm, acc, 0.01 * r ** 0.3)
+    for _ in range(3):
+        record_rate(table, 60, 1, 3.0, 0.01 * 60 ** 0.3)
+        record_rate(table, 33, 2, 3.3, 0.01 * 33 ** 0.3)
+    assert table.exponent(1) == pytest.approx(0.3, abs=0.01)
+    assert table.best(40) == 2 and table.best(60) == 2
 
 
-def test_a_losing_arm_is_probed_ever_more_rarely():
-    from nemo_tlt.adaptive.arm_table import ArmTable
-    table = ArmTable(2, (8,), window=8, min_pulls=1, probe_shortest=4, probe_longest=64)
+def test_a_step_informs_every_batch_size_moved_along_the_fitted_cost_curve():
+    # One arm measured only in the head (48-64 rows) and in the middle (8-12): its
+    # estimate at 2 rows, where it never ran, follows its cost curve t = 0.01 r**0.5,
+    # and the steps near the batch size decided count most.
+    table = costs(2)
+    for r in (64, 56, 48, 12, 10, 8):
+        record_rate(table, r, 1, 4.0, 0.01 * r ** 0.5)
+    value, _, near = table.estimate(1, 2)
+    assert value == pytest.approx(4.0 * 2 / (0.01 * 2 ** 0.5), rel=0.02)
+    assert near < 1.0 < table.estimate(1, 10).near
+    assert table.estimate(0, 2) is None
+
+
+def test_a_clearly_worse_arm_is_not_probed_and_a_close_one_ever_more_rarely():
+    for rates, probed in (((10.0, 20.0), False), ((19.0, 20.0), True)):
+        table = costs(2)
+        picks = []
+        for _ in range(300):
+            arm = table.choose(3)
+            table.record(3, arm, 1000, 1000 / rates[arm])
+            picks.append(arm)
+        probes = [i for i, a in enumerate(picks) if a == 0][1:]  # after the start-up pull
+        if not probed:
+            assert probes == []
+            continue
+        gaps = [b - a for a, b in zip(probes, probes[1:])]
+        assert gaps == sorted(gaps) and gaps[-1] == 64 and 3 <= len(probes) <= 8, probes
+
+
+def test_a_plausible_arm_is_probed_where_it_has_not_been_measured():
+    # Both trees ran in the head (48-64 rows), tree 2 a bit behind; plain far behind
+    # everywhere. At 6 rows neither tree has steps near: tree 2 is probed there at
+    # once (its estimate rests on no step near 6), plain is not (clearly worse).
+    table = costs(3, probe_shortest=64, probe_longest=64)
+    for r in (64, 56, 48):
+        record_rate(table, r, 0, 1.0, 0.01 * r ** 0.5)
+        record_rate(table, r, 1, 4.0, 0.01 * r ** 0.5)
+        record_rate(table, r, 2, 3.8, 0.01 * r ** 0.5)
     picks = []
-    for _ in range(300):
-        arm = table.choose(3)
-        table.record(3, arm, (10.0, 20.0)[arm], 0.1)
-        picks.append(arm)
-    probes = [i for i, a in enumerate(picks) if a == 0][1:]  # after the first pull
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps == sorted(gaps) and gaps[-1] == 64 and len(probes) <= 8
+    for _ in range(6):
+        picks.append(table.choose(6))
+        record_rate(table, 6, picks[-1], (1.0, 4.0, 3.8)[picks[-1]], 0.01 * 6 ** 0.5)
+    assert 2 in picks and 0 not in picks
+    assert picks.count(1) >= 4  # once tree 2 is measured near 6, its back-off (64 steps) holds it
 
 
 def test_rollout_block_builds_the_learned_policy_and_validates_its_fields():
@@ -236,33 +317,19 @@ def test_rollout_block_builds_the_learned_policy_and_validates_its_fields():
     from nemo_tlt.config import load_config
     cfg = load_config(None, ["rollout.sd_policy=learned", "rollout.learned.max_sd_running=12",
                              "rollout.learned.collapse_accept=1.5", "rollout.learned.arms=['4_1_4','6_2_12']",
-                             "rollout.learned.bucket_edges=[2,4,8]"]).rollout
+                             "rollout.learned.bandwidth=3.0"]).rollout
     policy = cfg.build_policy(np.random.default_rng(0))
     assert isinstance(policy, LearnedSDPolicy) and policy.config is cfg.learned
-    assert cfg.learned.arms == (CHAIN, TREE) and cfg.learned.bucket_edges == (2, 4, 8)
+    assert cfg.learned.arms == (CHAIN, TREE) and cfg.learned.bandwidth == 3.0
     assert (cfg.learned.max_sd_running, cfg.learned.collapse_accept) == (12, 1.5)
     assert load_config(None, []).rollout.sd_policy == "threshold"
     assert load_config(None, ["rollout.sd_enabled=false"]).rollout.build_policy(np.random.default_rng(0)) is None
     for bad, match in ((["rollout.sd_policy=always"], "rollout.sd_policy"),
                        (["rollout.learned.max_sd_running=0"], "rollout.learned.max_sd_running"),
                        (["rollout.learned.collapse_accept=0.9"], "rollout.learned.collapse_accept"),
-                       (["rollout.learned.bucket_edges=[4,2]"], "rollout.learned.bucket_edges")):
+                       (["rollout.learned.bandwidth=0.5"], "rollout.learned.bandwidth")):
         with pytest.raises(ValueError, match=match):
             load_config(None, bad)
-
-
-def test_a_new_bucket_skips_arms_its_neighbour_shows_losing_but_probes_them_later():
-    from nemo_tlt.adaptive.arm_table import ArmTable
-    table = ArmTable(3, (4, 8), window=8, min_pulls=2, probe_shortest=8, probe_longest=64)
-    for _ in range(2):  # bucket [8, inf) at batch 10: plain well behind, the trees close
-        for arm, tps in ((0, 100.0), (1, 300.0), (2, 280.0)):
-            table.record(10, arm, tps, 0.05)
-    picks = []
-    for _ in range(8):
-        picks.append(table.choose(6))
-        table.record(6, picks[-1], (60.0, 200.0, 190.0)[picks[-1]], 0.05)
-    assert 0 not in picks[:7] and {1, 2} <= set(picks[:4])
-    assert picks[7] == 0  # the skipped arm's first back-off probe
 
 
 def test_the_drafter_catch_up_after_plain_steps_is_kept_out_of_the_estimates():
@@ -278,8 +345,7 @@ def test_the_drafter_catch_up_after_plain_steps_is_kept_out_of_the_estimates():
             slow = shape is not None and (previous is None or previous[1] is None or r > previous[0])
             p.observe(r, shape, round(sim.accept[shape] * r), sim.cost(shape, r) * (10 if slow else 1))
             previous = (r, shape)
-    bucket = p.table.bucket_of(4)
-    est = {a: p.table.estimate(bucket, a, 4) for a in range(3)}
+    est = {a: p.costs.estimate(a, 4).value for a in range(3)}
     assert est[1] == pytest.approx(sim.rate(CHAIN, 4), rel=0.05)
     assert est[2] == pytest.approx(sim.rate(TREE, 4), rel=0.05)
 
@@ -288,7 +354,7 @@ def test_a_tree_that_loses_to_plain_then_improves_is_adopted():
     """Probes of a tree in a bucket where plain leads follow plain steps, so their first
     step only catches the drafter up; the policy must still measure the tree, or a
     drafter improved by idle-time training is never picked up there."""
-    p = LearnedSDPolicy(LearnedSDConfig(arms=(CHAIN,), bucket_edges=(2,)))
+    p = LearnedSDPolicy(LearnedSDConfig(arms=(CHAIN,)))
     rates = {None: 40.0, CHAIN: 30.0}
     late = []
     for step in range(300):
@@ -303,9 +369,9 @@ def test_a_tree_that_loses_to_plain_then_improves_is_adopted():
 
 
 def test_pending_measurement_travels_with_the_state():
-    p = LearnedSDPolicy(LearnedSDConfig(arms=(CHAIN,), bucket_edges=(2,)))
-    rates = {None: 40.0, CHAIN: 30.0}
-    for step in range(200):  # plain leads; stop right after a probe's catch-up step
+    p = LearnedSDPolicy(LearnedSDConfig(arms=(CHAIN,)))
+    rates = {None: 40.0, CHAIN: 36.0}
+    for step in range(200):  # plain leads, the tree close behind; stop right after a probe's catch-up step
         shape = p.choose(8)
         p.observe(8, shape, 16, 16 / rates[shape])
         if step > 10 and shape == CHAIN:
@@ -326,11 +392,11 @@ def policy_like(p: LearnedSDPolicy) -> LearnedSDPolicy:
 def test_a_new_rollout_with_as_many_rows_starts_with_an_unrecorded_catch_up():
     """Rows cut off at max_new_tokens end a rollout with as many rows as the next starts
     with: the engine's begin_rollout, not the running count, marks the new rollout."""
-    p = LearnedSDPolicy(LearnedSDConfig(arms=(CHAIN,), bucket_edges=(2,)))
+    p = LearnedSDPolicy(LearnedSDConfig(arms=(CHAIN,)))
     for _ in range(6):
         shape = p.choose(8)
         p.observe(8, shape, 32 if shape else 8, 0.1)
-    pulls = list(p.table.pulls(1))
+    pulls = p.costs.pulls()
     p.begin_rollout()
     p.observe(8, CHAIN, 32, 5.0)  # the slow catch-up step of the new rollout
-    assert list(p.table.pulls(1)) == pulls
+    assert p.costs.pulls() == pulls

@@ -114,6 +114,35 @@ def test_longtail_untrained_drafter_size_seed_temperature_and_policy(tiny, polic
         assert accept["longtail_fixed_2_1_2"] != payload["results"]["longtail_fixed_2_1_2"]["mean_accept_len"]
 
 
+def test_longtail_warm_keeps_one_policy_across_rounds_and_reports_both(tiny, monkeypatch):
+    made = []
+    make = longtail.make_adaptive
+    monkeypatch.setattr(longtail, "make_adaptive", lambda args: made.append(make(args)) or made[-1])
+    out = tiny / "warm.json"
+    assert rollout.main(["--workload", "longtail", "--out", str(out), "--num-prompts", "2", "--group-size", "2",
+                         "--max-new-tokens", "12", "--arms", "2_1_2,3_2_4", "--warm", "--warm-up", "2",
+                         "--repeats", "3", "--cache-dir", str(tiny / "cache")]) == 0
+    payload = json.loads(out.read_text())
+    assert len(made) == 3 + 1  # a fresh policy per cold round, one kept for the warm rounds
+    warm = made[0]  # made before the rounds; it decoded 2 warm-up rollouts and 3 rounds
+    assert warm.state_dict() != type(warm)(warm.config).state_dict()
+    assert set(payload["ratios_warm"]) == {"adaptive_vs_best_fixed", "adaptive_vs_plain"}
+    assert {"adaptive_vs_best_fixed", "adaptive_vs_plain"} <= set(payload["ratios"])
+    res = payload["results"]
+    best = res[payload["ratios"]["best_fixed"]]["wall_s"]
+    assert payload["ratios_warm"]["adaptive_vs_best_fixed"] == pytest.approx(
+        res["longtail_adaptive_warm"]["wall_s"] / best)
+    assert payload["ratios_warm"]["adaptive_vs_plain"] == pytest.approx(
+        res["longtail_adaptive_warm"]["wall_s"] / res["longtail_plain"]["wall_s"])
+    assert len(payload["ratios_warm_rounds"]["adaptive_vs_plain"]) == 3 and payload["trace_warm"]
+    cpu = {n: sorted(r["cpu_s_rounds"])[1] for n, r in res.items()}  # the median of 3
+    assert payload["ratios_warm_cpu"]["adaptive_vs_plain"] == pytest.approx(
+        cpu["longtail_adaptive_warm"] / cpu["longtail_plain"])
+    assert payload["ratios_cpu"]["adaptive_vs_best_fixed"] == pytest.approx(
+        cpu["longtail_adaptive"] / cpu[payload["ratios_cpu"]["best_fixed"]])
+    assert payload["outputs_identical"] is True
+
+
 def test_untrained_drafter_differs_from_the_trained_one_and_is_seeded():
     from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
     from nemo_tlt.model.config import LMConfig as C

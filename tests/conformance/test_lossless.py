@@ -54,8 +54,11 @@ def _adaptive(seed: int = 0) -> AdaptiveSDPolicy:
 
 
 def _learned() -> LearnedSDPolicy:
-    return LearnedSDPolicy(LearnedSDConfig(ARMS, bucket_edges=(2, 4, 8, 16), min_pulls=1, probe_shortest=2,
-                                           reprobe_shortest=4))
+    # Collapse decided over 3 SD steps, not after one crowded one (collapse_rows): a weak
+    # drafter then still runs every tree before the policy drops it, so the rollouts
+    # switch between plain decoding and several trees.
+    return LearnedSDPolicy(LearnedSDConfig(ARMS, min_pulls=1, probe_shortest=2, reprobe_shortest=4,
+                                           collapse_rows=10_000))
 
 
 @pytest.mark.parametrize("mode", ["greedy", "coupled"])

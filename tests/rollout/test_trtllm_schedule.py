@@ -46,13 +46,13 @@ def test_threshold_policy_speculates_up_to_threshold_on_with_each_buckets_greedy
 
 
 def test_learned_policy_maps_plain_buckets_to_zero_and_honours_max_sd_running():
-    policy = LearnedSDPolicy(LearnedSDConfig(arms=["3_1_3"], bucket_edges=[2, 4], min_pulls=1, window=4,
-                                             max_sd_running=6))
-    for running, arm, rate in [(1, None, 10.0), (1, TreeShape(3, 1, 3), 40.0),
-                               (3, None, 90.0), (3, TreeShape(3, 1, 3), 30.0)]:
-        policy.table.record(running, 0 if arm is None else 1, rate, 0.01)
-    # [1]: the tree; [2, 3]: plain; [4..6]: untried bucket, first tree; above 6: bounded off
-    assert draft_lengths(policy, 8, 8) == [3, 0, 0, 3, 3, 3, 0, 0]
+    policy = LearnedSDPolicy(LearnedSDConfig(arms=["3_1_3"], min_pulls=1, window=4, max_sd_running=6))
+    assert draft_lengths(policy, 8, 8) == [3, 3, 3, 3, 3, 3, 0, 0]  # nothing measured: the first tree
+    for running, arm, tokens in [(1, None, 1), (1, TreeShape(3, 1, 3), 4), (4, None, 4), (4, TreeShape(3, 1, 3), 2)]:
+        policy.costs.record(running, 0 if arm is None else 1, tokens, 0.01)
+    # the tree keeps 4 tokens a row at 1 row, 0.5 at 4 (plain: 1 a row, the same step time): the
+    # tree up to 2 rows (halfway, in log batch size), plain from 3 on; above 6 bounded off
+    assert draft_lengths(policy, 8, 8) == [3, 3, 0, 0, 0, 0, 0, 0]
 
 
 def test_unknown_policy_kind_is_refused_by_name():
