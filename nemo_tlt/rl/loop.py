@@ -32,8 +32,6 @@ import torch
 
 from nemo_tlt.device import Placement, torch_dtype
 from nemo_tlt.dist import build_node_groups, gather_topology
-from nemo_tlt.drafter.target_view import TargetView
-from nemo_tlt.model.hf_io import load_hf_folder
 from nemo_tlt.policy.factory import build_policy_backend
 from nemo_tlt.policy.protocol import STATS
 from nemo_tlt.rl.boundary import StepBoundary
@@ -42,6 +40,7 @@ from nemo_tlt.rl.group_board import Group, GroupBoard, board_prefix, cleanup
 from nemo_tlt.rl.grpo import group_advantages
 from nemo_tlt.rl.idle_drafter import IdleDrafter, idle_without_training
 from nemo_tlt.rl.logprob_gap import comparable, gap_sums
+from nemo_tlt.rl.policy_inputs import load_policy_inputs
 from nemo_tlt.rl.pipelined_update import GroupCollector, claim_all, combine, group_term
 from nemo_tlt.rl.records import IdleResult, RankState, RankStep, Rollout, arm_accept_counts, step_record
 from nemo_tlt.rl.report import MetricsWriter, progress_bar
@@ -69,19 +68,21 @@ class RLWorker:
         self.spec, self.comm, self.stop = spec, comm, stop
         # every component of this rank lives on the device the launcher bound, in the run's dtype
         placement = Placement(comm.device, torch_dtype(cfg.model.dtype))
-        policy_model = load_hf_folder(spec.target_dir)
-        model_config, canonical = policy_model.config, policy_model.state_dict()
+        # the folder's config and lazily read weights: the policy backend reads its own shard
+        # (megatron: this rank's slices only), the drafter's view its three tensors; no copy here
+        inputs = load_policy_inputs(spec.target_dir)
+        model_config = inputs.model_config
         self.task = build_task(cfg.task, spec.target_dir)
         self.validation_prompts = validation_prompts(cfg) if cfg.validation.every > 0 else []
         check_vocab(self.task.tokenizer, model_config.vocab_size, spec.target_dir)
         check_eos(self.task.tokenizer, model_config.eos_token_id, spec.target_dir)
-        self.policy = build_policy_backend(cfg.policy, canonical, model_config,
+        self.policy = build_policy_backend(cfg.policy, inputs.weights, model_config,
                                            temperature=cfg.grpo.temperature, seed=cfg.seed, placement=placement)
         self.engine = build_rollout_engine(cfg.rollout, spec.target_dir, placement)
         self.sd_policy = self.drafter = None
         if spec.tlt:
             self.sd_policy = cfg.rollout.build_policy(np.random.default_rng([cfg.seed, comm.rank, 0xB4]))
-            view = TargetView(model_config, placement=placement).load(canonical)
+            view = inputs.target_view(placement)
             # collective (every rank builds a TLT worker): the drafter average goes through node leaders
             nodes = build_node_groups(gather_topology(comm), comm.rank, cfg.workers.timeout_s)
             self.drafter = IdleDrafter(cfg.drafter, spec.drafter_dir, view, comm.rank, cfg.seed, nodes,
@@ -98,7 +99,8 @@ class RLWorker:
         self.coord = WorkerCoordinator(comm.store, comm.rank, comm.world, cfg.drafter.min_idle_workers,
                                        prefix=f"tlt/{spec.mode}", timeout_s=cfg.workers.timeout_s)
         self.ckpt = RunCheckpointer(spec.checkpoint_dir, cfg.checkpoint.keep_last, writer=comm.rank == 0)
-        self.synced: dict[str, torch.Tensor] = dict(canonical)  # what the engine serves (for checkpoints)
+        # what the engine serves (for checkpoints; filled by every step's weight sync before one is written)
+        self.synced: dict[str, torch.Tensor] = {}
         self.records: list[dict[str, Any]] = []
         self.policy_states: list[dict] = [self.policy.state_dict()]
         self.rank_states: list[RankState] = []
