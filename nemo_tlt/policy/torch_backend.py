@@ -104,12 +104,14 @@ class TorchPolicy:
 
     @torch.no_grad()
     def logprobs(self, batch: Sequence[Sequence2], current: bool = True, *, on_hidden: HiddenSink | None = None,
-                 capture_layers: tuple[int, ...] | None = None
+                 capture_layers: tuple[int, ...] | None = None, part: int | None = None
                  ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """See ``PolicyBackend.logprobs``; ``part`` (the pipelined update): only the sequences of
+        that micro-batch of ``batch`` get values, the others None."""
         capture_layers = check_capture_layers("TorchPolicy.logprobs", capture_layers, self.model_config.num_layers)
         if not current and self.reference is None:
             return None, None
-        mbs = micro_batches(batch, self.config.micro_batch, self.device)
+        mbs = self._micro_batches(batch, part)
         old = None
         if current:
             old = scatter([self._token_logprobs(self.model, mb, batch, on_hidden, capture_layers) for mb in mbs],
@@ -180,19 +182,20 @@ class TorchPolicy:
 
     def accumulate(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                    logp_ref: list[torch.Tensor] | None, *, on_hidden: HiddenSink | None = None,
-                   capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None
-                   ) -> dict[str, float]:
+                   capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None,
+                   part: int | None = None) -> dict[str, float]:
         """Add one term (one GRPO group) to the step's gradient: each of its micro-batches
-        (``micro_batches`` of ``batch`` alone, so they depend on the term's tokens only)
-        adds the gradient of its token-sum loss over the token budget. Returns the term's
-        token sums of ``STATS`` and its ``tokens``; the weights do not change."""
+        (``micro_batches`` of ``batch`` alone, so they depend on the term's tokens only; with
+        ``part``, that micro-batch alone) adds the gradient of its token-sum loss over the
+        token budget. Returns the term's token sums of ``STATS`` and its ``tokens``; the
+        weights do not change."""
         if getattr(self, "_sums", None) is None:
             raise RuntimeError("TorchPolicy.accumulate: call begin_accumulation first")
         check_update_args("TorchPolicy", batch, advantages, 1)
         capture_layers = check_capture_layers("TorchPolicy.accumulate", capture_layers, self.model_config.num_layers)
         sums = dict.fromkeys((*STATS, "tokens"), 0.0)
         advantages = advantages.to(self.device)
-        for mb in micro_batches(batch, self.config.micro_batch, self.device):
+        for mb in self._micro_batches(batch, part):
             self.master.zero_grads()
             loss, means, n_local = self._micro_loss(mb, batch, advantages, logp_old, logp_ref, on_hidden,
                                                     capture_layers, on_logprobs)
@@ -203,6 +206,18 @@ class TorchPolicy:
                 sums[k] += means[k] * n_local
             sums["tokens"] += n_local
         return sums
+
+    def num_parts(self, sequences: int) -> int:
+        """The micro-batches (``part`` values) of a term of ``sequences`` sequences."""
+        return -(-sequences // self.config.micro_batch)
+
+    def _micro_batches(self, batch: Sequence[Sequence2], part: int | None) -> list[MicroBatch]:
+        mbs = micro_batches(batch, self.config.micro_batch, self.device)
+        if part is None:
+            return mbs
+        if not 0 <= part < len(mbs):
+            raise ValueError(f"TorchPolicy: part {part} of a batch of {len(mbs)} micro-batches")
+        return [mbs[part]]
 
     def apply_accumulated(self, global_tokens: int) -> dict[str, float]:
         """Sum the terms over every rank (exact), scale to the token mean over

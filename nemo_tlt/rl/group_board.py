@@ -8,11 +8,12 @@ Contract
   is final (from the engine's ``on_finish``): the prompt, the G responses, their rewards and
   generation log-probs, pickled under ``<prefix>/group/<gid>``, then its id appended to the
   publication list ``<prefix>/pub/<n>`` (``n`` from one ``add``: no two groups share a slot).
-* ``claim()`` returns the next published group no rank has claimed (``add`` on
-  ``<prefix>/claim/<gid>`` returning 1 makes it this rank's), in publication order,
-  waiting for the next publication when every published one is taken; None once all
-  ``num_groups`` were published and this rank has seen every one (every group is then
-  claimed by some rank). A wait past ``timeout_s`` raises ``TimeoutError`` naming the step's
+* A group's work is ``parts`` pieces (its micro-batches: the finer the pieces, the better
+  the ranks share the tail's last groups). ``claim()`` returns the next published
+  ``(group, part)`` no rank has claimed (``add`` on ``<prefix>/claim/<gid>/<part>``
+  returning 1 makes it this rank's), in publication order, waiting for the next
+  publication when every published piece is taken; None once all ``num_groups`` were
+  published and this rank has tried every piece (each is then claimed by some rank). A wait past ``timeout_s`` raises ``TimeoutError`` naming the step's
   missing groups (a rank died mid-rollout).
 * ``cleanup(store, prefix, num_groups)`` deletes a finished step's keys (rank 0, once
   every rank is past that step).
@@ -45,19 +46,36 @@ def board_prefix(mode: str, step: int) -> str:
 
 
 class GroupBoard:
-    def __init__(self, store: dist.Store, prefix: str, num_groups: int, timeout_s: float) -> None:
+    def __init__(self, store: dist.Store, prefix: str, num_groups: int, timeout_s: float, parts: int = 1) -> None:
         if num_groups < 1:
             raise ValueError(f"GroupBoard: num_groups must be >= 1, got {num_groups}")
+        if parts < 1:
+            raise ValueError(f"GroupBoard: parts must be >= 1, got {parts}")
         self.store, self.prefix, self.num_groups, self.timeout_s = store, prefix, num_groups, timeout_s
+        self.parts = parts
         self.seen = 0  # publications this rank has looked at
+        self._current: tuple[int, int] | None = None  # (gid, next part to try) of the last publication seen
+        self._loaded: Group | None = None
 
     def publish(self, group: Group) -> None:
         self.store.set(f"{self.prefix}/group/{group.gid}", pickle.dumps(group))
         slot = self.store.add(f"{self.prefix}/published", 1) - 1
         self.store.set(f"{self.prefix}/pub/{slot}", str(group.gid))
 
-    def claim(self) -> Group | None:
-        while self.seen < self.num_groups:
+    def claim(self) -> tuple[Group, int] | None:
+        """The next unclaimed (group, part) in publication order, waiting for publications;
+        None once every part of every group has been claimed by some rank."""
+        while True:
+            if self._current is not None:
+                gid, part = self._current
+                self._current = (gid, part + 1) if part + 1 < self.parts else None
+                if self.store.add(f"{self.prefix}/claim/{gid}/{part}", 1) == 1:
+                    if self._loaded is None or self._loaded.gid != gid:
+                        self._loaded = pickle.loads(self.store.get(f"{self.prefix}/group/{gid}"))
+                    return self._loaded, part
+                continue
+            if self.seen == self.num_groups:
+                return None
             key = f"{self.prefix}/pub/{self.seen}"
             try:
                 self.store.wait([key], timedelta(seconds=self.timeout_s))
@@ -65,17 +83,14 @@ class GroupBoard:
                 raise TimeoutError(f"pipelined update: {self.num_groups - self.seen} of {self.num_groups} groups "
                                    f"of {self.prefix} were not published within workers.timeout_s="
                                    f"{self.timeout_s:g}s (did a rank fail mid-rollout?)") from err
-            gid = int(self.store.get(key))
+            self._current = (int(self.store.get(key)), 0)
             self.seen += 1
-            if self.store.add(f"{self.prefix}/claim/{gid}", 1) == 1:
-                return pickle.loads(self.store.get(f"{self.prefix}/group/{gid}"))
-        return None
 
 
-def cleanup(store: dist.Store, prefix: str, num_groups: int) -> None:
+def cleanup(store: dist.Store, prefix: str, num_groups: int, parts: int = 1) -> None:
     """Delete the keys of a finished step's board."""
     keys = [f"{prefix}/published"]
     for i in range(num_groups):
-        keys += [f"{prefix}/pub/{i}", f"{prefix}/group/{i}", f"{prefix}/claim/{i}"]
+        keys += [f"{prefix}/pub/{i}", f"{prefix}/group/{i}"] + [f"{prefix}/claim/{i}/{k}" for k in range(parts)]
     for key in keys:
         store.delete_key(key)

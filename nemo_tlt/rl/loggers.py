@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 

@@ -157,7 +157,7 @@ class RLWorker:
         board = self._board(step) if self.pipelined and self.spec.tlt else None
         collector = self._collector(prompts, board) if self.pipelined else None
         rollout = self.rollout(step, prompts, collector)
-        early: dict[int, dict[str, float]] = {}
+        early: dict[tuple[int, int], dict[str, float]] = {}
         t_early = 0.0  # seconds of update work (not of waiting for groups) before the meet
         if board is not None:  # the update's groups while other ranks still decode, then idle
             self._begin_accumulation()
@@ -196,7 +196,8 @@ class RLWorker:
         if comm.rank != 0:
             return {}
         if board is not None and step >= 2:  # every rank is past step - 2 (the gather above)
-            cleanup(comm.store, board_prefix(self.spec.mode, step - 2), self.cfg.grpo.prompts_per_step)
+            cleanup(comm.store, board_prefix(self.spec.mode, step - 2), self.cfg.grpo.prompts_per_step,
+                    self.policy.num_parts(G))
         self.rank_states = [r.state for r in ranks]
         times = {"step_s": time.perf_counter() - t_start, "rollout_s": t_meet - t_start, "logprob_s": t_logprob,
                  "update_s": t_update, "weight_sync_s": t_sync}
@@ -288,7 +289,7 @@ class RLWorker:
     # ---- the pipelined update (policy.pipelined_update; nemo_tlt.rl.pipelined_update) ------
     def _board(self, step: int) -> GroupBoard:
         return GroupBoard(self.comm.store, board_prefix(self.spec.mode, step), self.cfg.grpo.prompts_per_step,
-                          self.cfg.workers.timeout_s)
+                          self.cfg.workers.timeout_s, parts=self.policy.num_parts(self.cfg.grpo.group_size))
 
     def _collector(self, prompts: list, board: GroupBoard | None) -> GroupCollector:
         task = self.task
@@ -300,16 +301,17 @@ class RLWorker:
         g = self.cfg.grpo
         self.policy.begin_accumulation(g.prompts_per_step * g.group_size * g.max_new_tokens)
 
-    def _group_term(self, step: int, group: Group) -> dict[str, float]:
+    def _group_term(self, step: int, group: Group, part: int | None = None) -> dict[str, float]:
         # drafter data from the policy's forward: every sequence of the groups this rank computes
         on_hidden = self._harvest_sink(step, None) if self.harvest_from == "policy" else None
-        return group_term(self.policy, group, group_size=self.cfg.grpo.group_size,
+        return group_term(self.policy, group, part, group_size=self.cfg.grpo.group_size,
                           separate_logprob_pass=self.cfg.policy.separate_logprob_pass,
                           gap=comparable(self.cfg.grpo.acceptance, self.cfg.grpo.temperature),
                           on_hidden=on_hidden, capture_layers=self.capture_layers if on_hidden else None)
 
     def pipelined_update(self, step: int, collector: GroupCollector, rollout: Rollout,
-                         early: dict[int, dict[str, float]], own_groups: bool) -> tuple[dict[str, float], float, float]:
+                         early: dict[tuple[int, int], dict[str, float]], own_groups: bool
+                         ) -> tuple[dict[str, float], float, float]:
         """Finish the step's update: this rank's own groups first when they were not pipelined
         (the baseline), then the exact sum over ranks and the one optimizer step. Returns the
         update's dict, its seconds, and the seconds of its work alone (group gradients and the
@@ -318,8 +320,10 @@ class RLWorker:
         sums = dict(early)
         if own_groups:
             self._begin_accumulation()
-            for group in collector.own_groups():
-                sums[group.gid] = self._group_term(step, group)
+            parts = self.policy.num_parts(self.cfg.grpo.group_size)
+            for group in collector.own_groups():  # piece by piece as TLT's ranks claim them: the same stats
+                for part in range(parts):
+                    sums[(group.gid, part)] = self._group_term(step, group, part)
         t_groups = time.perf_counter() - t0
         own_tokens = sum(len(r.tokens) for r in rollout.out.results)
         global_tokens = int(self.comm.sum_(torch.tensor([float(own_tokens)], device="cpu")).item())

@@ -6,16 +6,17 @@ Contract
   rollout's requests and sequence ids first): it collects
   rows by group (sequence id ``gid * G + g``), scores a group once its G rows are final and
   publishes it (``GroupBoard.publish``); ``rewards(ids)`` returns the scores in id order.
-* ``group_term(policy, group, ...)`` computes one group's gradient term
-  (``accumulate``: log-probs as the non-pipelined update would compute them, group
-  advantages, the clipped PG loss) and returns the group's token sums (``STATS``,
-  ``tokens``, and the logprob_gap sums when asked).
-* ``combine(parts)`` folds every rank's ``{gid: sums}`` into the step's token means, adding
-  groups in gid order, so the logged stats do not depend on which rank computed which group.
-* With TLT every rank, once its own decoding is done, claims published groups until all are
-  claimed (its own first as they were published first, then the still-decoding ranks'
-  finished ones), and only then goes idle (drafter training in what remains). The baseline
-  computes its own groups, in gid order, after the rollout: the plain synchronous step.
+* ``group_term(policy, group, part, ...)`` computes one group's gradient term, or that of
+  its micro-batch ``part`` (``accumulate``: log-probs as the non-pipelined update would
+  compute them, group advantages from the whole group's rewards, the clipped PG loss) and
+  returns its token sums (``STATS``, ``tokens``, and the logprob_gap sums when asked).
+* ``combine(parts)`` folds every rank's ``{(gid, part): sums}`` into the step's token means,
+  adding pieces in key order, so the logged stats do not depend on which rank computed what.
+* With TLT every rank, once its own decoding is done, claims published pieces (a group's
+  micro-batches) until all are claimed (its own groups first as they were published first,
+  then the still-decoding ranks' finished ones), and only then goes idle (drafter training
+  in what remains). The baseline computes its own groups, in gid order, after the rollout:
+  the plain synchronous step.
   Both sum in fixed point, so TLT and baseline take bit-identical optimizer steps.
 """
 from __future__ import annotations
@@ -70,39 +71,45 @@ class GroupCollector:
         return [self.groups[g] for g in sorted(self.groups)]
 
 
-def group_term(policy: Any, group: Group, *, group_size: int, separate_logprob_pass: bool, gap: bool,
-               on_hidden: HiddenSink | None = None, capture_layers: tuple[int, ...] | None = None
-               ) -> dict[str, float]:
-    """One group's gradient term added to ``policy``'s fixed-point sums; its token sums back."""
+def group_term(policy: Any, group: Group, part: int | None = None, *, group_size: int,
+               separate_logprob_pass: bool, gap: bool, on_hidden: HiddenSink | None = None,
+               capture_layers: tuple[int, ...] | None = None) -> dict[str, float]:
+    """One group's gradient term (or of its micro-batch ``part`` alone) added to ``policy``'s
+    fixed-point sums; its token sums back."""
     batch = [(group.prompt, r) for r in group.responses]
-    logp_old, logp_ref = policy.logprobs(batch, separate_logprob_pass)
+    logp_old, logp_ref = policy.logprobs(batch, separate_logprob_pass, part=part)
     advantages = group_advantages(torch.tensor(group.rewards, dtype=torch.float32, device="cpu"), group_size)
     seen: dict[int, torch.Tensor] = {}
     sink = seen.__setitem__ if gap and logp_old is None else None
     sums = policy.accumulate(batch, advantages, logp_old, logp_ref, on_hidden=on_hidden,
-                             capture_layers=capture_layers, on_logprobs=sink)
+                             capture_layers=capture_layers, on_logprobs=sink, part=part)
     if gap:
-        lps = logp_old if logp_old is not None else [seen[i] for i in range(len(batch))]
-        sums.update(gap_sums(group.gen_logprobs, lps))
+        rows = sorted(seen) if logp_old is None else [i for i, lp in enumerate(logp_old) if lp is not None]
+        lps = [seen[i] if logp_old is None else logp_old[i] for i in rows]
+        sums.update(gap_sums([group.gen_logprobs[i] for i in rows], lps))
     return sums
 
 
-def combine(parts: Sequence[dict[int, dict[str, float]]], global_tokens: int) -> dict[str, float]:
-    """The step's token-mean ``STATS`` (and gap sums) from every rank's per-group sums, in gid order."""
-    groups = {gid: sums for part in parts for gid, sums in part.items()}
-    out = {k: sum(groups[g][k] for g in sorted(groups)) / global_tokens for k in STATS}
-    if groups and all(all(k in s for k in GAP_SUMS) for s in groups.values()):
-        out.update({k: sum(groups[g][k] for g in sorted(groups)) for k in GAP_SUMS})
+def combine(parts: Sequence[dict[Any, dict[str, float]]], global_tokens: int) -> dict[str, float]:
+    """The step's token-mean ``STATS`` (and gap sums) from every rank's sums per work piece
+    (keys ``(gid, part)``), added in key order."""
+    pieces = {key: sums for part in parts for key, sums in part.items()}
+    order = sorted(pieces)
+    out = {k: sum(pieces[g][k] for g in order) / global_tokens for k in STATS}
+    if pieces and all(all(k in s for k in GAP_SUMS) for s in pieces.values()):
+        out.update({k: sum(pieces[g][k] for g in order) for k in GAP_SUMS})
     return out
 
 
-def claim_all(board: GroupBoard, compute: Callable[[Group], dict[str, float]],
-              clock: Callable[[], float]) -> tuple[dict[int, dict[str, float]], list[tuple[float, float, str]]]:
-    """Claim and compute published groups until every group is claimed: the sums per gid
-    and the (start, end, "update") segments of this rank's work on ``clock``."""
+def claim_all(board: GroupBoard, compute: Callable[[Group, int], dict[str, float]],
+              clock: Callable[[], float]) -> tuple[dict[tuple[int, int], dict[str, float]],
+                                                   list[tuple[float, float, str]]]:
+    """Claim and compute published pieces until every piece is claimed: the sums per
+    ``(gid, part)`` and the (start, end, "update") segments of this rank's work on ``clock``."""
     sums, segments = {}, []
-    while (group := board.claim()) is not None:
+    while (claimed := board.claim()) is not None:
+        group, part = claimed
         t0 = clock()
-        sums[group.gid] = compute(group)
+        sums[(group.gid, part)] = compute(group, part)
         segments.append((t0, clock(), "update"))
     return sums, segments

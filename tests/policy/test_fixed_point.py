@@ -151,6 +151,21 @@ def test_pipelined_update_equals_the_plain_update_within_float_rounding():
     assert moved > 1e-5  # the step did move the weights (lr 5e-5, Adam)
 
 
+def test_parts_add_up_to_the_whole_group_bitwise():
+    """A group's micro-batches as separate pieces (as ranks claim them) give the whole group's sums."""
+    groups = _groups(3)
+    whole, pieces = _policy(), _policy()
+    for p in (whole, pieces):
+        p.begin_accumulation(256)
+    for batch, adv in groups:
+        whole.accumulate(batch, adv, None, None)
+        for part in reversed(range(pieces.num_parts(len(batch)))):
+            pieces.accumulate(batch, adv, None, None, part=part)
+    assert pieces.num_parts(4) == 2 and torch.equal(whole._sums.flat, pieces._sums.flat)
+    with pytest.raises(ValueError, match="part 2 of a batch of 2"):
+        pieces.accumulate(*groups[0], None, None, part=2)
+
+
 def test_accumulate_needs_begin_accumulation():
     policy = _policy()
     batch, adv = _groups(1)[0]
