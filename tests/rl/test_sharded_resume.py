@@ -90,7 +90,7 @@ def test_kill_during_sharded_run_checkpoint_leaves_previous_loadable(tiny_models
 
     def save_then_die(self, directory: str) -> None:  # runs in the forked workers
         save(self, directory)
-        if ".step-00000001.partial" in directory and dist.get_rank() == 1:
+        if "step-00000001" in directory and dist.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGKILL)  # its shard written, the commit not reached
 
     target, drafter = tiny_models
@@ -100,8 +100,8 @@ def test_kill_during_sharded_run_checkpoint_leaves_previous_loadable(tiny_models
         launch(_spec(run, target, drafter, workers=2), run_rank)
     monkeypatch.undo()
     ckpts = run / "tlt" / "checkpoints" / "sharded"
-    assert (ckpts / ".step-00000001.partial-sharded" / "policy").is_dir()  # the killed save's files
     assert not (ckpts / "step-00000001").exists() and (ckpts / "step-00000000").is_dir()
+    assert (ckpts / ".step-00000001.partial-sharded" / "policy").is_dir()  # the killed save's files
     logged = [json.loads(line) for line in (run / "tlt" / "metrics.jsonl").read_text().splitlines()]
     killed_step1 = next(r for r in logged if r.get("step") == 1 and "rollout_digest" in r)
 
