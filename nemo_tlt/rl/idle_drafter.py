@@ -77,12 +77,14 @@ class IdleDrafter:
                           drafter_loss=rnd.mean_loss if rnd.micro_steps else None,
                           stop_latency_s=report.stop_latency_s, sync_hierarchical=report.sync.hierarchical)
 
-    def restore(self, policy_weights: Mapping[str, torch.Tensor], drafter_weights: Mapping[str, torch.Tensor],
+    def restore(self, policy_weights: Mapping[str, torch.Tensor] | None, drafter_weights: Mapping[str, torch.Tensor],
                 trainer_state: dict, generator: list[int], next_step: int) -> None:
         """Back to a checkpoint: the view of the synced policy, the drafter, its trainer
         (optimizer, schedule step, this rank's sampling generator) and an empty buffer
-        whose first step is ``next_step``."""
-        self.view.load(policy_weights)
+        whose first step is ``next_step``. ``policy_weights`` None: the caller has streamed
+        them into the view (``WeightStream(..., view=self.view)``)."""
+        if policy_weights is not None:
+            self.view.load(policy_weights)
         self.drafter.load_state_dict(dict(drafter_weights), strict=True)
         self.trainer.load_state_dict(trainer_state)
         self.trainer.generator.set_state(torch.tensor(generator, dtype=torch.uint8, device="cpu"))

@@ -13,7 +13,9 @@ One RL step on every rank:
    GRPO loss (a global token mean; the backend reduces gradients over its replicas).
 5. ``sync_weights``: the backend's canonical weight stream goes to the rollout
    engine (and the drafter's view of the target).
-6. ``log_and_checkpoint``: rank 0 logs the step and checkpoints (async).
+6. ``log_and_checkpoint``: rank 0 logs the step and checkpoints (async); a policy whose
+   state is sharded over ranks (the megatron backend) is checkpointed by every rank
+   together instead, each writing its own shard (``nemo_tlt.rl.sharded_run_checkpoint``).
 
 The loop sees three contracts only: ``RolloutEngine``, ``PolicyBackend`` and the task.
 Prompts, sampling seed and sequence ids are functions of (seed, step), so with
@@ -46,6 +48,7 @@ from nemo_tlt.rl.records import IdleResult, RankState, RankStep, Rollout, arm_ac
 from nemo_tlt.rl.report import MetricsWriter, progress_bar
 from nemo_tlt.rl.run import RunSpec, shard_prompts, step_rng, step_seed
 from nemo_tlt.rl.run_checkpoint import RunCheckpointer, RunState, restore
+from nemo_tlt.rl.sharded_run_checkpoint import ShardedRunCheckpointer, rank_state_for, restore_sharded
 from nemo_tlt.rl.task import build_task, check_eos, check_vocab
 from nemo_tlt.rl.validation import is_due, validate, validation_prompts, validation_sampling
 from nemo_tlt.rl.weight_stream import WeightStream
@@ -98,11 +101,15 @@ class RLWorker:
         self.pipelined = cfg.policy.pipelined_update
         self.coord = WorkerCoordinator(comm.store, comm.rank, comm.world, cfg.drafter.min_idle_workers,
                                        prefix=f"tlt/{spec.mode}", timeout_s=cfg.workers.timeout_s)
-        self.ckpt = RunCheckpointer(spec.checkpoint_dir, cfg.checkpoint.keep_last, writer=comm.rank == 0)
-        # what the engine serves (for checkpoints; filled by every step's weight sync before one is written)
+        # a sharded policy state is checkpointed by every rank (its shard); else rank 0 writes it all
+        self.sharded = self.policy.sharded_state
+        self.ckpt = (ShardedRunCheckpointer(spec.checkpoint_dir, cfg.checkpoint.keep_last, comm.rank) if self.sharded
+                     else RunCheckpointer(spec.checkpoint_dir, cfg.checkpoint.keep_last, writer=comm.rank == 0))
+        # what the engine serves, kept for rank 0's checkpoints (none with shards: they hold the policy);
+        # filled by every step's weight sync before a checkpoint is written
         self.synced: dict[str, torch.Tensor] = {}
         self.records: list[dict[str, Any]] = []
-        self.policy_states: list[dict] = [self.policy.state_dict()]
+        self.policy_states: list[dict] = [] if self.sharded else [self.policy.state_dict()]
         self.rank_states: list[RankState] = []
         self.saved_step: int | None = None
         self.start_step = 0
@@ -129,8 +136,9 @@ class RLWorker:
                 if rank0:
                     record.update(time_left_s=boundary.time_left(), drafter_round_skipped=decision.tight)
                     boundary.budget.add_step(record["step_s"] + (check["validation_s"] if check else 0.0))
-                    t0 = time.perf_counter()
-                    self.log_and_checkpoint(step, record, writer, bar)
+                t0 = time.perf_counter()
+                self.log_and_checkpoint(step, record, writer, bar)  # every rank: a sharded save is collective
+                if rank0:
                     if check is not None:
                         writer.write(check)
                     boundary.budget.add_checkpoint(time.perf_counter() - t0)
@@ -138,10 +146,13 @@ class RLWorker:
                     on_step(step, record)
             else:
                 step = self.cfg.steps
-            if status != "completed" and rank0 and self.records:
-                self.checkpoint(self.records[-1]["step"], final=True)
-                log.warning("%s: checkpoint of step %d in %s; continue with resume=true", boundary.reason(decision),
-                            self.records[-1]["step"], self.spec.checkpoint_dir)
+            # every rank agreed on the stop, so every rank knows the last completed step (a
+            # resumed run's first one, step - 1 = start_step - 1, is its checkpoint already)
+            if status != "completed" and step > 0:
+                self.checkpoint(step - 1, final=True)
+                if rank0:
+                    log.warning("%s: checkpoint of step %d in %s; continue with resume=true",
+                                boundary.reason(decision), step - 1, self.spec.checkpoint_dir)
         finally:
             for closable in (bar, writer, self.ckpt, self.drafter):
                 if closable is not None:
@@ -188,11 +199,10 @@ class RLWorker:
                         arm_accept=arm_accept_counts(rollout.out.stats.trace),
                         update_work_s=t_work, policy_digest=policy_digest)
         ranks = comm.gather(mine)
-        # A sharded optimizer state (the megatron backend's distributed optimizer on more than
-        # one rank) differs per rank: keep every rank's (on the host: device tensors pickled to
-        # another rank would land on its device of that index).
-        self.policy_states = (comm.gather(to_host(self.policy.state_dict())) if self.policy.sharded_state
-                              else [self.policy.state_dict()])
+        # a sharded policy state (the megatron backend on more than one rank) stays where it is:
+        # each rank writes its own shard at the checkpoint (ShardedRunCheckpointer)
+        if not self.sharded:
+            self.policy_states = [self.policy.state_dict()]
         if comm.rank != 0:
             return {}
         if board is not None and step >= 2:  # every rank is past step - 2 (the gather above)
@@ -339,7 +349,8 @@ class RLWorker:
         """Policy weights to the engine and the drafter's view; new drafter weights to the
         engine. Returns the digest of both (replicas must stay identical) and of the policy alone."""
         view = self.drafter.view if self.drafter is not None else None
-        stream = WeightStream(self.policy.canonical_weights(), keep=self.comm.rank == 0, view=view)
+        stream = WeightStream(self.policy.canonical_weights(), keep=self.comm.rank == 0 and not self.sharded,
+                              view=view)
         self.engine.load_policy_weights(stream)
         self.synced = stream.kept
         policy_digest = stream.hexdigest()
@@ -352,9 +363,11 @@ class RLWorker:
             stream.add(self.drafter.drafter)
         return stream.hexdigest(), policy_digest
 
-    def log_and_checkpoint(self, step: int, record: dict[str, Any], writer: MetricsWriter, bar) -> None:
-        self.records.append(record)
-        writer.write(record)
+    def log_and_checkpoint(self, step: int, record: dict[str, Any], writer: MetricsWriter | None, bar) -> None:
+        """Every rank: rank 0 (the one with a ``writer``) logs; the checkpoint is rank 0's or collective."""
+        if writer is not None:
+            self.records.append(record)
+            writer.write(record)
         self.checkpoint(step, final=step == self.cfg.steps - 1)
         if bar is not None:
             bar.update(1)
@@ -367,14 +380,21 @@ class RLWorker:
         return RankState(sd, gen)
 
     def checkpoint(self, step: int, final: bool) -> None:
-        """Rank 0 only; the per-rank states were gathered at the end of the step."""
+        """Called by every rank at the same point; the per-rank states were gathered on rank 0 at
+        the end of the step. Unsharded: rank 0 writes (async). Sharded: collective, every rank
+        writes its shard of the policy, rank 0 the rest, in one atomic commit."""
         if self.saved_step == step or (not final and (step + 1) % self.cfg.checkpoint.every):
             return
-        d = self.drafter
-        self.ckpt.save(RunState(step, self.spec.mode, self.comm.world, self.synced, self.policy_states,
-                                self.rank_states, self.records,
-                                d.drafter.state_dict() if d is not None else None,
-                                d.trainer.state_dict() if d is not None else None))
+        if self.sharded or self.comm.rank == 0:
+            d = self.drafter if self.comm.rank == 0 else None  # the drafter is identical on every rank
+            state = RunState(step, self.spec.mode, self.comm.world, self.synced, self.policy_states,
+                             self.rank_states, self.records,
+                             d.drafter.state_dict() if d is not None else None,
+                             d.trainer.state_dict() if d is not None else None)
+            if self.sharded:
+                self.ckpt.save(state, self.policy)
+            else:
+                self.ckpt.save(state)
         self.saved_step = step
 
     def resume(self) -> None:
@@ -383,23 +403,15 @@ class RLWorker:
         if state is None:
             log.info("resume=true but %s holds no checkpoint: starting at step 0", self.spec.checkpoint_dir)
             return
-        restore(state, self.comm.rank, self.policy, self.engine, self.sd_policy, self.drafter)
-        self.synced = dict(state.policy_weights)
+        if self.sharded:  # this rank's slice of the policy; the engine and view from its stream
+            restore_sharded(state, self.comm.rank, self.policy, self.engine, self.sd_policy, self.drafter)
+        else:
+            restore(state, self.comm.rank, self.policy, self.engine, self.sd_policy, self.drafter)
+            self.synced = dict(state.policy_weights)
         self.records = list(state.records) if self.comm.rank == 0 else []
-        self.rank_states = list(state.ranks)
+        self.rank_states = [rank_state_for(state, r) for r in range(self.comm.world)]
         self.saved_step = state.step
         self.start_step = state.step + 1
-
-
-def to_host(value: Any) -> Any:
-    """``value`` with every tensor in it (nested dicts, lists, tuples) copied to the host."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: to_host(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_host(v) for v in value)
-    return value
 
 
 def run_rank(spec: RunSpec, comm: "Comm", stop: "StopFlag", on_step: Callable | None = None) -> dict[str, Any]:

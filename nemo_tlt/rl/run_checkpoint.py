@@ -3,8 +3,8 @@
 Contract
 --------
 * ``RunState`` is everything a run needs to continue exactly: the synced policy's
-  canonical weights, the policy backend's optimizer state (one, or one per rank when
-  it is sharded over model-parallel ranks), the drafter and its trainer (TLT runs),
+  canonical weights, the policy backend's optimizer state (one: this module's
+  policies are not sharded over ranks), the drafter and its trainer (TLT runs),
   every rank's private state (SD policy, sampling generator), and the step records
   logged so far.
 * Rank 0 writes (``save``: snapshot on the caller's thread, atomic write in the
@@ -13,6 +13,10 @@ Contract
 * A checkpoint written by another number of workers is refused: its per-rank
   states (and the prompts each rank owns) would not line up. So is one of the other
   mode (TLT / baseline).
+* A policy whose state is sharded over ranks (the megatron backend on more than one
+  worker) is checkpointed by ``nemo_tlt.rl.sharded_run_checkpoint`` instead (every rank
+  writes its shard; another data-parallel size resumes); this module refuses to resume
+  from such a checkpoint, naming it.
 * The harvest buffer is not saved (it may hold hundreds of MB per rank): after a
   resume the drafter trains only on data harvested from then on, so the drafter (and
   with it SD's acceptance and timings) may differ from an uninterrupted run's. The
@@ -39,12 +43,13 @@ class RunState:
     step: int
     mode: str
     world: int
-    policy_weights: Mapping[str, torch.Tensor]
+    policy_weights: Mapping[str, torch.Tensor] | None  # None: a sharded checkpoint (``policy_dir``)
     policy_states: list[dict]
     ranks: list[RankState]
     records: list[dict[str, Any]]
     drafter_weights: Mapping[str, torch.Tensor] | None = None
     drafter_trainer: dict | None = None
+    policy_dir: Path | None = None  # the policy's shards (``nemo_tlt.rl.sharded_run_checkpoint``)
 
 
 class RunCheckpointer:
@@ -75,6 +80,12 @@ class RunCheckpointer:
             with CheckpointManager(self.directory) as reader:
                 ck = reader.load() if reader.latest() is not None else None
         if ck is None:
+            from nemo_tlt.rl.sharded_run_checkpoint import sharded_dir
+
+            if any(sharded_dir(self.directory).glob("step-*")):
+                raise ValueError(f"resume: {sharded_dir(self.directory)} holds a checkpoint of a sharded policy state "
+                                 "(the megatron backend on more than one worker); this run's policy state is not "
+                                 "sharded")
             return None
         meta = ck.json_state
         if meta["mode"] != mode:
@@ -102,7 +113,7 @@ def restore(state: RunState, rank: int, policy, engine, sd_policy, drafter) -> N
     (weights, its optimizer state or this rank's shard of it), the rollout engine's
     weights and drafter, the SD policy, and the drafter side (``IdleDrafter.restore``)."""
     policy.load_canonical(state.policy_weights)
-    policy.load_state_dict(state.policy_states[rank if len(state.policy_states) > 1 else 0])
+    policy.load_state_dict(state.policy_states[0])
     engine.load_policy_weights(state.policy_weights)
     mine = state.ranks[rank]
     if sd_policy is not None and mine.sd_policy is not None:

@@ -60,6 +60,14 @@ def test_megatron_backend_matches_torch_backend(tiny_models, tmp_path, tp, pp):
 
 
 def _policy_at(run: Path, step: int) -> dict[str, torch.Tensor]:
+    sharded = run / "checkpoints" / "sharded" / f"step-{step:08d}" / "policy"
+    if sharded.is_dir():  # a megatron run on several workers: every rank wrote its shard
+        from nemo_tlt.convert import _load_worker
+        from nemo_tlt.dist import launch_local
+
+        (run / f"policy-{step}").mkdir()
+        launch_local(_load_worker, 1, str(sharded), None, None, str(run / f"policy-{step}"), timeout_s=120)
+        return {f"policy/{k}": v for k, v in load_file(str(run / f"policy-{step}" / "model.safetensors")).items()}
     manager = CheckpointManager(run / "checkpoints")
     try:
         ck = manager.load(step)

@@ -42,6 +42,23 @@ def _latest(run) -> tuple[int, dict, dict]:
     return ck.step, ck.tensors, ck.extra_state
 
 
+def _sharded_latest(run) -> tuple[int, dict[str, torch.Tensor]]:
+    """The newest committed sharded checkpoint's step and every tensor of its policy (weights
+    and distributed-optimizer state, as global tensors), read in this one process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = max((run / "tlt" / "checkpoints" / "sharded").glob("step-*"))
+    dcp_to_torch_save(str(folder / "policy"), str(run / "policy.pt"))
+    flat = _flatten(torch.load(run / "policy.pt", weights_only=False))
+    return int(folder.name[5:]), {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}/").items()}
+    return {prefix[:-1]: tree}
+
+
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets")
@@ -65,8 +82,9 @@ def test_sigterm_checkpoints_and_resume_equals_uninterrupted(tiny_models, tmp_pa
     assert cut["status"] == "interrupted"
     stopped_at = cut["next_step"]
     assert 1 <= stopped_at < STEPS  # stopped at a step boundary, before the end
-    step, _, _ = _latest(tmp_path / "cut")
-    assert step == stopped_at - 1  # the last completed step was checkpointed
+    # the last completed step was checkpointed (by every rank together with a sharded policy)
+    step = _latest(tmp_path / "cut")[0] if backend == "torch" else _sharded_latest(tmp_path / "cut")[0]
+    assert step == stopped_at - 1
 
     resumed = launch(_spec(tmp_path / "cut", target, drafter, resume=True, extra=extra), run_rank)
     assert resumed["status"] == "completed"
@@ -77,6 +95,14 @@ def test_sigterm_checkpoints_and_resume_equals_uninterrupted(tiny_models, tmp_pa
     lines = (tmp_path / "cut" / "tlt" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == STEPS  # the resumed run did not duplicate steps in the log
 
+    if backend != "torch":  # every rank wrote its shard: weights and optimizer state, bit for bit
+        step_a, tensors_a = _sharded_latest(tmp_path / "full")
+        step_b, tensors_b = _sharded_latest(tmp_path / "cut")
+        assert step_a == step_b == STEPS - 1 and sorted(tensors_a) == sorted(tensors_b)
+        assert any("exp_avg_sq" in k for k in tensors_a) and any("embedding" in k for k in tensors_a)
+        for k in tensors_a:
+            assert torch.equal(tensors_a[k], tensors_b[k]), k
+        return
     step_a, tensors_a, extra_a = _latest(tmp_path / "full")
     step_b, tensors_b, extra_b = _latest(tmp_path / "cut")
     assert step_a == step_b == STEPS - 1

@@ -30,3 +30,11 @@ def test_round_trip_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="is a tlt run's checkpoint; this run is baseline"):
         RunCheckpointer(tmp_path).load_latest(world=2, mode="baseline")
     assert RunCheckpointer(tmp_path / "empty").load_latest(world=2, mode="tlt") is None
+
+
+def test_a_sharded_checkpoint_is_refused_by_name_not_ignored(tmp_path):
+    # a megatron run on several workers checkpoints into <dir>/sharded; resuming it with an
+    # unsharded policy state must not silently start again at step 0
+    (tmp_path / "sharded" / "step-00000003").mkdir(parents=True)
+    with pytest.raises(ValueError, match="sharded policy state"):
+        RunCheckpointer(tmp_path).load_latest(world=2, mode="tlt")
