@@ -96,7 +96,30 @@ def save_policy_shards(state: dict, directory: str | os.PathLike) -> None:
     from megatron.core import dist_checkpointing
 
     os.makedirs(directory, exist_ok=True)
-    dist_checkpointing.save(state, str(directory))
+    try:
+        dist_checkpointing.save(state, str(directory))
+    finally:
+        _shutdown_write_results_queue()
+
+
+def _shutdown_write_results_queue() -> None:
+    """Stop the server process behind megatron-core's write-results queue.
+
+    megatron-core 0.16.1's ``FileSystemWriterAsync`` (what a torch_dist save writes with,
+    synchronous saves included) creates a spawned ``multiprocessing.Manager`` for its results
+    queue on the first save and keeps it for the life of the process. A rank that is killed or
+    terminated leaves that server behind, orphaned and holding the rank's stdout open (a test
+    runner or CI job reading that pipe would wait on it). So it lives for one save only; the
+    next save starts another (a process start per save, beside writing the shard)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = getattr(filesystem_async, "_results_queue", None)
+    if queue is None:
+        return
+    filesystem_async._results_queue = None
+    manager = getattr(queue, "_manager", None)
+    if manager is not None:
+        manager.shutdown()
 
 
 def check_compatible(saved: dict, current: dict, where: str) -> None:

@@ -1,6 +1,8 @@
 """Worker functions for tests/policy/test_megatron_sharded_checkpoint.py (gloo processes)."""
 from __future__ import annotations
 
+import multiprocessing
+
 import torch
 import torch.distributed as dist
 
@@ -41,6 +43,8 @@ def checkpoint_then_continue(ctx: RankContext, cfg, canonical: dict, policy, bat
     trainer = build_policy_backend(policy, canonical, cfg, temperature=1.0, seed=1234, **kwargs)
     _step(trainer, *batches[0])
     trainer.save_sharded(ckpt_dir)
+    # megatron's write-results queue server does not outlive the save (an orphan would hold stdout)
+    assert not multiprocessing.active_children(), multiprocessing.active_children()
     return _result(trainer, _step(trainer, *batches[1]))
 
 
