@@ -1,8 +1,9 @@
 """Rollout batches -> length-sorted, right-padded micro-batches, and back.
 
 Contract: a rollout batch is a list of ``(prompt, response)`` token lists.
-``micro_batches(batch, size)`` covers every sequence once, in micro-batches of at most
-``size`` sequences sorted by (length, index): the order depends only on the tokens, so
+``micro_batches(batch, size, max_tokens=0)`` covers every sequence once, in micro-batches of
+at most ``size`` sequences (and, with ``max_tokens``, padded tokens) sorted by (length,
+index): the order depends only on the tokens, so
 two runs that generated the same tokens compute bit-identical log-probs and updates.
 Right padding never changes a real token's logits (the model is causal).
 ``scatter`` puts per-micro-batch ``[b, T-1]`` values back as per-sequence response
@@ -25,16 +26,30 @@ class MicroBatch:
     mask: torch.Tensor        # [b, T-1] 1 where target input_ids[:, 1:] is a response token
 
 
-def micro_batches(batch: Sequence[Sequence2], size: int, device: torch.device | str = "cpu") -> list[MicroBatch]:
-    """Length-sorted, right-padded micro-batches covering every sequence once, on ``device``."""
+def plan_micro_batches(lengths: Sequence[int], size: int, max_tokens: int = 0) -> list[list[int]]:
+    """The sequence indices of each micro-batch: sorted by (length, index), at most ``size``
+    sequences each and, with ``max_tokens > 0``, at most ``max_tokens`` padded tokens
+    (rows x longest row) unless a sequence alone is longer. A function of the lengths only."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))  # stable: deterministic
+    plan: list[list[int]] = []
+    for i in order:
+        last = plan[-1] if plan else None
+        # ascending lengths: the newcomer is the micro-batch's longest row
+        if last is not None and len(last) < size and (max_tokens <= 0 or (len(last) + 1) * lengths[i] <= max_tokens):
+            last.append(i)
+        else:
+            plan.append([i])
+    return plan
+
+
+def micro_batches(batch: Sequence[Sequence2], size: int, device: torch.device | str = "cpu",
+                  max_tokens: int = 0) -> list[MicroBatch]:
+    """Right-padded micro-batches covering every sequence once (``plan_micro_batches``), on ``device``."""
     if not batch:
         raise ValueError("micro_batches: the rollout batch is empty")
     lengths = [len(p) + len(r) for p, r in batch]
-    # Stable sort on (length, index): deterministic for a given set of tokens.
-    order = sorted(range(len(batch)), key=lambda i: (lengths[i], i))
     out = []
-    for start in range(0, len(order), size):
-        idx = order[start: start + size]
+    for idx in plan_micro_batches(lengths, size, max_tokens):
         T = max(lengths[i] for i in idx)
         # built on the host, moved in one copy each
         ids = torch.zeros(len(idx), T, dtype=torch.long, device="cpu")

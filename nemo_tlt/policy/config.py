@@ -29,7 +29,10 @@ class PolicyConfig:
 
     backend: ``torch`` (the plain-PyTorch ``DecoderLM``, the oracle) or ``megatron``
     (megatron-core ``GPTModel``; TP x PP > 1 need it). micro_batch: sequences per
-    log-prob / update forward (length-sorted). separate_logprob_pass: recompute the old
+    log-prob / update forward (length-sorted). micro_batch_tokens > 0 (torch backend): also at
+    most that many padded tokens (rows x longest row) per micro-batch, a long sequence alone
+    if need be: short sequences batch, long ones split, which evens out the pipelined
+    update's pieces. separate_logprob_pass: recompute the old
     log-probs in a no-grad pass of their own instead of the update forward's (detached;
     ratio 1 with one optimizer step per batch). clip_eps: PPO ratio clip. kl_coef > 0
     keeps a frozen reference policy and adds a k3 KL penalty. sequence_parallel (megatron,
@@ -50,6 +53,7 @@ class PolicyConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     micro_batch: int = 4
+    micro_batch_tokens: int = 0
     separate_logprob_pass: bool = False
     clip_eps: float = 0.2
     kl_coef: float = 0.0
@@ -67,6 +71,10 @@ class PolicyConfig:
             raise ValueError(f"policy.tensor_parallel / policy.pipeline_parallel > 1 need policy.backend=megatron, "
                              f"got backend {self.backend!r}")
         check_int("policy.micro_batch", self.micro_batch, 1)
+        check_int("policy.micro_batch_tokens", self.micro_batch_tokens, 0)
+        if self.micro_batch_tokens and self.backend != "torch":
+            raise ValueError("policy.micro_batch_tokens > 0 needs policy.backend=torch (megatron's micro-batches are "
+                             "fixed-size)")
         if not isinstance(self.separate_logprob_pass, bool):
             raise ValueError(f"policy.separate_logprob_pass must be a bool, got {self.separate_logprob_pass!r}")
         check_float("policy.clip_eps", self.clip_eps, 0, 1, lo_open=True, hi_open=True)

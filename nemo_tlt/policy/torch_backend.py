@@ -29,7 +29,7 @@ from nemo_tlt.drafter.features import join_features
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.optim import build_optimizer
-from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, padded, scatter
+from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, padded, plan_micro_batches, scatter
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.policy.fixed_point import FixedPointGrads
 from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty, token_logprobs
@@ -152,7 +152,7 @@ class TorchPolicy:
         self.master.zero_grads()
         totals = dict.fromkeys(STATS, 0.0)
         advantages = advantages.to(self.device)
-        for mb in micro_batches(batch, self.config.micro_batch, self.device):
+        for mb in micro_batches(batch, self.config.micro_batch, self.device, self.config.micro_batch_tokens):
             loss, means, n_local = self._micro_loss(mb, batch, advantages, logp_old, logp_ref, on_hidden,
                                                     capture_layers, on_logprobs)
             # micro-batch token mean -> its share of the global token mean
@@ -207,12 +207,13 @@ class TorchPolicy:
             sums["tokens"] += n_local
         return sums
 
-    def num_parts(self, sequences: int) -> int:
-        """The micro-batches (``part`` values) of a term of ``sequences`` sequences."""
-        return -(-sequences // self.config.micro_batch)
+    def num_parts(self, batch: Sequence[Sequence2]) -> int:
+        """The micro-batches (``part`` values) of a term made of ``batch``."""
+        lengths = [len(p) + len(r) for p, r in batch]
+        return len(plan_micro_batches(lengths, self.config.micro_batch, self.config.micro_batch_tokens))
 
     def _micro_batches(self, batch: Sequence[Sequence2], part: int | None) -> list[MicroBatch]:
-        mbs = micro_batches(batch, self.config.micro_batch, self.device)
+        mbs = micro_batches(batch, self.config.micro_batch, self.device, self.config.micro_batch_tokens)
         if part is None:
             return mbs
         if not 0 <= part < len(mbs):

@@ -8,8 +8,8 @@ Contract
   is final (from the engine's ``on_finish``): the prompt, the G responses, their rewards and
   generation log-probs, pickled under ``<prefix>/group/<gid>``, then its id appended to the
   publication list ``<prefix>/pub/<n>`` (``n`` from one ``add``: no two groups share a slot).
-* A group's work is ``parts`` pieces (its micro-batches: the finer the pieces, the better
-  the ranks share the tail's last groups). ``claim()`` returns the next published
+* A group's work is ``parts_of(group)`` pieces (its micro-batches: the finer the pieces,
+  the better the ranks share the tail's last groups), a count published with it. ``claim()`` returns the next published
   ``(group, part)`` no rank has claimed (``add`` on ``<prefix>/claim/<gid>/<part>``
   returning 1 makes it this rank's), in publication order, waiting for the next
   publication when every published piece is taken; None once all ``num_groups`` were
@@ -25,6 +25,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -46,29 +47,31 @@ def board_prefix(mode: str, step: int) -> str:
 
 
 class GroupBoard:
-    def __init__(self, store: dist.Store, prefix: str, num_groups: int, timeout_s: float, parts: int = 1) -> None:
+    def __init__(self, store: dist.Store, prefix: str, num_groups: int, timeout_s: float,
+                 parts_of: Callable[[Group], int] = lambda group: 1) -> None:
         if num_groups < 1:
             raise ValueError(f"GroupBoard: num_groups must be >= 1, got {num_groups}")
-        if parts < 1:
-            raise ValueError(f"GroupBoard: parts must be >= 1, got {parts}")
         self.store, self.prefix, self.num_groups, self.timeout_s = store, prefix, num_groups, timeout_s
-        self.parts = parts
+        self.parts_of = parts_of
         self.seen = 0  # publications this rank has looked at
-        self._current: tuple[int, int] | None = None  # (gid, next part to try) of the last publication seen
+        self._current: tuple[int, int, int] | None = None  # (gid, next part to try, parts) of the last one seen
         self._loaded: Group | None = None
 
     def publish(self, group: Group) -> None:
+        parts = int(self.parts_of(group))
+        if parts < 1:
+            raise ValueError(f"GroupBoard.publish: group {group.gid} has {parts} parts; it needs >= 1")
         self.store.set(f"{self.prefix}/group/{group.gid}", pickle.dumps(group))
         slot = self.store.add(f"{self.prefix}/published", 1) - 1
-        self.store.set(f"{self.prefix}/pub/{slot}", str(group.gid))
+        self.store.set(f"{self.prefix}/pub/{slot}", f"{group.gid}/{parts}")
 
     def claim(self) -> tuple[Group, int] | None:
         """The next unclaimed (group, part) in publication order, waiting for publications;
         None once every part of every group has been claimed by some rank."""
         while True:
             if self._current is not None:
-                gid, part = self._current
-                self._current = (gid, part + 1) if part + 1 < self.parts else None
+                gid, part, parts = self._current
+                self._current = (gid, part + 1, parts) if part + 1 < parts else None
                 if self.store.add(f"{self.prefix}/claim/{gid}/{part}", 1) == 1:
                     if self._loaded is None or self._loaded.gid != gid:
                         self._loaded = pickle.loads(self.store.get(f"{self.prefix}/group/{gid}"))
@@ -83,12 +86,13 @@ class GroupBoard:
                 raise TimeoutError(f"pipelined update: {self.num_groups - self.seen} of {self.num_groups} groups "
                                    f"of {self.prefix} were not published within workers.timeout_s="
                                    f"{self.timeout_s:g}s (did a rank fail mid-rollout?)") from err
-            self._current = (int(self.store.get(key)), 0)
+            gid, parts = (int(x) for x in self.store.get(key).decode().split("/"))
+            self._current = (gid, 0, parts)
             self.seen += 1
 
 
 def cleanup(store: dist.Store, prefix: str, num_groups: int, parts: int = 1) -> None:
-    """Delete the keys of a finished step's board."""
+    """Delete the keys of a finished step's board (``parts``: at least any group's part count)."""
     keys = [f"{prefix}/published"]
     for i in range(num_groups):
         keys += [f"{prefix}/pub/{i}", f"{prefix}/group/{i}"] + [f"{prefix}/claim/{i}/{k}" for k in range(parts)]

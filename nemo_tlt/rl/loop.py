@@ -207,7 +207,7 @@ class RLWorker:
             return {}
         if board is not None and step >= 2:  # every rank is past step - 2 (the gather above)
             cleanup(comm.store, board_prefix(self.spec.mode, step - 2), self.cfg.grpo.prompts_per_step,
-                    self.policy.num_parts(G))
+                    G)  # at most a piece per sequence
         self.rank_states = [r.state for r in ranks]
         times = {"step_s": time.perf_counter() - t_start, "rollout_s": t_meet - t_start, "logprob_s": t_logprob,
                  "update_s": t_update, "weight_sync_s": t_sync}
@@ -299,7 +299,11 @@ class RLWorker:
     # ---- the pipelined update (policy.pipelined_update; nemo_tlt.rl.pipelined_update) ------
     def _board(self, step: int) -> GroupBoard:
         return GroupBoard(self.comm.store, board_prefix(self.spec.mode, step), self.cfg.grpo.prompts_per_step,
-                          self.cfg.workers.timeout_s, parts=self.policy.num_parts(self.cfg.grpo.group_size))
+                          self.cfg.workers.timeout_s, parts_of=self._parts)
+
+    def _parts(self, group: Group) -> int:
+        """The pieces (micro-batches) of a group's gradient."""
+        return self.policy.num_parts([(group.prompt, r) for r in group.responses])
 
     def _collector(self, prompts: list, board: GroupBoard | None) -> GroupCollector:
         task = self.task
@@ -330,9 +334,8 @@ class RLWorker:
         sums = dict(early)
         if own_groups:
             self._begin_accumulation()
-            parts = self.policy.num_parts(self.cfg.grpo.group_size)
             for group in collector.own_groups():  # piece by piece as TLT's ranks claim them: the same stats
-                for part in range(parts):
+                for part in range(self._parts(group)):
                     sums[(group.gid, part)] = self._group_term(step, group, part)
         t_groups = time.perf_counter() - t0
         own_tokens = sum(len(r.tokens) for r in rollout.out.results)

@@ -20,7 +20,7 @@ def _group(gid: int, owner: int = 0) -> Group:
 def test_each_piece_is_claimed_once_across_racing_ranks():
     store, n = dist.HashStore(), 24
     prefix = board_prefix("tlt", 3)
-    boards = [GroupBoard(store, prefix, n, timeout_s=30, parts=2) for _ in range(3)]
+    boards = [GroupBoard(store, prefix, n, timeout_s=30, parts_of=lambda g: 1 + g.gid % 2) for _ in range(3)]
     claimed: list[list[tuple[int, int]]] = [[] for _ in boards]
 
     def worker(k: int) -> None:
@@ -35,7 +35,7 @@ def test_each_piece_is_claimed_once_across_racing_ranks():
     for t in threads:
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads)
-    assert sorted(g for c in claimed for g in c) == [(g, k) for g in range(n) for k in (0, 1)]
+    assert sorted(g for c in claimed for g in c) == [(g, k) for g in range(n) for k in range(1 + g % 2)]
     cleanup(store, prefix, n, parts=2)
     assert not store.check([f"{prefix}/pub/0"]) and not store.check([f"{prefix}/group/5"])
 
@@ -49,7 +49,7 @@ def test_claim_returns_the_group_as_published():
 
 def test_pieces_of_one_group_go_to_different_ranks():
     store = dist.HashStore()
-    a, b = (GroupBoard(store, "s", 1, timeout_s=5, parts=3) for _ in range(2))
+    a, b = (GroupBoard(store, "s", 1, timeout_s=5, parts_of=lambda g: 3) for _ in range(2))
     a.publish(_group(0))
     assert a.claim()[1] == 0 and b.claim()[1] == 1 and a.claim()[1] == 2
     assert a.claim() is None and b.claim() is None
