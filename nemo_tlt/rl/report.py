@@ -387,6 +387,12 @@ def decode_colors(runs: dict[str, list[dict]]) -> dict[str, str]:
     return {"plain": PLAIN_COLOR, **update, **{s: SHAPE_COLORS[i % len(SHAPE_COLORS)] for i, s in enumerate(shapes)}}
 
 
+def _strip_label(choice: str) -> str:
+    if choice == "update":
+        return "policy update (pipelined)"
+    return "decode: plain" if choice == "plain" else f"decode: SD {choice}"
+
+
 def plot_worker_timeline(runs: dict[str, list[dict]], path: str | Path) -> Path:
     plt = _plt()
     from matplotlib.patches import Patch
@@ -413,11 +419,12 @@ def plot_worker_timeline(runs: dict[str, list[dict]], path: str | Path) -> Path:
         ax.set_yticks(sorted(segs))
         ax.set_yticklabels([labels.get(k, f"worker {k}") for k in sorted(segs)])
         note = "; red: resumed" if resumed else ""
-        ax.set_title(f"{name}: worker states, lower strip: how the rollout decoded (dotted: end of an RL step"
+        ax.set_title(f"{name}: worker states, lower strip: how the rollout decoded and where the pipelined update "
+                     f"ran (dotted: end of an RL step"
                      f"{note})", fontsize=9)
         ax.set_xlabel("seconds since the run started")
     handles = [Patch(color=c, label=s.upper()) for s, c in STATE_COLORS.items()]
-    handles += [Patch(color=c, label="decode: plain" if s == "plain" else f"decode: SD {s}")
+    handles += [Patch(color=c, label=_strip_label(s))
                 for s, c in colors.items()]
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 7), fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
