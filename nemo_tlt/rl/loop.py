@@ -35,15 +35,13 @@ import torch
 from nemo_tlt.device import Placement, torch_dtype
 from nemo_tlt.dist import build_node_groups, gather_topology
 from nemo_tlt.policy.factory import build_policy_backend
-from nemo_tlt.policy.protocol import STATS
 from nemo_tlt.rl.boundary import StepBoundary
 from nemo_tlt.rl.decode_segments import decode_segments
-from nemo_tlt.rl.group_board import Group, GroupBoard, board_prefix, cleanup
 from nemo_tlt.rl.grpo import group_advantages
 from nemo_tlt.rl.idle_drafter import IdleDrafter, idle_without_training
 from nemo_tlt.rl.logprob_gap import comparable, gap_sums
 from nemo_tlt.rl.policy_inputs import load_policy_inputs
-from nemo_tlt.rl.pipelined_update import GroupCollector, claim_all, combine, group_term
+from nemo_tlt.rl.pipelined_step import PipelinedStep
 from nemo_tlt.rl.records import IdleResult, RankState, RankStep, Rollout, arm_accept_counts, step_record
 from nemo_tlt.rl.report import MetricsWriter, progress_bar
 from nemo_tlt.rl.run import RunSpec, shard_prompts, step_rng, step_seed
@@ -98,7 +96,10 @@ class RLWorker:
         # an EAGLE-3 drafter trains on its captured target layers and the final state, which the
         # policy's forward hands over in the rollout engine's layout when asked for them
         self.capture_layers = getattr(self.drafter.drafter, "capture_layers", None) if self.drafter else None
-        self.pipelined = cfg.policy.pipelined_update
+        # the update pipelined into the rollout's tail (nemo_tlt.rl.pipelined_step)
+        self.pipeline = (PipelinedStep(cfg, spec.mode, self.policy, comm, self.task,
+                                       partial(self._harvest_sink, own=None) if self.harvest_from == "policy" else None,
+                                       self.capture_layers) if cfg.policy.pipelined_update else None)
         self.coord = WorkerCoordinator(comm.store, comm.rank, comm.world, cfg.drafter.min_idle_workers,
                                        prefix=f"tlt/{spec.mode}", timeout_s=cfg.workers.timeout_s)
         # a sharded policy state is checkpointed by every rank (its shard); else rank 0 writes it all
@@ -165,23 +166,21 @@ class RLWorker:
         comm, G = self.comm, self.cfg.grpo.group_size
         t_start = time.perf_counter()
         prompts = self.task.source.prompts(step, self.cfg.grpo.prompts_per_step, step_rng(self.cfg.seed, step))
-        board = self._board(step) if self.pipelined and self.spec.tlt else None
-        collector = self._collector(prompts, board) if self.pipelined else None
+        pipe = self.pipeline
+        board = pipe.board(step) if pipe is not None and self.spec.tlt else None
+        collector = pipe.collector(prompts, board) if pipe is not None else None
         rollout = self.rollout(step, prompts, collector)
-        early: dict[tuple[int, int], dict[str, float]] = {}
-        t_early = 0.0  # seconds of update work (not of waiting for groups) before the meet
-        if board is not None:  # the update's groups while other ranks still decode, then idle
-            self._begin_accumulation()
-            early, segments = claim_all(board, partial(self._group_term, step), self.coord.now)
+        early, t_early = {}, 0.0  # pieces of the update (and their seconds of work) before the meet
+        if board is not None:  # the update's pieces while other ranks still decode, then idle
+            early, segments, t_early = pipe.claim(step, board, self.coord.now)
             rollout.segments.extend(segments)
-            t_early = sum(b - a for a, b, _ in segments)
         idle = self.idle_time(step, skip_drafter_round)
         t_meet = time.perf_counter()
         timeline = self.coord.collect_timelines(step) if comm.rank == 0 else []
         self.coord.mark_busy()
         rewards = collector.rewards(rollout.ids) if collector is not None else self.score(prompts, rollout)
-        if self.pipelined:
-            update, t_update, t_work = self.pipelined_update(step, collector, rollout, early, board is None)
+        if pipe is not None:
+            update, t_update, t_work = pipe.finish(step, collector, rollout, early, board is None)
             t_logprob, t_work = 0.0, t_work + t_early
         else:
             batch = [(req.prompt, r.tokens) for req, r in zip(rollout.requests, rollout.out.results)]
@@ -206,8 +205,7 @@ class RLWorker:
         if comm.rank != 0:
             return {}
         if board is not None and step >= 2:  # every rank is past step - 2 (the gather above)
-            cleanup(comm.store, board_prefix(self.spec.mode, step - 2), self.cfg.grpo.prompts_per_step,
-                    G)  # at most a piece per sequence
+            pipe.cleanup(step - 2)
         self.rank_states = [r.state for r in ranks]
         times = {"step_s": time.perf_counter() - t_start, "rollout_s": t_meet - t_start, "logprob_s": t_logprob,
                  "update_s": t_update, "weight_sync_s": t_sync}
@@ -295,58 +293,6 @@ class RLWorker:
             if own is None or index in own:
                 self.drafter.harvest(step, tokens.tolist(), hidden[:-1])
         return on_hidden
-
-    # ---- the pipelined update (policy.pipelined_update; nemo_tlt.rl.pipelined_update) ------
-    def _board(self, step: int) -> GroupBoard:
-        return GroupBoard(self.comm.store, board_prefix(self.spec.mode, step), self.cfg.grpo.prompts_per_step,
-                          self.cfg.workers.timeout_s, parts_of=self._parts)
-
-    def _parts(self, group: Group) -> int:
-        """The pieces (micro-batches) of a group's gradient."""
-        return self.policy.num_parts([(group.prompt, r) for r in group.responses])
-
-    def _collector(self, prompts: list, board: GroupBoard | None) -> GroupCollector:
-        task = self.task
-        return GroupCollector(self.cfg.grpo.group_size,
-                              lambda gid, tokens: task.reward(prompts[gid], task.tokenizer.decode(tokens)),
-                              self.comm.rank, board.publish if board is not None else None)
-
-    def _begin_accumulation(self) -> None:
-        g = self.cfg.grpo
-        self.policy.begin_accumulation(g.prompts_per_step * g.group_size * g.max_new_tokens)
-
-    def _group_term(self, step: int, group: Group, part: int | None = None) -> dict[str, float]:
-        # drafter data from the policy's forward: every sequence of the groups this rank computes
-        on_hidden = self._harvest_sink(step, None) if self.harvest_from == "policy" else None
-        return group_term(self.policy, group, part, group_size=self.cfg.grpo.group_size,
-                          separate_logprob_pass=self.cfg.policy.separate_logprob_pass,
-                          gap=comparable(self.cfg.grpo.acceptance, self.cfg.grpo.temperature),
-                          on_hidden=on_hidden, capture_layers=self.capture_layers if on_hidden else None)
-
-    def pipelined_update(self, step: int, collector: GroupCollector, rollout: Rollout,
-                         early: dict[tuple[int, int], dict[str, float]], own_groups: bool
-                         ) -> tuple[dict[str, float], float, float]:
-        """Finish the step's update: this rank's own groups first when they were not pipelined
-        (the baseline), then the exact sum over ranks and the one optimizer step. Returns the
-        update's dict, its seconds, and the seconds of its work alone (group gradients and the
-        step, not the wait for the other ranks: the report's control)."""
-        t0 = time.perf_counter()
-        sums = dict(early)
-        if own_groups:
-            self._begin_accumulation()
-            for group in collector.own_groups():  # piece by piece as TLT's ranks claim them: the same stats
-                for part in range(self._parts(group)):
-                    sums[(group.gid, part)] = self._group_term(step, group, part)
-        t_groups = time.perf_counter() - t0
-        own_tokens = sum(len(r.tokens) for r in rollout.out.results)
-        global_tokens = int(self.comm.sum_(torch.tensor([float(own_tokens)], device="cpu")).item())
-        t1 = time.perf_counter()
-        out = self.policy.apply_accumulated(global_tokens)
-        t_step = time.perf_counter() - t1
-        parts = self.comm.gather(sums)
-        # rank 0 logs the step's totals (the record sums the ranks' shares)
-        stats = combine(parts, global_tokens) if self.comm.rank == 0 else dict.fromkeys(STATS, 0.0)
-        return {**stats, **out}, time.perf_counter() - t0, t_groups + t_step
 
     def sync_weights(self, idle: IdleResult) -> tuple[str, str]:
         """Policy weights to the engine and the drafter's view; new drafter weights to the

@@ -66,7 +66,7 @@ def _same_harvest(tmp_path: Path, target: Path, drafter: Path, width: int) -> No
     from_rollout = _harvest(tmp_path, target, drafter, "torch", [])
     from_policy = _harvest(tmp_path, target, drafter, "megatron", [
         "policy.backend=megatron", "policy.tensor_parallel=2", "drafter.harvest_from=policy",
-        "policy.pipelined_update=false"])
+        "policy.pipelined_update=false", "policy.micro_batch_tokens=0"])
     # every rank holds its own rollout's sequences (rank 1's start past rank 0's in the
     # model-parallel group's union batch); the policy's forward visits them in
     # length-sorted micro-batches, so compare by sequence

@@ -38,7 +38,7 @@ def test_megatron_backend_matches_torch_backend(tiny_models, tmp_path, tp, pp):
         run_dir = tmp_path / backend
         parallel = [f"policy.tensor_parallel={tp}", f"policy.pipeline_parallel={pp}"] if backend == "megatron" else []
         args = [str(yaml), *tiny_overrides(target, drafter, run_dir, steps=2), f"policy.backend={backend}", *parallel,
-                "policy.pipelined_update=false"]
+                "policy.pipelined_update=false", "policy.micro_batch_tokens=0"]
         assert main([*args, "--compare-baseline", "--pairs", "1"] if backend == "megatron" else args) == 0
         runs[backend] = run_dir
     mc = runs["megatron"]

@@ -65,7 +65,7 @@ def tiny_models(tmp_path_factory):
 
 
 BACKENDS = {"torch": (), "megatron_tp2": ("policy.backend=megatron", "policy.tensor_parallel=2",
-                                                   "policy.pipelined_update=false")}
+                                                   "policy.pipelined_update=false", "policy.micro_batch_tokens=0")}
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

@@ -30,7 +30,7 @@ from .test_resume import _sharded_latest
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.timeout(600)
 STEPS = 3
-MEGATRON = ("policy.backend=megatron", "policy.pipelined_update=false")
+MEGATRON = ("policy.backend=megatron", "policy.pipelined_update=false", "policy.micro_batch_tokens=0")
 
 
 def _spec(run_dir, target, drafter, workers: int, tp: int = 2, resume: bool = False) -> RunSpec:

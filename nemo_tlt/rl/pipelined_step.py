@@ -1,0 +1,95 @@
+"""One rank's side of the pipelined update (``policy.pipelined_update``), step after step.
+
+Contract: ``PipelinedStep`` holds what the loop's pipelined path needs (the policy backend's
+``begin_accumulation`` / ``accumulate`` / ``apply_accumulated`` / ``num_parts``, the run's
+store, the task's reward) and runs the pieces ``nemo_tlt.rl.pipelined_update`` defines:
+``board`` / ``collector`` for a step's rollout, ``claim(step, board)`` (TLT: pieces computed
+before this rank goes idle), ``finish(...)`` (the baseline's own pieces, the exact sum over
+ranks and the one optimizer step) and ``cleanup(step)`` (rank 0, two steps later).
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any, Callable
+
+import torch
+
+from nemo_tlt.policy.protocol import STATS, HiddenSink
+from nemo_tlt.rl.group_board import Group, GroupBoard, board_prefix, cleanup
+from nemo_tlt.rl.logprob_gap import comparable
+from nemo_tlt.rl.pipelined_update import GroupCollector, claim_all, combine, group_term
+from nemo_tlt.rl.records import Rollout
+
+Sums = dict[tuple[int, int], dict[str, float]]
+
+
+class PipelinedStep:
+    def __init__(self, cfg: Any, mode: str, policy: Any, comm: Any, task: Any,
+                 harvest: Callable[[int], HiddenSink] | None = None,
+                 capture_layers: tuple[int, ...] | None = None) -> None:
+        self.cfg, self.mode, self.policy, self.comm, self.task = cfg, mode, policy, comm, task
+        self.harvest, self.capture_layers = harvest, capture_layers
+
+    def board(self, step: int) -> GroupBoard:
+        return GroupBoard(self.comm.store, board_prefix(self.mode, step), self.cfg.grpo.prompts_per_step,
+                          self.cfg.workers.timeout_s, parts_of=self.parts)
+
+    def parts(self, group: Group) -> int:
+        """The pieces (micro-batches) of a group's gradient."""
+        return self.policy.num_parts([(group.prompt, r) for r in group.responses])
+
+    def collector(self, prompts: list, board: GroupBoard | None) -> GroupCollector:
+        task = self.task
+        return GroupCollector(self.cfg.grpo.group_size,
+                              lambda gid, tokens: task.reward(prompts[gid], task.tokenizer.decode(tokens)),
+                              self.comm.rank, board.publish if board is not None else None)
+
+    def begin(self) -> None:
+        g = self.cfg.grpo
+        self.policy.begin_accumulation(g.prompts_per_step * g.group_size * g.max_new_tokens)
+
+    def term(self, step: int, group: Group, part: int | None = None) -> dict[str, float]:
+        # drafter data from the policy's forward: every sequence of the pieces this rank computes
+        on_hidden = self.harvest(step) if self.harvest is not None else None
+        return group_term(self.policy, group, part, group_size=self.cfg.grpo.group_size,
+                          separate_logprob_pass=self.cfg.policy.separate_logprob_pass,
+                          gap=comparable(self.cfg.grpo.acceptance, self.cfg.grpo.temperature),
+                          on_hidden=on_hidden, capture_layers=self.capture_layers if on_hidden else None)
+
+    def claim(self, step: int, board: GroupBoard, clock: Callable[[], float]
+              ) -> tuple[Sums, list[tuple[float, float, str]], float]:
+        """TLT: published pieces until every piece is claimed; their sums, the (start, end,
+        "update") segments on ``clock`` and the seconds of work (not of waiting)."""
+        self.begin()
+        sums, segments = claim_all(board, partial(self.term, step), clock)
+        return sums, segments, sum(b - a for a, b, _ in segments)
+
+    def finish(self, step: int, collector: GroupCollector, rollout: Rollout, early: Sums, own_groups: bool
+               ) -> tuple[dict[str, float], float, float]:
+        """This rank's own groups first when they were not pipelined (the baseline), then the
+        exact sum over ranks and the one optimizer step. Returns the update's dict, its
+        seconds, and the seconds of its work alone (pieces and step, not the wait for the
+        other ranks: the report's control)."""
+        t0 = time.perf_counter()
+        sums = dict(early)
+        if own_groups:
+            self.begin()
+            for group in collector.own_groups():  # piece by piece as TLT's ranks claim them: the same stats
+                for part in range(self.parts(group)):
+                    sums[(group.gid, part)] = self.term(step, group, part)
+        t_groups = time.perf_counter() - t0
+        own_tokens = sum(len(r.tokens) for r in rollout.out.results)
+        global_tokens = int(self.comm.sum_(torch.tensor([float(own_tokens)], device="cpu")).item())
+        t1 = time.perf_counter()
+        out = self.policy.apply_accumulated(global_tokens)
+        t_step = time.perf_counter() - t1
+        parts = self.comm.gather(sums)
+        # rank 0 logs the step's totals (the record sums the ranks' shares)
+        stats = combine(parts, global_tokens) if self.comm.rank == 0 else dict.fromkeys(STATS, 0.0)
+        return {**stats, **out}, time.perf_counter() - t0, t_groups + t_step
+
+    def cleanup(self, step: int) -> None:
+        """Delete the board of ``step`` (rank 0, once every rank is past it)."""
+        cleanup(self.comm.store, board_prefix(self.mode, step), self.cfg.grpo.prompts_per_step,
+                self.cfg.grpo.group_size)  # at most a piece per sequence
