@@ -149,6 +149,22 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def view_bytes(policy) -> int:
+    """Bytes of the tensors this rank writes that are views into a larger storage (the DDP param
+    buffer's weights): megatron-core's ``FileSystemWriterAsync`` clones each such CPU tensor before
+    writing it (``_clone_if_needed``), so these bytes are copied during the save."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+    total = 0
+    for value in nested_values(policy._sharded_state(False)):
+        if isinstance(value, ShardedTensor) and is_main_replica(value.replica_id):
+            t = value.data
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                total += t.numel() * t.element_size()
+    return total
+
+
 def _one_update(policy, rank: int) -> None:
     g = torch.Generator().manual_seed(7)
     vocab = policy.model_config.vocab_size
@@ -169,6 +185,7 @@ def _worker(ctx: RankContext, method: str, cfg: LMConfig, dtype: torch.dtype, fo
                                   placement=Placement.cpu(dtype))
     _one_update(policy, ctx.rank)
     own = _own_tensors(policy)
+    views = view_bytes(policy)
     target = Path(folder) / method
     gc.collect()
     dist.barrier()
@@ -187,7 +204,7 @@ def _worker(ctx: RankContext, method: str, cfg: LMConfig, dtype: torch.dtype, fo
     written = sum(f.stat().st_size for f in target.glob(f"__{ctx.rank}_*.distcp")) if method == "sharded" else 0
     return {"coords": list(policy.coords), "wall_s": wall, "rank_extra_bytes": peak,
             "children_bytes": children.peak, "peak_extra_bytes": peak + children.peak, "written_bytes": written,
-            "live": {k: _bytes(v) for k, v in own.items()}}
+            "view_bytes": views, "live": {k: _bytes(v) for k, v in own.items()}}
 
 
 # ---- the parent -----------------------------------------------------------------
@@ -214,12 +231,14 @@ def summarise(runs: list[tuple[str, list[dict]]], cfg: LMConfig, dtype: torch.dt
         rows = {m: [ranks[r] for name, ranks in runs if name == m] for m in METHODS}
         shard = rows["sharded"][0]["written_bytes"]
         live = rows["sharded"][0]["live"]
+        views = rows["sharded"][0]["view_bytes"]
         budget = shard + layer
         peak = {m: int(statistics.median(x["peak_extra_bytes"] for x in rows[m])) for m in METHODS}
         parts = {m: {k: int(statistics.median(x[k] for x in rows[m])) for k in ("rank_extra_bytes", "children_bytes")}
                  for m in METHODS}
         per_rank.append({
             "coords": rows["sharded"][0]["coords"], "own_shard_bytes": shard, "live_bytes": live,
+            "cloned_view_bytes": views,
             "budget_bytes": budget, "peak_extra_bytes": peak, "peak_parts": parts,
             "peak_over_shard": {m: round(peak[m] / shard, 3) for m in METHODS},
             "peak_over_budget": {m: round(peak[m] / budget, 3) for m in METHODS},
