@@ -11,7 +11,8 @@ Contract
   ``drafter_trainer.pt``). One atomic commit covers both (``nemo_tlt.spot.sharded_checkpoint``:
   hidden partial folder, manifest of size and SHA-256 per file, rename), so a rank killed
   during the save leaves the previous step's checkpoint the newest loadable one. The save
-  is synchronous (the caller waits for its own shard's write and the commit).
+  is synchronous (the caller waits for its own shard's write and the commit); why
+  megatron-core's asynchronous save is not used yet: docs/megatron.md.
 * ``load_latest(world, mode)`` (collective) returns the newest valid checkpoint's
   ``RunState`` with ``policy_dir`` set (no full weights in it) or None. Another mode is
   refused; another world size is not: the policy reshards over the data-parallel size when
