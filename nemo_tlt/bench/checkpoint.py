@@ -9,6 +9,9 @@ together by one method:
 
 * ``sharded``: ``MegatronPolicy.save_sharded`` (megatron-core ``dist_checkpointing.save``,
   torch_dist format: what the sharded run checkpoint writes);
+* ``async``: ``MegatronPolicy.start_save_sharded`` then its ``wait()`` (megatron-core's async
+  save, what the sharded run checkpoint uses; here nothing runs between the two, so the
+  copy-on-write cost of a policy update during the write is not in it);
 * ``control``: ``torch.save`` of the same live tensors this rank owns (its bf16 weights, the
   fp32 main-param shards, the Adam moments), written storage by storage without a copy: the
   memory of writing the shard from where it lies, which checks the measure itself.
@@ -23,8 +26,8 @@ pages it adds count). Page cache of the written files is not in it.
 save (every tensor it is the main replica of: weights, fp32 main params, both moments; at
 DP=1 all of its TP x PP slice). "One layer" is one whole decoder layer's state, unsliced:
 its parameters x (weights dtype + 3 fp32 values: main param, two moments). The target: each
-rank's ``sharded`` peak <= own shard + one layer. Trials alternate the order; medians are
-reported. Fresh processes per trial: memory a method frees may stay in the allocator and would
+rank's ``sharded`` and ``async`` peaks <= own shard + one layer. Trials alternate the order;
+medians are reported. Fresh processes per trial: memory a method frees may stay in the allocator and would
 hide the next method's peak.
 """
 from __future__ import annotations
@@ -47,7 +50,7 @@ from nemo_tlt.bench.load import _DTYPES, _reset_peak, _status
 from nemo_tlt.dist import RankContext, launch_local
 from nemo_tlt.model.config import LMConfig
 
-METHODS = ("sharded", "control")
+METHODS = ("sharded", "async", "control")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -195,13 +198,15 @@ def _worker(ctx: RankContext, method: str, cfg: LMConfig, dtype: torch.dtype, fo
     with ChildrenPeak() as children:
         if method == "sharded":
             policy.save_sharded(str(target))
+        elif method == "async":
+            policy.start_save_sharded(str(target)).wait()
         else:
             target.mkdir(parents=True, exist_ok=True)
             torch.save(own, target / f"rank{ctx.rank}.pt")
     wall = time.perf_counter() - start
     peak = _status("VmHWM") - base
     dist.barrier()
-    written = sum(f.stat().st_size for f in target.glob(f"__{ctx.rank}_*.distcp")) if method == "sharded" else 0
+    written = sum(f.stat().st_size for f in target.glob(f"__{ctx.rank}_*.distcp")) if method != "control" else 0
     return {"coords": list(policy.coords), "wall_s": wall, "rank_extra_bytes": peak,
             "children_bytes": children.peak, "peak_extra_bytes": peak + children.peak, "written_bytes": written,
             "view_bytes": views, "live": {k: _bytes(v) for k, v in own.items()}}
@@ -243,7 +248,7 @@ def summarise(runs: list[tuple[str, list[dict]]], cfg: LMConfig, dtype: torch.dt
             "peak_over_shard": {m: round(peak[m] / shard, 3) for m in METHODS},
             "peak_over_budget": {m: round(peak[m] / budget, 3) for m in METHODS},
             "wall_s": {m: round(statistics.median(x["wall_s"] for x in rows[m]), 2) for m in METHODS},
-            "within_target": peak["sharded"] <= budget,
+            "within_target": max(peak["sharded"], peak["async"]) <= budget,
         })
     return {"layout": "TP2xPP2", "params": params, "dtype": str(dtype).replace("torch.", ""),
             "layer_state_bytes": layer, "order": [name for name, _ in runs], "per_rank": per_rank,
