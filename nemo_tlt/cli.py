@@ -7,6 +7,7 @@
     nemo-tlt bench precision --out F.json # SD vs plain token identity and speed per dtype
     nemo-tlt bench reshard --out F.json
     nemo-tlt bench load --out F.json      # per-rank peak host memory building a TP2 x PP2 policy from an HF folder
+    nemo-tlt bench checkpoint --out F.json  # per-rank peak extra host memory writing a sharded policy checkpoint
     nemo-tlt convert ...                  # checkpoint conversion (Megatron / HF / TensorRT-LLM)
     nemo-tlt drafter train --target DIR --prompts F.jsonl --out DIR   # a first drafter for your target
     nemo-tlt plan CONFIG.yaml [key=value ...]   # memory / reshard plan and simulated speedup (or --calibrate RUN_DIR)
@@ -26,6 +27,7 @@ _COMMANDS = {
     ("bench", "precision"): "nemo_tlt.bench.precision",
     ("bench", "reshard"): "nemo_tlt.bench.reshard",
     ("bench", "load"): "nemo_tlt.bench.load",
+    ("bench", "checkpoint"): "nemo_tlt.bench.checkpoint",
     ("convert",): "nemo_tlt.convert",
     ("drafter", "train"): "nemo_tlt.first_drafter.cli",
     ("train",): "nemo_tlt.train",

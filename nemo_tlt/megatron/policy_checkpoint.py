@@ -102,6 +102,71 @@ def save_policy_shards(state: dict, directory: str | os.PathLike) -> None:
         _shutdown_write_results_queue()
 
 
+class PendingPolicySave:
+    """A ``start_policy_save`` under way: this rank's shard is being written by a process forked
+    from the rank. ``wait()`` (collective) waits until every rank's write ended, then
+    finalizes the checkpoint (write results to rank 0, which writes ``.metadata``; megatron's
+    config file) and stops the results-queue server: only then is the folder complete. A write
+    that failed on any rank raises on every rank. Safe to call twice."""
+
+    def __init__(self, calls, context) -> None:
+        self._calls, self._context = calls, context
+
+    def wait(self) -> None:
+        if self._calls is None:
+            return
+        calls, self._calls = self._calls, None
+        try:
+            with self._context():
+                calls.maybe_finalize_async_calls(blocking=True)
+        finally:
+            _shutdown_write_results_queue()
+
+
+def start_policy_save(state: dict, directory: str | os.PathLike, context) -> PendingPolicySave:
+    """``save_policy_shards``, asynchronous (collective): the plan is made and the common state
+    written now; this rank's shard files are written by a forked process while the caller goes
+    on; ``PendingPolicySave.wait()`` completes it. ``context`` is the rank's device context
+    (megatron's async calls use ``torch.cuda``). The results queue's server dies with its rank
+    (Linux), so a rank killed before ``wait()`` leaves no server behind; its forked writer
+    outlives it until its write ends."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    os.makedirs(directory, exist_ok=True)
+    _shutdown_write_results_queue()
+    filesystem_async._results_queue = _results_queue_dying_with_rank()
+    try:
+        with context():
+            request = dist_checkpointing.save(state, str(directory), async_sharded_save=True)
+            calls = AsyncCallsQueue(persistent=False)
+            calls.schedule_async_request(request)
+    except BaseException:
+        _shutdown_write_results_queue()
+        raise
+    return PendingPolicySave(calls, context)
+
+
+def _die_with_parent() -> None:
+    """In the results-queue server: be killed when the rank that started it dies (Linux prctl)."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+
+def _results_queue_dying_with_rank():
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=_die_with_parent)
+    return manager.Queue()
+
+
 def _shutdown_write_results_queue() -> None:
     """Stop the server process behind megatron-core's write-results queue.
 

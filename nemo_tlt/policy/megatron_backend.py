@@ -452,6 +452,16 @@ class MegatronPolicy:
         with self._device_context():
             save_policy_shards(self._sharded_state(False), directory)
 
+    def start_save_sharded(self, directory: str):
+        """``save_sharded``, asynchronous (collective): returns a ``PendingPolicySave`` whose
+        ``wait()`` (collective) completes the checkpoint; the shard files are written meanwhile
+        (``nemo_tlt.megatron.policy_checkpoint.start_policy_save``)."""
+        from nemo_tlt.megatron.policy_checkpoint import start_policy_save
+
+        with self._device_context():
+            state = self._sharded_state(False)
+        return start_policy_save(state, directory, self._device_context)
+
     def load_sharded(self, directory: str) -> None:
         """Collective: this rank's slice of a ``save_sharded`` checkpoint, written at any data-parallel
         size (and TP / PP where the padded vocabulary agrees; refused otherwise, naming both)."""

@@ -10,8 +10,12 @@ Contract
   every rank's private state, the records; with TLT ``drafter.safetensors`` and
   ``drafter_trainer.pt``). One atomic commit covers both (``nemo_tlt.spot.sharded_checkpoint``:
   hidden partial folder, manifest of size and SHA-256 per file, rename), so a rank killed
-  during the save leaves the previous step's checkpoint the newest loadable one. The save
-  is synchronous (the caller waits for its own shard's write and the commit).
+  before the commit leaves the previous step's checkpoint the newest loadable one. The
+  policy's write is asynchronous (``policy.start_save_sharded``, megatron-core's async
+  save): ``save`` returns while a process forked from each rank writes its shard; the
+  commit runs at the next ``save`` or at ``close()`` (both collective), after every rank's
+  write ended (``finish``). So step N's checkpoint becomes loadable only then: a run killed
+  in between resumes from the checkpoint before it.
 * ``load_latest(world, mode)`` (collective) returns the newest valid checkpoint's
   ``RunState`` with ``policy_dir`` set (no full weights in it) or None. Another mode is
   refused; another world size is not: the policy reshards over the data-parallel size when
@@ -60,13 +64,26 @@ class ShardedRunCheckpointer:
     def __init__(self, checkpoint_dir: str | Path, keep_last: int, rank: int) -> None:
         self.checkpoint_dir, self.rank = Path(checkpoint_dir), rank
         self._ckpts = ShardedCheckpoints(sharded_dir(checkpoint_dir), keep_last=keep_last)
+        self._pending = None  # (step, the policy's pending save): written, not committed yet
 
     def save(self, state: RunState, policy) -> Path:
-        def write(folder: Path) -> None:
-            policy.save_sharded(str(folder / POLICY))
-            if self.rank == 0:
-                _write_run_part(folder / RUN, state)
-        return self._ckpts.save(state.step, write)
+        """Commits the previous save (``finish``), then starts this one: returns once this
+        rank's shard is being written in the background and rank 0's run part is written."""
+        self.finish()
+        folder = self._ckpts.begin(state.step)
+        pending = policy.start_save_sharded(str(folder / POLICY))
+        self._pending = (state.step, pending)
+        if self.rank == 0:
+            _write_run_part(folder / RUN, state)
+        return self._ckpts.path(state.step)
+
+    def finish(self) -> Path | None:
+        """Collective: wait for every rank's write of the last save, then commit it atomically."""
+        if self._pending is None:
+            return None
+        (step, pending), self._pending = self._pending, None
+        pending.wait()
+        return self._ckpts.commit(step)
 
     def load_latest(self, world: int, mode: str) -> RunState | None:
         step = self._ckpts.latest()
@@ -92,7 +109,8 @@ class ShardedRunCheckpointer:
                         policy_dir=path / POLICY)
 
     def close(self) -> None:
-        """Nothing runs in the background (the save is synchronous)."""
+        """Collective: commits the last save (``finish``)."""
+        self.finish()
 
 
 def _write_run_part(folder: Path, state: RunState) -> None:

@@ -4,7 +4,8 @@ Contract
 --------
 * Every method is collective over ``group`` (default: the world); the folder is on a file
   system every rank sees.
-* ``save(step, write)``: rank 0 makes an empty hidden ``.step-00000042.partial-sharded``
+* ``save(step, write)`` (= ``begin(step)``, ``write``, ``commit(step)``; a caller whose
+  writes end later calls the two itself): rank 0 makes an empty hidden ``.step-00000042.partial-sharded``
   folder; every rank calls ``write(folder)`` (e.g. megatron-core's ``dist_checkpointing.save``,
   where each rank writes its own shard files); then the files are hashed, each rank taking
   its share of them (nothing but file records travels to rank 0), and rank 0 writes
@@ -71,12 +72,22 @@ class ShardedCheckpoints:
         return {k: v for part in (box or []) for k, v in part.items()}
 
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
+        partial = self.begin(step)
+        write(partial)
+        return self.commit(step)
+
+    def begin(self, step: int) -> Path:
+        """The empty hidden folder every rank writes step ``step``'s files into."""
         partial = self.directory / _partial_name(step)
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         dist.barrier(group=self.group)
-        write(partial)
+        return partial
+
+    def commit(self, step: int) -> Path:
+        """After every rank's files of ``begin(step)``'s folder are written: hash, manifest, rename."""
+        partial = self.directory / _partial_name(step)
         dist.barrier(group=self.group)
         names = self._from_rank0(sorted(str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file())
                                  if self.rank == 0 else None)

@@ -105,3 +105,17 @@ def load_latest(ctx: RankContext, cfg, canonical: dict, policy, root: str) -> di
     weights = trainer.canonical_state_dict()
     parallel_state.destroy_model_parallel()
     return {"step": step, "weights": weights, "policy_step": trainer.step} if ctx.rank == 0 else None
+
+
+def async_checkpoint_during_step(ctx: RankContext, cfg, canonical: dict, policy, batches: list,
+                                 ckpt_dir: str) -> dict | None:
+    """Step 1, an asynchronous sharded save started, step 2 taken while it is written, then the
+    save completed: the checkpoint must hold the state of when it started."""
+    trainer = build_policy_backend(policy, canonical, cfg, temperature=1.0, seed=1234)
+    _step(trainer, *batches[0])
+    pending = trainer.start_save_sharded(ckpt_dir)
+    stats = _step(trainer, *batches[1])
+    pending.wait()
+    # neither the forked writers nor the results-queue server outlive the completed save
+    assert not multiprocessing.active_children(), multiprocessing.active_children()
+    return _result(trainer, stats)

@@ -5,7 +5,8 @@
   and rewards, grad norm and loss within 1e-6 relative, every policy weight within 1e-6
   (the tolerance of the backend-level test: only the order of the gradient sums over the
   data-parallel split differs). Resuming at TP1 is refused, naming both layouts.
-* a rank killed (SIGKILL) after writing its shard of step 1, before the commit, leaves
+* a rank killed (SIGKILL) while its shard of step 1 is written, before the commit (which
+  the asynchronous save defers to the next checkpoint or the end of the run), leaves
   step 0's checkpoint the newest loadable one: the resumed run redoes step 1 exactly as the
   killed run had logged it.
 """
@@ -86,16 +87,17 @@ def test_kill_during_sharded_run_checkpoint_leaves_previous_loadable(tiny_models
 
     from nemo_tlt.policy.megatron_backend import MegatronPolicy
 
-    save = MegatronPolicy.save_sharded
+    start = MegatronPolicy.start_save_sharded
 
-    def save_then_die(self, directory: str) -> None:  # runs in the forked workers
-        save(self, directory)
+    def save_then_die(self, directory: str):  # runs in the forked workers
+        pending = start(self, directory)
         if "step-00000001" in directory and dist.get_rank() == 1:
-            os.kill(os.getpid(), signal.SIGKILL)  # its shard written, the commit not reached
+            os.kill(os.getpid(), signal.SIGKILL)  # its shard being written, the commit not reached
+        return pending
 
     target, drafter = tiny_models
     run = tmp_path / "run"
-    monkeypatch.setattr(MegatronPolicy, "save_sharded", save_then_die)
+    monkeypatch.setattr(MegatronPolicy, "start_save_sharded", save_then_die)
     with pytest.raises(RuntimeError):
         launch(_spec(run, target, drafter, workers=2), run_rank)
     monkeypatch.undo()

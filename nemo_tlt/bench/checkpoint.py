@@ -1,0 +1,291 @@
+"""``nemo-tlt bench checkpoint``: each rank's peak extra host memory while it writes its shard of a
+sharded policy checkpoint (megatron backend, TP2 x PP2 on 4 gloo CPU ranks).
+
+Contract: ``main(argv) -> int`` runs trials, each a fresh world of 4 CPU processes (gloo; GPU
+hidden). In a trial every rank builds its ``MegatronPolicy`` shard (bf16 weights by default,
+random values from ``RandomSource``, no file read), takes one GRPO update (so megatron's
+distributed optimizer holds its fp32 main params and Adam moments), then all ranks save
+together by one method:
+
+* ``sharded``: ``MegatronPolicy.save_sharded`` (megatron-core ``dist_checkpointing.save``,
+  torch_dist format: what the sharded run checkpoint writes);
+* ``async``: ``MegatronPolicy.start_save_sharded`` then its ``wait()`` (megatron-core's async
+  save, what the sharded run checkpoint uses; here nothing runs between the two, so the
+  copy-on-write cost of a policy update during the write is not in it);
+* ``control``: ``torch.save`` of the same live tensors this rank owns (its bf16 weights, the
+  fp32 main-param shards, the Adam moments), written storage by storage without a copy: the
+  memory of writing the shard from where it lies, which checks the measure itself.
+
+What is measured: the kernel's peak resident set of the rank's process (``VmHWM``, reset
+through ``/proc/self/clear_refs`` just before the save) minus the resident set at that moment
+(as ``nemo-tlt bench load``), plus the peak of its descendants' summed private resident bytes,
+sampled every 10 ms (megatron-core writes the files from forked processes, 2 per rank, and
+keeps a results-queue server process; a forked writer shares the rank's pages, so only the
+pages it adds count). Page cache of the written files is not in it.
+"Own shard" is the bytes of the ``__<rank>_*.distcp`` files the rank wrote in the ``sharded``
+save (every tensor it is the main replica of: weights, fp32 main params, both moments; at
+DP=1 all of its TP x PP slice). "One layer" is one whole decoder layer's state, unsliced:
+its parameters x (weights dtype + 3 fp32 values: main param, two moments). The target: each
+rank's ``sharded`` and ``async`` peaks <= own shard + one layer. Trials alternate the order;
+medians are reported. Fresh processes per trial: memory a method frees may stay in the allocator and would
+hide the next method's peak.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nemo_tlt.bench.load import _DTYPES, _reset_peak, _status
+from nemo_tlt.dist import RankContext, launch_local
+from nemo_tlt.model.config import LMConfig
+
+METHODS = ("sharded", "async", "control")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nemo-tlt bench checkpoint", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--hidden", type=int, default=1536)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="weights dtype")
+    p.add_argument("--trials", type=int, default=2, help="trials per method (the order alternates)")
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    return p
+
+
+class RandomSource:
+    """A ``CanonicalSource`` of random values (norms 1), generated slice by slice: nothing is read or kept."""
+
+    def __init__(self, cfg: LMConfig) -> None:
+        from nemo_tlt.weights.sources import expected_shapes
+
+        self._shapes = expected_shapes(cfg)
+        self.label, self.bytes_read = "random weights", 0
+
+    def names(self) -> frozenset[str]:
+        return frozenset(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._shapes[name])
+
+    def read(self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        shape = list(self._shapes[name])
+        shape[dim] = stop - start
+        if "norm" in name:
+            return torch.ones(shape, dtype=dtype)
+        g = torch.Generator().manual_seed(zlib.crc32(f"{name}:{dim}:{start}".encode()))
+        return (0.02 * torch.randn(shape, generator=g)).to(dtype)
+
+
+def _own_tensors(policy) -> dict:
+    """The live tensors this rank owns: weights, fp32 main-param shards, Adam moments (no copies)."""
+    from nemo_tlt.megatron.ddp_optimizer import _main_shards, distributed_optimizers
+
+    out = {"weights": [p.data for p in policy.model.parameters()], "main": [], "moments": []}
+    for opt in distributed_optimizers(policy.optimizer):
+        out["main"] += [m.data for m in _main_shards(opt)]
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                state = opt.optimizer.state[p]
+                out["moments"] += [state["exp_avg"], state["exp_avg_sq"]]
+    return out
+
+
+def _private_bytes(pid: int) -> int:
+    """A process's private resident bytes (pages no other process maps: what it adds to the host)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return sum(int(line.split()[1]) * 1024 for line in f
+                       if line.startswith(("Private_Clean:", "Private_Dirty:")))
+    except (FileNotFoundError, ProcessLookupError):
+        return 0  # exited between the listing and the read
+
+
+class ChildrenPeak:
+    """Samples, every ``interval_s``, the summed private resident bytes of this process's descendants
+    (megatron's forked writers, its results-queue server) and keeps the peak. A forked writer shares
+    the rank's pages until it writes them, so only what it adds is counted."""
+
+    def __init__(self, interval_s: float = 0.01) -> None:
+        import psutil
+
+        self._me, self._interval, self.peak = psutil.Process(), interval_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                kids = self._me.children(recursive=True)
+            except psutil.Error:
+                kids = []
+            self.peak = max(self.peak, sum(_private_bytes(k.pid) for k in kids))
+            self._stop.wait(self._interval)
+
+    def __enter__(self) -> "ChildrenPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def view_bytes(policy) -> int:
+    """Bytes of the tensors this rank writes that are views into a larger storage (the DDP param
+    buffer's weights): megatron-core's ``FileSystemWriterAsync`` clones each such CPU tensor before
+    writing it (``_clone_if_needed``), so these bytes are copied during the save."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+    total = 0
+    for value in nested_values(policy._sharded_state(False)):
+        if isinstance(value, ShardedTensor) and is_main_replica(value.replica_id):
+            t = value.data
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _one_update(policy, rank: int) -> None:
+    g = torch.Generator().manual_seed(7)
+    vocab = policy.model_config.vocab_size
+    batch = [(torch.randint(3, vocab, (8,), generator=g).tolist(), torch.randint(3, vocab, (24,), generator=g).tolist())
+             for _ in range(2)]
+    advantages = torch.tensor([1.0, -1.0])
+    old, ref = policy.logprobs(batch)
+    policy.update(batch, advantages, old, ref, sum(len(r) for _, r in batch))
+
+
+def _worker(ctx: RankContext, method: str, cfg: LMConfig, dtype: torch.dtype, folder: str) -> dict:
+    from nemo_tlt.device import Placement
+    from nemo_tlt.policy import PolicyConfig, PolicyOptimConfig, build_policy_backend
+
+    config = PolicyConfig(backend="megatron", tensor_parallel=2, pipeline_parallel=2, micro_batch=2,
+                          optim=PolicyOptimConfig(lr=1e-4))
+    policy = build_policy_backend(config, RandomSource(cfg), cfg, temperature=1.0, seed=1,
+                                  placement=Placement.cpu(dtype))
+    _one_update(policy, ctx.rank)
+    own = _own_tensors(policy)
+    views = view_bytes(policy)
+    target = Path(folder) / method
+    gc.collect()
+    dist.barrier()
+    _reset_peak()
+    base = _status("VmRSS")
+    start = time.perf_counter()
+    with ChildrenPeak() as children:
+        if method == "sharded":
+            policy.save_sharded(str(target))
+        elif method == "async":
+            policy.start_save_sharded(str(target)).wait()
+        else:
+            target.mkdir(parents=True, exist_ok=True)
+            torch.save(own, target / f"rank{ctx.rank}.pt")
+    wall = time.perf_counter() - start
+    peak = _status("VmHWM") - base
+    dist.barrier()
+    written = sum(f.stat().st_size for f in target.glob(f"__{ctx.rank}_*.distcp")) if method != "control" else 0
+    return {"coords": list(policy.coords), "wall_s": wall, "rank_extra_bytes": peak,
+            "children_bytes": children.peak, "peak_extra_bytes": peak + children.peak, "written_bytes": written,
+            "view_bytes": views, "live": {k: _bytes(v) for k, v in own.items()}}
+
+
+# ---- the parent -----------------------------------------------------------------
+
+def layer_state_bytes(cfg: LMConfig, dtype: torch.dtype) -> int:
+    """One whole decoder layer's parameters x (weights dtype + fp32 main param + two fp32 moments)."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * (cfg.head_dim or cfg.hidden_size // cfg.num_heads), \
+        cfg.num_kv_heads * (cfg.head_dim or cfg.hidden_size // cfg.num_heads)
+    params = 2 * h + 2 * h * q + 2 * h * kv + 3 * h * cfg.intermediate_size
+    return params * (torch.empty((), dtype=dtype).element_size() + 12)
+
+
+def _order(trials: int) -> list[str]:
+    order = []
+    for i in range(trials):
+        order += list(METHODS) if i % 2 == 0 else list(reversed(METHODS))
+    return order
+
+
+def summarise(runs: list[tuple[str, list[dict]]], cfg: LMConfig, dtype: torch.dtype, params: int) -> dict:
+    layer = layer_state_bytes(cfg, dtype)
+    per_rank = []
+    for r in range(len(runs[0][1])):
+        rows = {m: [ranks[r] for name, ranks in runs if name == m] for m in METHODS}
+        shard = rows["sharded"][0]["written_bytes"]
+        live = rows["sharded"][0]["live"]
+        views = rows["sharded"][0]["view_bytes"]
+        budget = shard + layer
+        peak = {m: int(statistics.median(x["peak_extra_bytes"] for x in rows[m])) for m in METHODS}
+        parts = {m: {k: int(statistics.median(x[k] for x in rows[m])) for k in ("rank_extra_bytes", "children_bytes")}
+                 for m in METHODS}
+        per_rank.append({
+            "coords": rows["sharded"][0]["coords"], "own_shard_bytes": shard, "live_bytes": live,
+            "cloned_view_bytes": views,
+            "budget_bytes": budget, "peak_extra_bytes": peak, "peak_parts": parts,
+            "peak_over_shard": {m: round(peak[m] / shard, 3) for m in METHODS},
+            "peak_over_budget": {m: round(peak[m] / budget, 3) for m in METHODS},
+            "wall_s": {m: round(statistics.median(x["wall_s"] for x in rows[m]), 2) for m in METHODS},
+            "within_target": max(peak["sharded"], peak["async"]) <= budget,
+        })
+    return {"layout": "TP2xPP2", "params": params, "dtype": str(dtype).replace("torch.", ""),
+            "layer_state_bytes": layer, "order": [name for name, _ in runs], "per_rank": per_rank,
+            "within_target": all(r["within_target"] for r in per_rank),
+            "measure": "the rank's VmHWM - VmRSS at the start of the save (reset via /proc/self/clear_refs) "
+                       "+ the sampled (10 ms) peak of its descendants' summed private resident bytes; fresh "
+                       "processes per trial; all ranks save at once"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from nemo_tlt.megatron import require_megatron_core
+    from nemo_tlt.weights.sources import expected_shapes
+
+    args = _parser().parse_args(argv)
+    try:
+        require_megatron_core("nemo-tlt bench checkpoint")
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.trials < 1:
+        print(f"error: --trials must be >= 1, got {args.trials}", file=sys.stderr)
+        return 2
+    dtype = _DTYPES[args.dtype]
+    cfg = LMConfig(family="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+                   num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads)
+    params = sum(torch.Size(s).numel() for s in expected_shapes(cfg).values())
+    runs = []
+    for method in _order(args.trials):
+        with tempfile.TemporaryDirectory(prefix="bench_checkpoint_") as folder:
+            runs.append((method, launch_local(_worker, 4, method, cfg, dtype, folder, timeout_s=args.timeout_s,
+                                              collective_timeout_s=args.timeout_s)))
+    summary = summarise(runs, cfg, dtype, params)
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=2)
+    print(json.dumps(summary, indent=2))
+    return 0 if summary["within_target"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
