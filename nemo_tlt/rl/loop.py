@@ -155,9 +155,7 @@ class RLWorker:
                     log.warning("%s: checkpoint of step %d in %s; continue with resume=true",
                                 boundary.reason(decision), step - 1, self.spec.checkpoint_dir)
         finally:
-            for closable in (bar, writer, self.ckpt, self.drafter):
-                if closable is not None:
-                    closable.close()
+            close_all(bar, writer, self.ckpt, self.drafter)
         return {"mode": self.spec.mode, "status": status, "records": self.records, "next_step": step,
                 "wall_s": time.perf_counter() - t_run, "out_dir": self.spec.out_dir,
                 "checkpoint_dir": str(self.spec.checkpoint_dir)}
@@ -361,6 +359,22 @@ class RLWorker:
         self.rank_states = [rank_state_for(state, r) for r in range(self.comm.world)]
         self.saved_step = state.step
         self.start_step = state.step + 1
+
+
+def close_all(*closables: Any) -> None:
+    """Close each (None skipped), every one even when one raises (a sharded checkpointer's
+    close is collective and fails when a peer died); then re-raise the first error."""
+    first: BaseException | None = None
+    for closable in closables:
+        if closable is None:
+            continue
+        try:
+            closable.close()
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the others closed
+            log.error("closing %s failed: %s", type(closable).__name__, err)
+            first = first or err
+    if first is not None:
+        raise first
 
 
 def run_rank(spec: RunSpec, comm: "Comm", stop: "StopFlag", on_step: Callable | None = None) -> dict[str, Any]:

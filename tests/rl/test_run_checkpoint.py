@@ -38,3 +38,23 @@ def test_a_sharded_checkpoint_is_refused_by_name_not_ignored(tmp_path):
     (tmp_path / "sharded" / "step-00000003").mkdir(parents=True)
     with pytest.raises(ValueError, match="sharded policy state"):
         RunCheckpointer(tmp_path).load_latest(world=2, mode="tlt")
+
+
+def test_close_all_closes_every_one_and_reraises_the_first_error():
+    from nemo_tlt.rl.loop import close_all
+
+    closed = []
+
+    class Ok:
+        def close(self):
+            closed.append("ok")
+
+    class Fails:
+        def close(self):
+            closed.append("fails")
+            raise RuntimeError("peer died")
+
+    import pytest
+    with pytest.raises(RuntimeError, match="peer died"):
+        close_all(Ok(), None, Fails(), Ok())
+    assert closed == ["ok", "fails", "ok"]
