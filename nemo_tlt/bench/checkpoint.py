@@ -44,6 +44,8 @@ import zlib
 from pathlib import Path
 
 import torch
+
+from nemo_tlt.bench.common import megatron_bench_refusal
 import torch.distributed as dist
 
 from nemo_tlt.bench.load import _DTYPES, _reset_peak, _status
@@ -259,17 +261,12 @@ def summarise(runs: list[tuple[str, list[dict]]], cfg: LMConfig, dtype: torch.dt
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nemo_tlt.megatron import require_megatron_core
     from nemo_tlt.weights.sources import expected_shapes
 
     args = _parser().parse_args(argv)
-    try:
-        require_megatron_core("nemo-tlt bench checkpoint")
-    except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.trials < 1:
-        print(f"error: --trials must be >= 1, got {args.trials}", file=sys.stderr)
+    refusal = megatron_bench_refusal("checkpoint", args.trials)
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
         return 2
     dtype = _DTYPES[args.dtype]
     cfg = LMConfig(family="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,

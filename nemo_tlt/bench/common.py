@@ -34,3 +34,16 @@ def format_table(rows: dict[str, dict[str, Any]], columns: list[str]) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in body]
     return "\n".join(lines)
+
+
+def megatron_bench_refusal(name: str, trials: int | None = None) -> str | None:
+    """Why a megatron benchmark cannot run (megatron-core missing, ``--trials`` < 1), or None."""
+    from nemo_tlt.megatron import require_megatron_core
+
+    try:
+        require_megatron_core(f"nemo-tlt bench {name}")
+    except RuntimeError as err:
+        return str(err)
+    if trials is not None and trials < 1:
+        return f"--trials must be >= 1, got {trials}"
+    return None

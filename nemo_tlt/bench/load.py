@@ -39,6 +39,8 @@ import tempfile
 import time
 
 import torch
+
+from nemo_tlt.bench.common import megatron_bench_refusal
 import torch.distributed as dist
 
 from nemo_tlt.dist import RankContext, launch_local
@@ -212,17 +214,12 @@ def _check_memory(model_bytes_fp32: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nemo_tlt.megatron import require_megatron_core
     from nemo_tlt.model.hf_io import read_config
 
     args = _parser().parse_args(argv)
-    try:
-        require_megatron_core("nemo-tlt bench load")
-    except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.trials < 1:
-        print(f"error: --trials must be >= 1, got {args.trials}", file=sys.stderr)
+    refusal = megatron_bench_refusal("load", args.trials)
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
         return 2
     dtype = _DTYPES[args.dtype]
     temp = None if args.folder else tempfile.mkdtemp(prefix="bench_load_")

@@ -35,6 +35,8 @@ import sys
 import time
 
 import torch
+
+from nemo_tlt.bench.common import megatron_bench_refusal
 import torch.distributed as dist
 
 from nemo_tlt.dist import RankContext, launch_local
@@ -151,13 +153,11 @@ def _summarise(cfg: LMConfig, layout: ParallelLayout, per_rank: list[dict], roll
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nemo_tlt.megatron import require_megatron_core
 
     args = _parser().parse_args(argv)
-    try:
-        require_megatron_core("nemo-tlt bench reshard")
-    except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr)
+    refusal = megatron_bench_refusal("reshard")
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
         return 2
     rollout_tps = [int(x) for x in args.rollout_tps.split(",")]
     cfg = LMConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
