@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_tlt.bench.common import megatron_bench_refusal
+from nemo_tlt.bench.common import megatron_bench_refusal, write_summary
 import torch.distributed as dist
 
 from nemo_tlt.bench.load import _DTYPES, _reset_peak, _status
@@ -278,10 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append((method, launch_local(_worker, 4, method, cfg, dtype, folder, timeout_s=args.timeout_s,
                                               collective_timeout_s=args.timeout_s)))
     summary = summarise(runs, cfg, dtype, params)
-    with open(args.out, "w") as f:
-        json.dump(summary, f, indent=2)
-    print(json.dumps(summary, indent=2))
-    return 0 if summary["within_target"] else 1
+    return write_summary(summary, args.out, summary["within_target"])
 
 
 if __name__ == "__main__":

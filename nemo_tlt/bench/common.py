@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 from typing import Any
 
 import torch
+
+from nemo_tlt.atomic import write_json_atomic
 
 
 def machine_info() -> dict[str, Any]:
@@ -47,3 +50,11 @@ def megatron_bench_refusal(name: str, trials: int | None = None) -> str | None:
     if trials is not None and trials < 1:
         return f"--trials must be >= 1, got {trials}"
     return None
+
+
+def write_summary(summary: dict[str, Any], out: str, ok: bool) -> int:
+    """Write ``summary`` to ``out`` (atomic JSON), print it, and return the exit status: 0 when
+    ``ok`` (the benchmark's targets held), else 1."""
+    write_json_atomic(out, summary)
+    print(json.dumps(summary, indent=2))
+    return 0 if ok else 1

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import statistics
@@ -40,7 +39,7 @@ import time
 
 import torch
 
-from nemo_tlt.bench.common import megatron_bench_refusal
+from nemo_tlt.bench.common import megatron_bench_refusal, write_summary
 import torch.distributed as dist
 
 from nemo_tlt.dist import RankContext, launch_local
@@ -244,10 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
-    with open(args.out, "w") as f:
-        json.dump(summary, f, indent=2)
-    print(json.dumps(summary, indent=2))
-    return 0 if summary["bit_exact"] and summary["within_target"] else 1
+    return write_summary(summary, args.out, summary["bit_exact"] and summary["within_target"])
 
 
 if __name__ == "__main__":

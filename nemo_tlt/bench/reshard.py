@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 import time
 
 import torch
 
-from nemo_tlt.bench.common import megatron_bench_refusal
+from nemo_tlt.bench.common import megatron_bench_refusal, write_summary
 import torch.distributed as dist
 
 from nemo_tlt.dist import RankContext, launch_local
@@ -165,10 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     layout = ParallelLayout(tp=2, pp=2)
     per_rank = launch_local(_worker, 4, cfg, layout, rollout_tps, args.receivers, timeout_s=args.timeout_s)
     summary = _summarise(cfg, layout, per_rank, rollout_tps, args.receivers)
-    with open(args.out, "w") as f:
-        json.dump(summary, f, indent=2)
-    print(json.dumps(summary, indent=2))
-    return 0 if summary["bit_exact"] and summary["within_target"] else 1
+    return write_summary(summary, args.out, summary["bit_exact"] and summary["within_target"])
 
 
 if __name__ == "__main__":

@@ -49,9 +49,12 @@ class PipelinedStep:
         g = self.cfg.grpo
         self.policy.begin_accumulation(g.prompts_per_step * g.group_size * g.max_new_tokens)
 
-    def term(self, step: int, group: Group, part: int | None = None) -> dict[str, float]:
-        # drafter data from the policy's forward: every sequence of the pieces this rank computes
-        on_hidden = self.harvest(step) if self.harvest is not None else None
+    def sink(self, step: int) -> HiddenSink | None:
+        """Drafter data from the policy's forward (every sequence of the pieces this rank
+        computes), or None; made once per step (it moves the harvest buffer to ``step``)."""
+        return self.harvest(step) if self.harvest is not None else None
+
+    def term(self, group: Group, part: int | None = None, on_hidden: HiddenSink | None = None) -> dict[str, float]:
         return group_term(self.policy, group, part, group_size=self.cfg.grpo.group_size,
                           separate_logprob_pass=self.cfg.policy.separate_logprob_pass,
                           gap=comparable(self.cfg.grpo.acceptance, self.cfg.grpo.temperature),
@@ -62,7 +65,7 @@ class PipelinedStep:
         """TLT: published pieces until every piece is claimed; their sums, the (start, end,
         "update") segments on ``clock`` and the seconds of work (not of waiting)."""
         self.begin()
-        sums, segments = claim_all(board, partial(self.term, step), clock)
+        sums, segments = claim_all(board, partial(self.term, on_hidden=self.sink(step)), clock)
         return sums, segments, sum(b - a for a, b, _ in segments)
 
     def finish(self, step: int, collector: GroupCollector, rollout: Rollout, early: Sums, own_groups: bool
@@ -75,9 +78,10 @@ class PipelinedStep:
         sums = dict(early)
         if own_groups:
             self.begin()
+            on_hidden = self.sink(step)
             for group in collector.own_groups():  # piece by piece as TLT's ranks claim them: the same stats
                 for part in range(self.parts(group)):
-                    sums[(group.gid, part)] = self.term(step, group, part)
+                    sums[(group.gid, part)] = self.term(group, part, on_hidden)
         t_groups = time.perf_counter() - t0
         own_tokens = sum(len(r.tokens) for r in rollout.out.results)
         global_tokens = int(self.comm.sum_(torch.tensor([float(own_tokens)], device="cpu")).item())
