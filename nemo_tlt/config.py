@@ -329,9 +329,19 @@ class TLTConfig:
         if self.validation.options and self.task.source in TASK_SOURCE_OPTIONS:
             _check_builtin_options(self.task.source, {**self.task.options, **self.validation.options},
                                    "validation.options")
-        if self.grpo.prompts_per_step < world:
-            raise ValueError(f"grpo.prompts_per_step={self.grpo.prompts_per_step} leaves a worker without prompts "
-                             f"(workers.num_workers={world}); each worker takes whole groups")
+        rollout_tp = self.rollout.tensor_parallel
+        if world % rollout_tp:
+            raise ValueError(f"rollout.tensor_parallel={rollout_tp} must divide workers.num_workers={world} "
+                             "(consecutive ranks form one rollout replica)")
+        if rollout_tp > 1 and self.policy.pipelined_update:
+            raise ValueError(f"policy.pipelined_update=true with rollout.tensor_parallel={rollout_tp} is not built "
+                             "(the pipelined pieces are claimed per rank; a replica's ranks share one rollout): "
+                             "set policy.pipelined_update=false")
+        replicas = world // rollout_tp
+        if self.grpo.prompts_per_step < replicas:
+            raise ValueError(f"grpo.prompts_per_step={self.grpo.prompts_per_step} leaves a rollout replica without "
+                             f"prompts (workers.num_workers={world} / rollout.tensor_parallel={rollout_tp} = "
+                             f"{replicas} replicas); each replica takes whole groups")
 
     def baseline(self) -> "TLTConfig":
         """The same run without TLT: plain decoding, no drafter training."""

@@ -6,9 +6,10 @@ block validates itself. ``train_config`` optionally names the ``nemo-tlt train``
 plan is for (``check_train_config``): what the plan assumes must be what that run does, and a
 disagreement is refused naming both keys and values. Compared: TP / PP, batch, response
 length, SD threshold and arms, GPUs = workers, the weights dtype (``model.dtype``),
-recompute and sequence parallelism (``policy.*``), and what the run's backends always do:
-the distributed optimizer (the megatron backend always shards it, the torch backend never),
-fp32 gradients, and the rollout engine's TP (``nemo_tlt.rollout.factory.engine_tensor_parallel``).
+recompute and sequence parallelism (``policy.*``), the rollout engine's TP
+(``rollout.tensor_parallel``, as ``nemo_tlt.rollout.factory.engine_tensor_parallel`` builds it),
+and what the run's backends always do: the distributed optimizer (the megatron backend always
+shards it, the torch backend never) and fp32 gradients.
 """
 from __future__ import annotations
 
@@ -227,6 +228,8 @@ def check_train_config(plan: PlanConfig) -> None:
         ("sd.arms", tuple(plan.sd.arms), "rollout.bandit.arms", tuple(a.name for a in train.rollout.bandit.arms)),
         ("sd.drafter_training", plan.sd.drafter_training, "drafter.train_on_idle", train.drafter.train_on_idle),
         ("cluster GPUs", plan.cluster.world, "workers.num_workers", train.workers.num_workers),
+        ("rollout.tensor_parallel", plan.rollout.tensor_parallel, "rollout.tensor_parallel",
+         engine_tensor_parallel(train.rollout)),
     ]
     derived = [
         ("training.distributed_optimizer", plan.training.distributed_optimizer, "policy.backend", policy.backend,
@@ -235,8 +238,6 @@ def check_train_config(plan: PlanConfig) -> None:
          else "every replica of the torch backend holds the whole optimizer state"),
         ("training.grad_bytes", plan.training.grad_bytes, "policy.backend", policy.backend, GRAD_BYTES,
          "fp32 gradients"),
-        ("rollout.tensor_parallel", plan.rollout.tensor_parallel, "rollout.engine", train.rollout.engine,
-         engine_tensor_parallel(train.rollout), "every worker's engine serves the whole model"),
     ]
     for mine, a, theirs, b in rows:
         if a != b:

@@ -2,9 +2,11 @@
 
 One RL step on every rank:
 1. ``rollout``: the step's prompts come from the task source, seeded by (seed, step);
-   rank r takes the prompts p with p % world == r, G samples each (whole groups, so
-   advantages stay local), and its rollout engine decodes them, speculating as the
-   run's SD policy decides (TLT) or plainly (baseline).
+   rollout replica q (``rollout.tensor_parallel`` consecutive ranks, one rank by default:
+   ``nemo_tlt.rl.rollout_replicas``) takes the prompts p with p % replicas == q, G samples
+   each (whole groups, so advantages stay local), and its engine, tensor-parallel over the
+   replica's ranks, decodes them, speculating as the run's SD policy decides (TLT; the
+   replica leader's policy) or plainly (baseline).
 2. ``idle_time``: a rank whose share is done marks itself IDLE; with TLT it trains
    the drafter on harvested hidden states until the last rank finishes, then all
    ranks meet and average the drafter, which the engine loads.
@@ -44,7 +46,8 @@ from nemo_tlt.rl.policy_inputs import load_policy_inputs
 from nemo_tlt.rl.pipelined_step import PipelinedStep
 from nemo_tlt.rl.records import IdleResult, RankState, RankStep, Rollout, arm_accept_counts, step_record
 from nemo_tlt.rl.report import MetricsWriter, progress_bar
-from nemo_tlt.rl.run import RunSpec, shard_prompts, step_rng, step_seed
+from nemo_tlt.rl.rollout_replicas import RolloutReplicas, by_replica, rollout_tp_group, training_share
+from nemo_tlt.rl.run import RunSpec, step_rng, step_seed
 from nemo_tlt.rl.run_checkpoint import RunCheckpointer, RunState, restore
 from nemo_tlt.rl.sharded_run_checkpoint import ShardedRunCheckpointer, rank_state_for, restore_sharded
 from nemo_tlt.rl.task import build_task, check_eos, check_vocab
@@ -79,7 +82,11 @@ class RLWorker:
         check_eos(self.task.tokenizer, model_config.eos_token_id, spec.target_dir)
         self.policy = build_policy_backend(cfg.policy, inputs.weights, model_config,
                                            temperature=cfg.grpo.temperature, seed=cfg.seed, placement=placement)
-        self.engine = build_rollout_engine(cfg.rollout, spec.target_dir, placement)
+        # rollout replicas: consecutive ranks whose engine is tensor-parallel over them (collective)
+        self.replicas = RolloutReplicas(comm.rank, comm.world, cfg.rollout.tensor_parallel)
+        self.share = training_share(comm.gather(self.policy.train_ranks), comm.rank, self.replicas.tp)
+        self.engine = build_rollout_engine(cfg.rollout, spec.target_dir, placement,
+                                           tp=rollout_tp_group(self.replicas))
         self.sd_policy = self.drafter = None
         if spec.tlt:
             self.sd_policy = cfg.rollout.build_policy(np.random.default_rng([cfg.seed, comm.rank, 0xB4]))
@@ -188,12 +195,16 @@ class RLWorker:
         t0 = time.perf_counter()
         weights, policy_digest = self.sync_weights(idle)
         t_sync = time.perf_counter() - t0
-        mine = RankStep(rank=comm.rank, node=comm.node, ids=rollout.ids, tokens=[r.tokens for r in rollout.out.results],
-                        rewards=rewards, gen_s=rollout.seconds, sd_steps=rollout.out.stats.sd_steps,
-                        plain_steps=rollout.out.stats.plain_steps, accept_lengths=rollout.out.stats.accept_lengths,
+        # a replica's rollout is counted once, its leader's (every member decoded the same tokens)
+        stats, lead = rollout.out.stats, self.replicas.leader
+        mine = RankStep(rank=comm.rank, node=comm.node, ids=rollout.ids if lead else [],
+                        tokens=[r.tokens for r in rollout.out.results] if lead else [],
+                        rewards=rewards if lead else [], gen_s=rollout.seconds,
+                        sd_steps=stats.sd_steps if lead else 0, plain_steps=stats.plain_steps if lead else 0,
+                        accept_lengths=stats.accept_lengths if lead else [],
                         segments=rollout.segments, idle=idle,
                         update=update, state=self.rank_state(), weights=weights,
-                        arm_accept=arm_accept_counts(rollout.out.stats.trace),
+                        arm_accept=arm_accept_counts(stats.trace) if lead else {},
                         update_work_s=t_work, policy_digest=policy_digest)
         ranks = comm.gather(mine)
         # a sharded policy state (the megatron backend on more than one rank) stays where it is:
@@ -213,7 +224,7 @@ class RLWorker:
     # ---- the phases -----------------------------------------------------------
     def rollout(self, step: int, prompts: list, on_finish: Callable | None = None) -> Rollout:
         cfg, G = self.cfg, self.cfg.grpo.group_size
-        ids = [p * G + g for p in shard_prompts(len(prompts), self.comm.rank, self.comm.world) for g in range(G)]
+        ids = [p * G + g for p in self.replicas.prompts(len(prompts)) for g in range(G)]
         requests = [Request(self.task.tokenizer.encode(prompts[i // G].text, add_bos=True), seq_id=i) for i in ids]
         sampling = SamplingParams(cfg.grpo.acceptance, temperature=cfg.grpo.temperature,
                                   max_new_tokens=cfg.grpo.max_new_tokens, seed=step_seed(cfg.seed, step))
@@ -243,7 +254,7 @@ class RLWorker:
         if not is_due(self.cfg.validation, step):
             return None
         return validate(self.engine, self.task, self.validation_prompts, validation_sampling(self.cfg, step), step,
-                        self.spec.mode, comm=self.comm)
+                        self.spec.mode, comm=self.comm, replicas=self.replicas)
 
     def score(self, prompts: list, rollout: Rollout) -> list[float]:
         G, task = self.cfg.grpo.group_size, self.task
@@ -252,18 +263,21 @@ class RLWorker:
 
     def update_policy(self, step: int, batch: list, rewards: list[float], gen_logprobs: list | None = None
                       ) -> tuple[dict[str, float], float, float]:
-        """Log-probs and one optimizer step on the union of this rank's training group's rollouts;
-        with ``gen_logprobs`` (this rank's rollout's) the logprob_gap sums go into the update's dict."""
-        group, rank = self.policy.train_ranks, self.comm.rank
-        # every response token of the step, counted once (each rank counts its own rollout)
-        global_tokens = int(self.comm.sum_(torch.tensor([float(sum(len(r) for _, r in batch))], device="cpu")).item())
-        own = range(len(batch))
-        if len(group) > 1:  # the ranks of one model replica train on the union of their rollouts
-            shares = self.comm.gather((batch, rewards))
-            start = sum(len(shares[r][0]) for r in group[:group.index(rank)])
-            own = range(start, start + len(batch))
-            batch = [seq for r in group for seq in shares[r][0]]
-            rewards = [x for r in group for x in shares[r][1]]
+        """Log-probs and one optimizer step on this rank's training share of the step's rollouts
+        (``nemo_tlt.rl.rollout_replicas.training_share``); with ``gen_logprobs`` (this rank's
+        rollout's) the logprob_gap sums go into the update's dict (one member per replica reports)."""
+        replicas, share, G = self.replicas, self.share, self.cfg.grpo.group_size
+        # every response token of the step, counted once (each replica's leader counts its rollout)
+        counted = replicas.counted_tokens(sum(len(r) for _, r in batch))
+        global_tokens = int(self.comm.sum_(torch.tensor([float(counted)], device="cpu")).item())
+        # the rollouts this rank's model replica trains on (nemo_tlt.rl.rollout_replicas)
+        shares = (by_replica(self.comm.gather((batch, rewards)), replicas.tp, share.replicas)
+                  if len(share.replicas) > 1 else {replicas.replica: (batch, rewards)})
+        if gen_logprobs is not None and share.parts > 1:
+            gen_logprobs = [gen_logprobs[i] for i in share.indices(len(batch), G)]
+        batch, rewards, own = share.select(shares, replicas.replica, G)
+        if share.parts == 1 and not replicas.leader:
+            gen_logprobs = None  # the leader reports the replica's logprob_gap sums
         on_hidden = self._harvest_sink(step, own) if self.harvest_from == "policy" else None
         t0 = time.perf_counter()
         logp_old, logp_ref = self.policy.logprobs(batch, self.cfg.policy.separate_logprob_pass)

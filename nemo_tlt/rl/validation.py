@@ -8,9 +8,10 @@ Contract
   and in TLT and its baseline.
 * :func:`is_due` says whether step ``step`` ends with an evaluation (after every
   ``every``-th step: ``(step + 1) % every == 0``).
-* :func:`validate` is collective when given a ``comm``: every rank decodes its share
-  of the prompts (p % world == rank) with the rollout engine, scores it with the task's
-  reward, and rank 0 returns the record; the others return None. The record:
+* :func:`validate` is collective when given a ``comm``: every rollout replica decodes its
+  share of the prompts (p % replicas == replica; without ``replicas`` each rank is one) with
+  the rollout engine (every member of a replica, its engine being tensor-parallel), scores it with the task's
+  reward, and rank 0 returns the record of the replica leaders' shares; the others return None. The record:
   ``{"step", "mode", "split": "validation", "mean_reward", "mean_response_len",
   "num_prompts", "validation_s"}`` plus ``accuracy`` when the reward says what a correct
   answer scores (its ``correct_at``: the share of responses whose reward is >= it).
@@ -26,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nemo_tlt.rl.run import shard_prompts, step_seed
+from nemo_tlt.rl.rollout_replicas import RolloutReplicas
+from nemo_tlt.rl.run import step_seed
 from nemo_tlt.rl.task import Prompt, Task, build_source
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.speculative.sampling import SamplingParams
@@ -93,14 +95,17 @@ def validation_record(step: int, mode: str, shards: list[ValidationShard], corre
 
 
 def validate(engine: Any, task: Task, prompts: list[Prompt], sampling: SamplingParams, step: int, mode: str,
-             comm: "Comm | None" = None, sd_policy: Any = None) -> dict[str, Any] | None:
+             comm: "Comm | None" = None, sd_policy: Any = None,
+             replicas: "RolloutReplicas | None" = None) -> dict[str, Any] | None:
     """One validation pass at the end of step ``step`` (see the module docstring)."""
     if not prompts:
         raise ValueError("validate: no validation prompts")
     t0 = time.perf_counter()
     rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
-    mine = _decode_share(engine, task, prompts, shard_prompts(len(prompts), rank, world), sampling, sd_policy)
+    replicas = replicas or RolloutReplicas(rank, world)
+    mine = _decode_share(engine, task, prompts, replicas.prompts(len(prompts)), sampling, sd_policy)
     shards = comm.gather(mine) if comm is not None else [mine]
     if rank != 0:
         return None
+    shards = shards[::replicas.tp]  # each replica's leader
     return validation_record(step, mode, shards, task.reward.correct_at, time.perf_counter() - t0)

@@ -7,14 +7,14 @@ from nemo_tlt.rollout.protocol import RolloutEngine
 
 
 def engine_tensor_parallel(config: RolloutConfig) -> int:
-    """The tensor-parallel size of the engine ``build_rollout_engine`` builds: 1 for either
-    engine. Every worker builds its own engine serving the whole model (the torch engine has
-    no TP; the TensorRT-LLM engine is built with ``tensor_parallel_size`` 1). ``nemo-tlt plan``
-    refuses a plan whose rollout TP differs."""
-    return 1
+    """The tensor-parallel size of the engine the loop builds: ``rollout.tensor_parallel`` (the
+    torch engine over a replica of that many consecutive ranks; the TensorRT-LLM engine only at
+    1, ``RolloutConfig`` refuses more). ``nemo-tlt plan`` refuses a plan whose rollout TP differs."""
+    return config.tensor_parallel
 
 
-def build_rollout_engine(config: RolloutConfig, model_dir: str, placement: Placement = Placement()) -> RolloutEngine:
+def build_rollout_engine(config: RolloutConfig, model_dir: str, placement: Placement = Placement(),
+                         tp=None) -> RolloutEngine:
     """The engine ``config.engine`` serving the HF-format model in ``model_dir``, in
     ``placement``'s dtype on its device (the torch engine computes in ``rollout.compute_dtype``)."""
     if config.engine == "torch":

@@ -27,7 +27,7 @@ def _plan(tmp_path: Path, train: list[str] = [], plan: list[str] = []):
 
 
 def test_the_shipped_pair_agrees(tmp_path):
-    assert _plan(tmp_path).rollout.tensor_parallel == 1
+    assert _plan(tmp_path).rollout.tensor_parallel == 4
 
 
 def test_dtype(tmp_path):
@@ -63,9 +63,12 @@ def test_sequence_parallel(tmp_path):
 
 
 def test_rollout_tensor_parallel(tmp_path):
+    with pytest.raises(ValueError, match=r"plan rollout\.tensor_parallel=8 disagrees with .*: "
+                                         r"rollout\.tensor_parallel=4"):
+        _plan(tmp_path, plan=["rollout.tensor_parallel=8"])
     with pytest.raises(ValueError, match=r"plan rollout\.tensor_parallel=4 disagrees with .*: "
-                                         r"rollout\.engine='torch' runs with tensor_parallel=1"):
-        _plan(tmp_path, plan=["rollout.tensor_parallel=4"])
+                                         r"rollout\.tensor_parallel=2"):
+        _plan(tmp_path, train=["rollout.tensor_parallel=2"])
 
 
 def test_gradient_bytes(tmp_path):
