@@ -37,10 +37,11 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
   ``capture_layers`` hooks on those decoder layers capture them on the stages holding them
   (``nemo_tlt.megatron.forward_features``). With PP > 1 each is broadcast from its stage to
   every stage of the pipeline, so ``on_hidden`` runs on every rank with the whole feature.
-* Weights out: ``canonical_weights()`` yields the full canonical weights on every rank,
+* Weights out: ``canonical_weights(rollout_tp)`` yields the canonical weights on every rank,
   tensor by tensor as the slice-only reshard (``nemo_tlt.weights.reshard.iter_reshard``)
-  delivers them, so no rank holds a copy of the model beside the one its consumer
-  builds (a collective: every rank consumes the stream to its end).
+  delivers them: whole at ``rollout_tp`` 1, else each rank's rollout slices only, so no
+  rank holds a copy of the model beside the one its consumer builds (a collective: every
+  rank consumes the stream to its end).
   ``rollout_state_dict(rollout_tp, receivers)`` collects a rollout engine's TP shard
   (each receiver receives only its slice); ``canonical_state_dict()`` gathers on global rank 0.
 * Sharded checkpoints: ``save_sharded(dir)`` / ``load_sharded(dir)`` (collective) write and
@@ -391,13 +392,15 @@ class MegatronPolicy:
         return loss_fn
 
     # ---- weights out / in ----------------------------------------------------------------
-    def canonical_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full canonical weights on every rank, one tensor at a time, as the reshard delivers
-        them (a collective: every rank must consume the stream to its end)."""
+    def canonical_weights(self, rollout_tp: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+        """The canonical weights on every rank, one tensor at a time, as the reshard delivers them
+        (a collective: every rank must consume the stream to its end): whole, or at ``rollout_tp``
+        > 1 only rank r's rollout slices (TP rank r % rollout_tp: a rollout replica is that many
+        consecutive ranks)."""
         from nemo_tlt.megatron.live import local_shard
         from nemo_tlt.weights.reshard import ReshardPlan, iter_reshard
 
-        plan = ReshardPlan(self.model_config, self.layout, 1, dtype=self.dtype, device=self.device.type)
+        plan = ReshardPlan(self.model_config, self.layout, rollout_tp, dtype=self.dtype, device=self.device.type)
         stream = iter_reshard(local_shard(self.model), plan)
         while True:
             # the CPU shims are on only while the reshard runs, never while the consumer does

@@ -31,9 +31,12 @@ Contract (every implementation)
   for such a drafter. Still the same forward, no extra pass. Indices outside
   ``[0, num_layers)`` (or an empty tuple) raise a ValueError naming ``capture_layers``
   and ``num_layers``, before any collective.
-* ``canonical_weights()`` yields the full canonical (HF-named) weights, tensor by
-  tensor, on every rank; for a model-parallel backend it is a collective: every rank
-  iterates it to the end. A consumer must not assume the backend holds no full copy.
+* ``canonical_weights(rollout_tp=1)`` yields the canonical (HF-named) weights, tensor by
+  tensor, on every rank: whole, or, at ``rollout_tp`` > 1, either whole or only the rank's
+  rollout slices (``nemo_tlt.weights.rollout``, TP rank = rank % rollout_tp), as the backend
+  can send them cheapest; the TP rollout engine takes either. For a model-parallel backend
+  it is a collective: every rank iterates it to the end. A consumer must not assume the
+  backend holds no full copy.
 * ``state_dict()`` / ``load_state_dict()`` hold the optimizer and the schedule step
   (for resume); ``sharded_state`` says whether they differ per rank (then a checkpoint
   keeps every rank's). ``load_canonical`` replaces the weights (the KL reference keeps
@@ -80,7 +83,7 @@ class PolicyBackend(Protocol):
                capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None
                ) -> dict[str, float]: ...
 
-    def canonical_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def canonical_weights(self, rollout_tp: int = 1) -> Iterator[tuple[str, torch.Tensor]]: ...
 
     def load_canonical(self, weights: Mapping[str, torch.Tensor]) -> None: ...
 

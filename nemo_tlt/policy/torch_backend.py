@@ -234,7 +234,8 @@ class TorchPolicy:
         return self._step()
 
     # ---- weights and state --------------------------------------------------------------
-    def canonical_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def canonical_weights(self, rollout_tp: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+        """The replica's own weights, whole at any ``rollout_tp`` (the engine keeps its slice)."""
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
 

@@ -85,8 +85,8 @@ class RLWorker:
         # rollout replicas: consecutive ranks whose engine is tensor-parallel over them (collective)
         self.replicas = RolloutReplicas(comm.rank, comm.world, cfg.rollout.tensor_parallel)
         self.share = training_share(comm.gather(self.policy.train_ranks), comm.rank, self.replicas.tp)
-        self.engine = build_rollout_engine(cfg.rollout, spec.target_dir, placement,
-                                           tp=rollout_tp_group(self.replicas))
+        self.engine_tp = rollout_tp_group(self.replicas)
+        self.engine = build_rollout_engine(cfg.rollout, spec.target_dir, placement, tp=self.engine_tp)
         self.sd_policy = self.drafter = None
         if spec.tlt:
             self.sd_policy = cfg.rollout.build_policy(np.random.default_rng([cfg.seed, comm.rank, 0xB4]))
@@ -310,8 +310,9 @@ class RLWorker:
         """Policy weights to the engine and the drafter's view; new drafter weights to the
         engine. Returns the digest of both (replicas must stay identical) and of the policy alone."""
         view = self.drafter.view if self.drafter is not None else None
-        stream = WeightStream(self.policy.canonical_weights(), keep=self.comm.rank == 0 and not self.sharded,
-                              view=view)
+        # at rollout TP > 1 a model-parallel policy sends each rank only its slices (slice-only sync)
+        stream = WeightStream(self.policy.canonical_weights(rollout_tp=self.replicas.tp),
+                              keep=self.comm.rank == 0 and not self.sharded, view=view, tp=self.engine_tp)
         self.engine.load_policy_weights(stream)
         self.synced = stream.kept
         policy_digest = stream.hexdigest()
@@ -365,7 +366,8 @@ class RLWorker:
             log.info("resume=true but %s holds no checkpoint: starting at step 0", self.spec.checkpoint_dir)
             return
         if self.sharded:  # this rank's slice of the policy; the engine and view from its stream
-            restore_sharded(state, self.comm.rank, self.policy, self.engine, self.sd_policy, self.drafter)
+            restore_sharded(state, self.comm.rank, self.policy, self.engine, self.sd_policy, self.drafter,
+                            tp=self.engine_tp)
         else:
             restore(state, self.comm.rank, self.policy, self.engine, self.sd_policy, self.drafter)
             self.synced = dict(state.policy_weights)

@@ -129,12 +129,15 @@ def rank_state_for(state: RunState, rank: int) -> RankState:
     return state.ranks[rank % len(state.ranks)]
 
 
-def restore_sharded(state: RunState, rank: int, policy, engine, sd_policy, drafter) -> None:
+def restore_sharded(state: RunState, rank: int, policy, engine, sd_policy, drafter, tp=None) -> None:
     """Collective: this rank's slice of the policy from ``state.policy_dir``, the engine's and the
-    drafter view's weights from the policy's canonical stream, the SD policy and drafter side."""
+    drafter view's weights from the policy's canonical stream (``tp``: the rollout replica's
+    ``TensorParallel``, slices only), the SD policy and drafter side."""
     policy.load_sharded(str(state.policy_dir))
     # the same stream as every step's weight sync: the view was filled whole at build
-    engine.load_policy_weights(WeightStream(policy.canonical_weights(), view=drafter.view if drafter else None))
+    rollout_tp = tp.size if tp is not None else 1
+    engine.load_policy_weights(WeightStream(policy.canonical_weights(rollout_tp=rollout_tp),
+                                            view=drafter.view if drafter else None, tp=tp))
     mine = rank_state_for(state, rank)
     if sd_policy is not None and mine.sd_policy is not None:
         sd_policy.load_state_dict(mine.sd_policy)

@@ -1,26 +1,38 @@
 """The weight-sync stream: the policy's canonical weights, tensor by tensor, to the
 rollout engine, with what else the step needs from the same pass.
 
-``WeightStream(source, keep=..., view=...)`` is iterated once by the engine's
+``WeightStream(source, keep=..., view=..., tp=...)`` is iterated once by the engine's
 ``load_policy_weights``; as each (name, tensor) goes by it is hashed (data-parallel
 replicas must end every step with the same bits), copied into the drafter's view of
 the target when there is one, and kept by reference when ``keep`` (rank 0 checkpoints
 the weights the engine serves). The stream itself copies nothing.
+
+With a tensor-parallel rollout engine (``tp``: the replica's ``TensorParallel``) the source
+may yield this rank's rollout slices only (``nemo_tlt.weights.rollout``; the megatron
+policy's slice-only reshard): the drafter's view is replicated and whole, so a slice of a
+tensor it holds (the embedding, the LM head) is gathered over the replica for it (a
+collective: every member streams the same names in the same order), and ``hexdigest()``
+digests the replica's digests in TP rank order, so every member reports the same value and
+replicas compare as whole models.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
 from nemo_tlt.drafter.target_view import TargetView
 
+if TYPE_CHECKING:
+    from nemo_tlt.model.tensor_parallel import TensorParallel
+
 
 class WeightStream:
     def __init__(self, source: Iterable[tuple[str, torch.Tensor]], keep: bool = False,
-                 view: TargetView | None = None) -> None:
+                 view: TargetView | None = None, tp: "TensorParallel | None" = None) -> None:
         self.source, self.keep, self.view = source, keep, view
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.kept: dict[str, torch.Tensor] = {}
         self._hash = hashlib.sha256()
 
@@ -28,10 +40,19 @@ class WeightStream:
         for name, tensor in self.source:
             self._hash.update(_bytes(tensor))
             if self.view is not None:
-                self.view.update(name, tensor)
+                self.view.update(name, self._whole_for_view(name, tensor))
             if self.keep:
                 self.kept[name] = tensor
             yield name, tensor
+
+    def _whole_for_view(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` whole for the view: a vocab-row slice of a tensor the view holds is gathered."""
+        if self.tp is None or name not in self.view.names:
+            return tensor
+        rows = self.view.get_parameter(name).shape[0]
+        if tensor.shape[0] == rows:
+            return tensor
+        return self.tp.gather_vocab(tensor.t(), rows).t()
 
     def add(self, module: torch.nn.Module) -> None:
         """Hash another module's weights into the digest (e.g. the drafter's)."""
@@ -39,7 +60,12 @@ class WeightStream:
             self._hash.update(_bytes(t))
 
     def hexdigest(self) -> str:
-        return self._hash.hexdigest()[:16]
+        """The digest so far (with ``tp``: of the replica's digests; collective over the replica)."""
+        mine = self._hash.hexdigest()[:16]
+        if self.tp is None:
+            return mine
+        parts = self.tp.gather_int(int(mine[:15], 16))
+        return hashlib.sha256(",".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
 def _bytes(tensor: torch.Tensor) -> bytes:

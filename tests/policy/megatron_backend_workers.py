@@ -54,11 +54,13 @@ def run_case(case: PolicyCase, world: int) -> dict | None:
                            if case.capture_layers else None, capture_layers=case.capture_layers)
     canonical = trainer.canonical_state_dict()
     rollout = dict(trainer.canonical_weights())
+    # the slice-only sync of a rollout replica of `world` ranks: this rank's slices only
+    rollout_slices = dict(trainer.canonical_weights(rollout_tp=world)) if world > 1 else None
     # a second step with the old log-probs taken from the loss forward itself (logp_old=None)
     trainer.update(batch, case.advantages[list(mine)], None, ref, global_tokens)
     canonical_on_policy = trainer.canonical_state_dict()
     local = {"coords": trainer.coords, "dp": dp_rank, "ids": mine, "old": old, "ref": ref, "stats": stats,
-             "hidden": hidden, "features": features, "rollout": rollout,
+             "hidden": hidden, "features": features, "rollout": rollout, "rollout_slices": rollout_slices,
              "norms": {k: v.clone() for k, v in trainer.model.state_dict().items() if "layernorm.weight" in k},
              "opt_state_keys": sorted(trainer.state_dict()),
              "train_ranks": trainer.train_ranks, "sharded_state": trainer.sharded_state,

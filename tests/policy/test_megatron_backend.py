@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from megatron_backend_workers import PolicyCase, session  # noqa: E402
 
 from nemo_tlt.dist import launch_local  # noqa: E402
+from nemo_tlt.weights.rollout import rollout_slice  # noqa: E402
 from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from nemo_tlt.model.config import LMConfig  # noqa: E402
 from nemo_tlt.model.lm import DecoderLM  # noqa: E402
@@ -213,6 +214,19 @@ def test_on_policy_second_step_matches_policy_trainer(results, case):
     assert_same_step(results[case.name]["canonical_on_policy"], want, grads, case.policy.optim.lr, tol=5e-5)
     moved = max(float((want[k] - case.canonical[k]).abs().max()) for k in want)
     assert moved > 20 * 5e-5
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES_2, ids=[c.name for c in CASES_2])
+def test_canonical_weights_at_rollout_tp_send_each_rank_its_slices_only(results, case):
+    """``canonical_weights(rollout_tp=2)`` on 2 ranks: rank r gets exactly the rollout TP rank r
+    slice of every canonical tensor (bit-exact), never the whole tensor where the layout splits it."""
+    for r, rank in enumerate(results[case.name]["ranks"]):
+        whole, slices = rank["rollout"], rank["rollout_slices"]
+        assert list(slices) == list(whole)
+        for name, tensor in whole.items():
+            assert torch.equal(slices[name], rollout_slice(name, tensor, 2, r)), (r, name)
+        assert sum(t.numel() for t in slices.values()) < 0.6 * sum(t.numel() for t in whole.values())
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,65 @@
+"""The RL loop with rollout TP 2 (``rollout.tensor_parallel=2``: both workers form one rollout
+replica whose embedded engine is split over them): TLT and baseline stay identical (rewards,
+rollouts, final policy weights), every rank of the replica holds half of the split weights,
+and the run equals a rollout-TP-1 run on its first rollout and, to float tolerance, on the
+policy its first update makes (the replica's groups are split between the two policy
+replicas as rollout TP 1 splits the prompts)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_tlt.train import main
+
+from .test_loop_e2e import tiny_assets, tiny_overrides
+from .test_megatron_loop import _policy_at
+
+pytestmark = pytest.mark.timeout(300)
+DEMO = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
+NOT_PIPELINED = ["policy.pipelined_update=false", "policy.micro_batch_tokens=0"]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets_rollout_tp")
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rollout_tp2_is_lossless_and_matches_tp1(tiny_models, tmp_path):
+    target, drafter = tiny_models
+    tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
+    assert main([str(DEMO), *tiny_overrides(target, drafter, tp2, steps=2), *NOT_PIPELINED,
+                 "rollout.tensor_parallel=2", "--compare-baseline", "--pairs", "1"]) == 0
+    report = json.loads((tp2 / "report.json").read_text())
+    assert report["rollouts_identical"] and report["rewards_identical"] and report["final_policy_identical"]
+    tlt = _metrics(tp2 / "pair1" / "tlt")
+    assert all(r["replicas_identical"] for r in tlt)
+    assert sum(r["sd_steps"] for r in tlt) > 0, "TLT never speculated at rollout TP 2"
+    assert all(len(r["rewards"]) == 16 and min(r["resp_lens"]) > 0 for r in tlt)  # every sequence counted once
+    assert main([str(DEMO), *tiny_overrides(target, drafter, tp1, steps=1), *NOT_PIPELINED]) == 0
+    one = _metrics(tp1)
+    assert tlt[0]["rollout_digest"] == one[0]["rollout_digest"]
+    assert tlt[0]["rewards"] == one[0]["rewards"]
+    w2, w1 = _policy_at(tp2 / "pair1" / "tlt", 0), _policy_at(tp1, 0)
+    assert w2.keys() == w1.keys()
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], atol=1e-6, rtol=1e-5)
+
+
+def test_rollout_tp2_with_megatron_policy_tp2(tiny_models, tmp_path):
+    pytest.importorskip("megatron.core")
+    target, drafter = tiny_models
+    run = tmp_path / "mc"
+    assert main([str(DEMO), *tiny_overrides(target, drafter, run, steps=2), *NOT_PIPELINED,
+                 "policy.backend=megatron", "policy.tensor_parallel=2", "rollout.tensor_parallel=2",
+                 "--compare-baseline", "--pairs", "1"]) == 0
+    report = json.loads((run / "report.json").read_text())
+    assert report["rollouts_identical"] and report["rewards_identical"] and report["final_policy_identical"]
+    tlt = _metrics(run / "pair1" / "tlt")
+    assert all(r["replicas_identical"] for r in tlt) and sum(r["sd_steps"] for r in tlt) > 0
