@@ -17,10 +17,13 @@ from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.io import load_drafter
 from nemo_tlt.drafter.medusa import MedusaConfig, MedusaDrafter
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
+from nemo_tlt.device import Placement
 from nemo_tlt.model.hf_io import load_hf_folder, read_config
 from nemo_tlt.model.safetensors_folder import SafetensorsFolder
 from nemo_tlt.model.tensor_parallel import TensorParallel
 from nemo_tlt.model.tp_layout import rollout_slice
+from nemo_tlt.rollout.config import RolloutConfig
+from nemo_tlt.rollout.factory import build_rollout_engine
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.rollout.weight_load import load_tp_source
@@ -70,6 +73,12 @@ def _loading(tp: TensorParallel, hf: str) -> dict:
     out["weights_new"] = all(torch.equal(v, rollout_slice(k, new[k], tp.size, tp.rank)) for k, v in from_full.items())
     out["wrong_shape"] = _error(lambda: engine.load_policy_weights({"model.layers.0.mlp.up_proj.weight":
                                                                     torch.zeros(3, 3)}))
+    # the factory: a bf16 TP engine computing in fp32; TensorRT-LLM with TP refused
+    bf16 = build_rollout_engine(RolloutConfig(compute_dtype="float32"), hf, Placement.cpu(torch.bfloat16), tp)
+    bf16.generate([Request((1, 5, 7))], SamplingParams(max_new_tokens=4))
+    out["factory"] = (bf16.tp is tp, bf16.weights_dtype, bf16.compute_dtype, bf16.target.tp is tp,
+                      torch.equal(bf16.target.model.norm.weight, full["model.norm.weight"].bfloat16().float()))
+    out["trtllm"] = _error(lambda: build_rollout_engine(RolloutConfig(engine="trtllm"), hf, Placement(), tp))
     return out
 
 
@@ -144,6 +153,13 @@ def test_policy_weights_whole_or_sliced_give_the_same_model(ranks):
         assert r["loading"]["weights_new"] and r["loading"]["weights_same"]
         assert "model.layers.0.mlp.up_proj.weight" in r["loading"]["wrong_shape"]
         assert "(3, 3)" in r["loading"]["wrong_shape"]
+
+
+@pytest.mark.timeout(300)
+def test_the_factory_passes_tp_and_refuses_trtllm_with_tp(ranks):
+    for r in ranks:
+        assert r["loading"]["factory"] == (True, torch.bfloat16, torch.float32, True, True)
+        assert "rollout.tensor_parallel > 1 with rollout.engine=trtllm is not built" in r["loading"]["trtllm"]
 
 
 @pytest.mark.timeout(300)
