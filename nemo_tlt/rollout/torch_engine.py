@@ -64,11 +64,11 @@ from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import load_hf_folder
 from nemo_tlt.model.tensor_parallel import TensorParallel, active
 from nemo_tlt.model.host import host_list, host_syncs
-from nemo_tlt.model.kv_cache import fill_holes_order_host
 from nemo_tlt.model.layers import padded_causal_mask
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout.prefill import prefill_chunks
 from nemo_tlt.rollout.row_batch import RowBatch
+from nemo_tlt.rollout.row_steps import commit_tokens, done_rows, longest_running, retire_rows
 from nemo_tlt.rollout.tp_lockstep import check_agreement, check_ready, lead_shape
 from nemo_tlt.rollout.weight_load import (canonical_shapes, check_weight, compute_copy, load_tp_folder, local_part,
                                           weight_pair)
@@ -191,9 +191,10 @@ class TorchRolloutEngine:
             policy.begin_rollout()
         batch = self._prefill(requests, sampling, gen, stats)
         stats.prefill_s = time.perf_counter() - t_start
-        done = self._done(batch, sampling)
-        any_done, longest = host_list(torch.stack((done.any().long(), _longest_running(batch, done))))
-        self._retire(batch, done, bool(any_done), longest, sampling, results, return_hidden, on_finish)
+        eos = self.target.config.eos_token_id
+        done = done_rows(batch, sampling, eos)
+        any_done, longest = host_list(torch.stack((done.any().long(), longest_running(batch, done))))
+        retire_rows(batch, done, bool(any_done), longest, sampling, eos, results, return_hidden, on_finish)
         while batch.rows.numel():
             running, syncs0 = batch.rows.numel(), host_syncs()
             shape = self._choose(policy, running)
@@ -207,16 +208,16 @@ class TorchRolloutEngine:
             else:
                 emitted, logprobs, counts = self._sd_step(batch, sampling, gen, stats, shape)
                 accepted.append(counts)
-            kept = self._commit(batch, emitted, logprobs, counts, sampling)
-            done = self._done(batch, sampling)
+            kept = commit_tokens(batch, emitted, logprobs, counts, sampling, eos)
+            done = done_rows(batch, sampling, eos)
             # the one read of a step: tokens kept, whether any row is done, the longest running row
             made, any_done, longest = host_list(torch.stack((kept.sum(), done.any().long(),
-                                                             _longest_running(batch, done))))
+                                                             longest_running(batch, done))))
             dt = time.perf_counter() - t0
             stats.tokens_generated += made
             if policy is not None and lead:
                 policy.observe(running, shape, made, dt)
-            self._retire(batch, done, bool(any_done), longest, sampling, results, return_hidden, on_finish)
+            retire_rows(batch, done, bool(any_done), longest, sampling, eos, results, return_hidden, on_finish)
             stats.trace.append(StepTrace(running, shape.name if shape else None, made, made / running, dt,
                                          batch.kv_bytes(), host_syncs() - syncs0))
         if accepted:
@@ -390,66 +391,3 @@ class TorchRolloutEngine:
         stats.time_draft_s += t1 - t0
         stats.time_verify_s += time.perf_counter() - t1
         return emitted, logprobs, counts
-
-    # ---- bookkeeping --------------------------------------------------------------
-    def _commit(self, batch: RowBatch, emitted: torch.Tensor, logprobs: torch.Tensor, counts: torch.Tensor,
-                sampling: SamplingParams) -> torch.Tensor:
-        """Append each row's emitted tokens and their log-probs (cut at EOS or the token
-        budget); the KV cache was already advanced by `counts`. Returns the tokens kept per row [B]."""
-        B, W = emitted.shape
-        cols = torch.arange(W, device=emitted.device)
-        L_old = batch.lengths.clone()
-        budget = sampling.max_new_tokens - batch.num_gen
-        n = torch.minimum(counts, budget)
-        if sampling.stop_on_eos:
-            is_eos = (emitted == self.target.config.eos_token_id) & (cols[None, :] < n[:, None])
-            first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, n)
-            n = torch.minimum(n, first_eos)
-        slots = (L_old[:, None] + 1 + cols).clamp(max=batch.tokens.shape[1] - 1)
-        write = cols[None, :] < counts[:, None]
-        cur = batch.tokens.gather(1, slots)
-        batch.tokens.scatter_(1, slots, torch.where(write, emitted.clamp(min=0), cur))
-        batch.logprobs.scatter_(1, slots, torch.where(write, logprobs, batch.logprobs.gather(1, slots)))
-        batch.lengths = L_old + counts
-        batch.num_gen = batch.num_gen + n
-        return n
-
-    def _done(self, batch: RowBatch, sampling: SamplingParams) -> torch.Tensor:
-        """[B] bool: the rows that hit EOS or their token budget."""
-        done = batch.num_gen >= sampling.max_new_tokens
-        if sampling.stop_on_eos:
-            b_idx = torch.arange(batch.rows.numel(), device=self.device)
-            done |= batch.tokens[b_idx, batch.prompt_len + batch.num_gen - 1] == self.target.config.eos_token_id
-        return done
-
-    def _retire(self, batch: RowBatch, done: torch.Tensor, any_done: bool, longest: int, sampling: SamplingParams,
-                results: list, return_hidden: bool, on_finish: FinishSink | None = None) -> None:
-        """Hand the finished rows their results and drop them (`longest`: the longest
-        committed length of the rows that stay). Reads the finished rows' bookkeeping, then
-        their tokens and log-probs together, back (two syncs): both as float64, exact for
-        token ids (< 2**53) and fp32 log-probs."""
-        if not any_done:
-            return
-        # every row's flag and bookkeeping in one read (no data-dependent nonzero() on the device)
-        info = torch.stack((done.long(), batch.rows, batch.prompt_len, batch.num_gen), 1)
-        rows_done = [(b, row, P, G) for b, (d, row, P, G) in enumerate(host_list(info)) if d]
-        fin = torch.tensor([b for b, _, _, _ in rows_done], dtype=torch.long, device=done.device)
-        width = max(P + G for _, _, P, G in rows_done)
-        token_rows, logprob_rows = host_list(torch.stack((batch.tokens[fin, :width].double(),
-                                                          batch.logprobs[fin, :width].double())))
-        eos = self.target.config.eos_token_id
-        for (b, row, P, G), toks, lps in zip(rows_done, token_rows, logprob_rows):
-            hidden = batch.features[b, : P + G - 1].clone() if return_hidden else None
-            out = [int(t) for t in toks[P: P + G]]
-            results[row] = RequestResult(out, "eos" if sampling.stop_on_eos and out[-1] == eos else "length",
-                                         hidden, lps[P: P + G])
-        finished = {b for b, _, _, _ in rows_done}
-        batch.select(fill_holes_order_host([b not in finished for b in range(batch.rows.numel())]), longest)
-        if on_finish is not None:  # after the batch is consistent again: the sink may take its time
-            for _, row, _, _ in rows_done:
-                on_finish(row, results[row])
-
-
-def _longest_running(batch: RowBatch, done: torch.Tensor) -> torch.Tensor:
-    """The longest committed length among the rows not done (0 if none), on the device."""
-    return torch.where(done, 0, batch.lengths).max()
