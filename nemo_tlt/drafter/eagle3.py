@@ -187,7 +187,11 @@ class Eagle3Drafter(nn.Module):
 
     @torch.no_grad()
     def init_head_from(self, target: DecoderLM) -> None:
-        """Start the LM head from the target's rows of the draft vocabulary."""
+        """Start the LM head from the target's rows of the draft vocabulary. A tensor-parallel
+        target holds only its own vocab rows: refused (start from the whole model, or a TargetView)."""
+        if target.tp is not None:
+            raise ValueError(f"EAGLE-3 init_head_from: the target is tensor parallel (size {target.tp.size}) and "
+                             "holds only its own LM-head rows; initialise from the whole model or a TargetView")
         self.lm_head.weight.copy_(target.lm_head_weight[draft_ids(self.d2t)])
 
     # ---- checks ------------------------------------------------------------

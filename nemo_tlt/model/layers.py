@@ -7,6 +7,14 @@ over cache slots [0, S) under a boolean mask [B, 1, T, S] built once per forward
 `cache_attention_mask`: committed slots, plus the new block's own slots as the caller
 says (causal for a prompt, ancestor-or-self for a draft tree). That is all tree
 verification needs, and nothing is concatenated per layer.
+
+Tensor parallelism (``tp``, a `TensorParallel` of size > 1; None: one process): an
+`Attention` holds its rank's heads and kv heads (q/k/v split by output rows), an `MLP`
+its rank's intermediate columns (gate/up by rows), and both hold the input columns of
+their output projection that match, so each rank's output is a partial sum: one
+all-reduce after ``o_proj`` and one after ``down_proj``. Everything else (norms,
+residuals, rotary) is replicated. A layer built without ``tp`` (the drafters' layers)
+has no collective.
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ from torch import nn
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.kv_cache import KVCache
 from nemo_tlt.model.rope import apply_rope
+from nemo_tlt.model.tensor_parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -57,9 +66,11 @@ class _FusedWeights:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LMConfig) -> None:
+    def __init__(self, config: LMConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        d, h, kv = config.head_dim, config.num_heads, config.num_kv_heads
+        parts = 1 if tp is None else tp.size
+        d, h, kv = config.head_dim, config.num_heads // parts, config.num_kv_heads // parts
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
         self.q_proj = nn.Linear(config.hidden_size, h * d, bias=bool(config.qkv_bias))
         self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=bool(config.qkv_bias))
@@ -94,34 +105,39 @@ class Attention(nn.Module):
             q, keys, values, attn_mask=mask, is_causal=mask is None,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        out = self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        return out if self.tp is None else self.tp.all_reduce_(out)
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: LMConfig) -> None:
+    def __init__(self, config: LMConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inner = config.intermediate_size // (1 if tp is None else tp.size)
+        self.tp = tp
+        self.gate_proj = nn.Linear(config.hidden_size, inner, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inner, bias=False)
+        self.down_proj = nn.Linear(inner, config.hidden_size, bias=False)
         self._gate_up = _FusedWeights()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        w, _ = self._gate_up.get([self.gate_proj, self.up_proj])
-        gate, up = F.linear(x, w).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            w, _ = self._gate_up.get([self.gate_proj, self.up_proj])
+            gate, up = F.linear(x, w).chunk(2, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce_(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LMConfig) -> None:
+    def __init__(self, config: LMConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
                 layer: int, mask: torch.Tensor | None, write_idx: torch.Tensor | None) -> torch.Tensor:

@@ -6,8 +6,21 @@ The model knows nothing about sampling or speculation: it maps tokens at given
 positions, against an optional KV cache and a mask for the new block, to final
 hidden states; `logits()` applies the LM head. `hidden_capture()` also returns the
 outputs of chosen decoder layers from the same forward (an EAGLE-3 drafter fuses
-them), at no extra pass. Parallelism and checkpoint
-conversion live elsewhere (nemo_tlt.weights).
+them), at no extra pass. Checkpoint conversion lives elsewhere (nemo_tlt.weights).
+
+Tensor parallelism (inference only): ``DecoderLM(config, tp)`` with ``tp.size > 1``
+builds only this rank's parameters, in the rollout layout of nemo_tlt.model.tp_layout
+(heads / kv heads / intermediate columns / vocab rows; norms whole), under the
+canonical names with local shapes. ``config`` stays the full model's. Per forward
+over the decoder each rank makes 1 all-reduce for the vocab-parallel embedding and 2
+per layer (after ``o_proj`` and ``down_proj``), each of [B, T, H]; ``logits()`` makes
+one all-gather and returns the full-vocabulary logits on every rank, identical
+there. Memory per rank: 1/TP of every split weight (the vocab rows of embedding and
+head: up to one row more), the norms whole, a KV cache of ``num_kv_heads / TP``
+heads. ``lm_head_weight`` is this rank's vocab rows (use it for dtype and device; a
+caller needing all rows refuses a TP model by name, e.g. EAGLE-3's ``init_head_from``).
+An attention output bias (``o_proj_bias``) has no TP rule and is refused. With
+``tp=None`` or size 1 the model is the plain single-process one, code path and numbers.
 """
 from __future__ import annotations
 
@@ -20,23 +33,40 @@ from nemo_tlt.model.host import host_int
 from nemo_tlt.model.kv_cache import KVCache
 from nemo_tlt.model.layers import DecoderLayer, RMSNorm, cache_attention_mask
 from nemo_tlt.model.rope import rope_tables_for
+from nemo_tlt.model.tensor_parallel import TensorParallel, active
+from nemo_tlt.model.tp_layout import check_rollout_tp, vocab_rows
+from nemo_tlt.model.vocab_parallel import VocabParallelEmbedding
 
 
 class _Backbone(nn.Module):
-    def __init__(self, config: LMConfig) -> None:
+    def __init__(self, config: LMConfig, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size) if tp is None
+                             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp))
+        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def check_tensor_parallel(config: LMConfig, tp: TensorParallel) -> None:
+    """Refuse a config the rollout TP layout cannot split over ``tp.size`` ranks."""
+    check_rollout_tp(config, tp.size)
+    if config.o_proj_bias:
+        raise ValueError(f"DecoderLM: tensor parallel size {tp.size} with an attention output bias (LMConfig "
+                         "qkv_bias=True on family 'llama', HF attention_bias=true) is not built: o_proj.bias has "
+                         "no TP rule (it would be added once per rank)")
+
+
 class DecoderLM(nn.Module):
-    def __init__(self, config: LMConfig) -> None:
+    def __init__(self, config: LMConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = active(tp)
+        if tp is not None:
+            check_tensor_parallel(config, tp)
         self.config = config
-        self.model = _Backbone(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = _Backbone(config, tp)
+        lo, hi = (0, config.vocab_size) if tp is None else vocab_rows(config.vocab_size, tp.size, tp.rank)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, hi - lo, bias=False)
         cos, sin = rope_tables_for(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -47,7 +77,7 @@ class DecoderLM(nn.Module):
         """N(0, 0.02) for Linear / Embedding weights, zero biases, unit norms; pass a
         generator for an init that does not depend on the global RNG."""
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, (nn.Linear, nn.Embedding, VocabParallelEmbedding)):
                 nn.init.normal_(module.weight, std=0.02, generator=generator)
                 if isinstance(module, nn.Linear) and module.bias is not None:
                     nn.init.zeros_(module.bias)
@@ -55,6 +85,7 @@ class DecoderLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        """The LM head's weight: [vocab_size, H], or with TP this rank's vocab rows."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def rope(self, positions: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,16 +159,21 @@ class DecoderLM(nn.Module):
         return self.model.norm(x), torch.cat([taps[i] for i in capture], -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight)
+        """Full-vocabulary logits [..., vocab_size] (with TP: gathered, the same on every rank)."""
+        if self.tp is None:
+            return F.linear(hidden, self.lm_head_weight)
+        return self.tp.gather_vocab(F.linear(hidden, self.lm_head_weight), self.config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, new_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.logits(self.hidden(input_ids, positions, cache, new_mask))
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """A KV cache for this model (with TP: of this rank's kv heads)."""
         c = self.config
         p = self.model.embed_tokens.weight
-        return KVCache(c.num_layers, batch, c.num_kv_heads, capacity, c.head_dim, p.dtype, p.device)
+        heads = c.num_kv_heads // (1 if self.tp is None else self.tp.size)
+        return KVCache(c.num_layers, batch, heads, capacity, c.head_dim, p.dtype, p.device)
 
     def num_params(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)

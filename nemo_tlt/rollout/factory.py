@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from nemo_tlt.device import Placement
+from nemo_tlt.model.tensor_parallel import TensorParallel
 from nemo_tlt.rollout.config import RolloutConfig
 from nemo_tlt.rollout.protocol import RolloutEngine
 
@@ -14,14 +15,19 @@ def engine_tensor_parallel(config: RolloutConfig) -> int:
 
 
 def build_rollout_engine(config: RolloutConfig, model_dir: str, placement: Placement = Placement(),
-                         tp=None) -> RolloutEngine:
+                         tp: TensorParallel | None = None) -> RolloutEngine:
     """The engine ``config.engine`` serving the HF-format model in ``model_dir``, in
-    ``placement``'s dtype on its device (the torch engine computes in ``rollout.compute_dtype``)."""
+    ``placement``'s dtype on its device (the torch engine computes in ``rollout.compute_dtype``).
+    ``tp`` (size > 1): this rank's place in its rollout replica's tensor-parallel group; the
+    torch engine then holds and reads only its slices (every rank of the group builds one)."""
     if config.engine == "torch":
         from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
         return TorchRolloutEngine.from_hf_folder(model_dir, device=placement.device, dtype=placement.dtype,
-                                                 compute_dtype=config.engine_compute_dtype)
+                                                 tp=tp, compute_dtype=config.engine_compute_dtype)
     if config.engine == "trtllm":
+        if tp is not None and tp.size > 1:
+            raise ValueError("rollout.tensor_parallel > 1 with rollout.engine=trtllm is not built (TensorRT-LLM "
+                             "places its own TP workers; the loop's replica ranks would have to hand it their GPUs)")
         return _trtllm_engine(model_dir, placement, engine_tensor_parallel(config))
     raise ValueError(f"rollout.engine={config.engine!r} has no factory")  # RolloutConfig refuses it first
 

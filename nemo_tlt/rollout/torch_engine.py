@@ -39,6 +39,14 @@ later are rounded to bf16 too) but computes and caches in fp32, so that speculat
 verification and plain decoding agree as often as they do in fp32 (docs/benchmarks.md,
 "Precision"); the cost is an fp32 copy of the weights, an fp32 KV cache and fp32 math.
 The CUDA paths are written for GPUs but, in this repository, run only on CPU.
+
+Tensor parallelism: a target built with a `TensorParallel` of size > 1 (``from_hf_folder(...,
+tp=...)``: each rank reads only its slices) holds 1/TP of every split weight and of the KV
+cache (nemo_tlt.model.lm states the collectives per forward); every rank of the group calls
+`generate` with the same requests and sampling and gets the same tokens (the lockstep of
+nemo_tlt.rollout.tp_lockstep: TP rank 0's SD policy decides each step, and the results are
+checked to agree). The drafter is replicated: every rank holds it whole and drafts the same
+tree, its reads of the target's embedding and head making the target's collectives in step.
 """
 from __future__ import annotations
 
@@ -54,13 +62,16 @@ from nemo_tlt.drafter.base import DraftContext, Drafter
 from nemo_tlt.drafter.features import feature_width, join_features
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import load_hf_folder
+from nemo_tlt.model.tensor_parallel import TensorParallel, active
 from nemo_tlt.model.host import host_list, host_syncs
-from nemo_tlt.model.kv_cache import fill_holes_order_host
 from nemo_tlt.model.layers import padded_causal_mask
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout.prefill import prefill_chunks
 from nemo_tlt.rollout.row_batch import RowBatch
-from nemo_tlt.rollout.weight_load import check_weight, compute_copy, weight_pair
+from nemo_tlt.rollout.row_steps import commit_tokens, done_rows, longest_running, retire_rows
+from nemo_tlt.rollout.tp_lockstep import check_agreement, check_ready, lead_shape
+from nemo_tlt.rollout.weight_load import (canonical_shapes, check_weight, compute_copy, load_tp_folder, local_part,
+                                          weight_pair)
 from nemo_tlt.rollout.protocol import (FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request,
                                        RequestResult, StepTrace)
 from nemo_tlt.rollout.validate import validate_requests
@@ -95,6 +106,8 @@ class TorchRolloutEngine:
             raise ValueError(f"TorchRolloutEngine.initial_slots must be >= 1 or None, got {initial_slots}")
         self.weights_dtype = target.lm_head_weight.dtype
         self.target = compute_copy(target, compute_dtype).eval()
+        self.tp: TensorParallel | None = target.tp
+        self._full_shapes = canonical_shapes(target.config) if self.tp is not None else None
         self.max_tree_nodes = max_tree_nodes
         self.initial_slots = initial_slots
         self.prefill_overhead_tokens = prefill_overhead_tokens
@@ -105,9 +118,12 @@ class TorchRolloutEngine:
     @classmethod
     def from_hf_folder(cls, path: str | os.PathLike, drafter: Drafter | None = None, *,
                        device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
-                       **kwargs: Any) -> "TorchRolloutEngine":
+                       tp: TensorParallel | None = None, **kwargs: Any) -> "TorchRolloutEngine":
         """An engine serving the HF-format model folder at `path` (see nemo_tlt.model.hf_io),
-        its weights in `dtype` on `device` (None: the CPU); ``kwargs`` go to the constructor."""
+        its weights in `dtype` on `device` (None: the CPU); ``kwargs`` go to the constructor.
+        With ``tp`` of size > 1 this rank reads only its own slices (see the module docstring)."""
+        if active(tp) is not None:
+            return cls(load_tp_folder(path, tp, device or "cpu", dtype), drafter, **kwargs)
         return cls(load_hf_folder(path, dtype).to(device or "cpu"), drafter, **kwargs)
 
     @property
@@ -128,13 +144,16 @@ class TorchRolloutEngine:
     def load_policy_weights(self, weights: PolicyWeights) -> None:
         """See `RolloutEngine.load_policy_weights`. Tensors are copied into the model's
         parameters as they arrive (cast to the model's dtype), so a stream is never held
-        whole; a stream that fails after a copy marks the model unservable instead."""
+        whole; a stream that fails after a copy marks the model unservable instead. A TP
+        rank takes each tensor whole (keeping its slice) or already sliced (weight_load)."""
         params = self.target.state_dict()  # canonical name -> tensor sharing the parameter's storage
         pairs = weights.items() if isinstance(weights, Mapping) else weights
         seen: set[str] = set()
         try:
             for i, item in enumerate(pairs):
                 name, tensor = weight_pair(i, item)
+                if self.tp is not None and name in params and name not in seen:
+                    tensor = local_part(name, tensor, tuple(params[name].shape), self._full_shapes[name], self.tp)
                 check_weight(name, tensor, params, seen)
                 params[name].copy_(tensor.to(self.weights_dtype))  # served weights: rounded to the model dtype
                 seen.add(name)
@@ -159,20 +178,23 @@ class TorchRolloutEngine:
     @torch.no_grad()
     def generate(self, requests: list[Request], sampling: SamplingParams, *, policy: SpecPolicy | None = None,
                  return_hidden: bool = False, on_finish: FinishSink | None = None) -> GenerateOutput:
-        """See `RolloutEngine.generate` (``on_finish`` runs as each row retires)."""
+        """See `RolloutEngine.generate` (``on_finish`` runs as each row retires). With TP,
+        every rank of the group calls it alike (nemo_tlt.rollout.tp_lockstep)."""
         self._validate(requests, sampling)
+        lead = self.tp is None or self.tp.rank == 0  # whose policy is consulted
         stats = GenerationStats()
         t_start, syncs_start = time.perf_counter(), host_syncs()
         gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
         results: list[RequestResult | None] = [None] * len(requests)
         accepted: list[torch.Tensor] = []  # per SD step, tokens per row: read back once at the end
-        if policy is not None:
+        if policy is not None and lead:
             policy.begin_rollout()
         batch = self._prefill(requests, sampling, gen, stats)
         stats.prefill_s = time.perf_counter() - t_start
-        done = self._done(batch, sampling)
-        any_done, longest = host_list(torch.stack((done.any().long(), _longest_running(batch, done))))
-        self._retire(batch, done, bool(any_done), longest, sampling, results, return_hidden, on_finish)
+        eos = self.target.config.eos_token_id
+        done = done_rows(batch, sampling, eos)
+        any_done, longest = host_list(torch.stack((done.any().long(), longest_running(batch, done))))
+        retire_rows(batch, done, bool(any_done), longest, sampling, eos, results, return_hidden, on_finish)
         while batch.rows.numel():
             running, syncs0 = batch.rows.numel(), host_syncs()
             shape = self._choose(policy, running)
@@ -186,16 +208,16 @@ class TorchRolloutEngine:
             else:
                 emitted, logprobs, counts = self._sd_step(batch, sampling, gen, stats, shape)
                 accepted.append(counts)
-            kept = self._commit(batch, emitted, logprobs, counts, sampling)
-            done = self._done(batch, sampling)
+            kept = commit_tokens(batch, emitted, logprobs, counts, sampling, eos)
+            done = done_rows(batch, sampling, eos)
             # the one read of a step: tokens kept, whether any row is done, the longest running row
             made, any_done, longest = host_list(torch.stack((kept.sum(), done.any().long(),
-                                                             _longest_running(batch, done))))
+                                                             longest_running(batch, done))))
             dt = time.perf_counter() - t0
             stats.tokens_generated += made
-            if policy is not None:
+            if policy is not None and lead:
                 policy.observe(running, shape, made, dt)
-            self._retire(batch, done, bool(any_done), longest, sampling, results, return_hidden, on_finish)
+            retire_rows(batch, done, bool(any_done), longest, sampling, eos, results, return_hidden, on_finish)
             stats.trace.append(StepTrace(running, shape.name if shape else None, made, made / running, dt,
                                          batch.kv_bytes(), host_syncs() - syncs0))
         if accepted:
@@ -203,10 +225,16 @@ class TorchRolloutEngine:
         stats.host_syncs = host_syncs() - syncs_start
         stats.wall_s = time.perf_counter() - t_start
         stats.time_other_s = stats.wall_s - stats.time_draft_s - stats.time_verify_s - stats.time_plain_s
-        return GenerateOutput([r for r in results if r is not None], stats)
+        out = GenerateOutput([r for r in results if r is not None], stats)
+        if self.tp is not None:
+            check_agreement(self.tp, out.results)
+        return out
 
     def _choose(self, policy: SpecPolicy | None, running: int) -> TreeShape | None:
-        shape = policy.choose(running) if policy is not None else None
+        if self.tp is None:
+            shape = policy.choose(running) if policy is not None else None
+        else:
+            shape = lead_shape(self.tp, policy, running)
         if shape is not None and self.drafter is None:
             raise ValueError(f"generate: the policy chose tree shape {shape.name} but no drafter is loaded "
                              "(load_drafter(...) first, or pass policy=None for plain decoding)")
@@ -216,6 +244,15 @@ class TorchRolloutEngine:
 
     # ---- validation ---------------------------------------------------------
     def _validate(self, requests: list[Request], sampling: SamplingParams) -> None:
+        if self.tp is None:
+            return self._validate_local(requests, sampling)
+        try:
+            self._validate_local(requests, sampling)
+        except ValueError as err:
+            return check_ready(self.tp, err)
+        check_ready(self.tp, None)
+
+    def _validate_local(self, requests: list[Request], sampling: SamplingParams) -> None:
         if self._failed_load is not None:
             raise ValueError(f"generate: the last load_policy_weights failed midway ({self._failed_load}); "
                              "the model is half-written: load complete weights first")
@@ -354,66 +391,3 @@ class TorchRolloutEngine:
         stats.time_draft_s += t1 - t0
         stats.time_verify_s += time.perf_counter() - t1
         return emitted, logprobs, counts
-
-    # ---- bookkeeping --------------------------------------------------------------
-    def _commit(self, batch: RowBatch, emitted: torch.Tensor, logprobs: torch.Tensor, counts: torch.Tensor,
-                sampling: SamplingParams) -> torch.Tensor:
-        """Append each row's emitted tokens and their log-probs (cut at EOS or the token
-        budget); the KV cache was already advanced by `counts`. Returns the tokens kept per row [B]."""
-        B, W = emitted.shape
-        cols = torch.arange(W, device=emitted.device)
-        L_old = batch.lengths.clone()
-        budget = sampling.max_new_tokens - batch.num_gen
-        n = torch.minimum(counts, budget)
-        if sampling.stop_on_eos:
-            is_eos = (emitted == self.target.config.eos_token_id) & (cols[None, :] < n[:, None])
-            first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, n)
-            n = torch.minimum(n, first_eos)
-        slots = (L_old[:, None] + 1 + cols).clamp(max=batch.tokens.shape[1] - 1)
-        write = cols[None, :] < counts[:, None]
-        cur = batch.tokens.gather(1, slots)
-        batch.tokens.scatter_(1, slots, torch.where(write, emitted.clamp(min=0), cur))
-        batch.logprobs.scatter_(1, slots, torch.where(write, logprobs, batch.logprobs.gather(1, slots)))
-        batch.lengths = L_old + counts
-        batch.num_gen = batch.num_gen + n
-        return n
-
-    def _done(self, batch: RowBatch, sampling: SamplingParams) -> torch.Tensor:
-        """[B] bool: the rows that hit EOS or their token budget."""
-        done = batch.num_gen >= sampling.max_new_tokens
-        if sampling.stop_on_eos:
-            b_idx = torch.arange(batch.rows.numel(), device=self.device)
-            done |= batch.tokens[b_idx, batch.prompt_len + batch.num_gen - 1] == self.target.config.eos_token_id
-        return done
-
-    def _retire(self, batch: RowBatch, done: torch.Tensor, any_done: bool, longest: int, sampling: SamplingParams,
-                results: list, return_hidden: bool, on_finish: FinishSink | None = None) -> None:
-        """Hand the finished rows their results and drop them (`longest`: the longest
-        committed length of the rows that stay). Reads the finished rows' bookkeeping, then
-        their tokens and log-probs together, back (two syncs): both as float64, exact for
-        token ids (< 2**53) and fp32 log-probs."""
-        if not any_done:
-            return
-        # every row's flag and bookkeeping in one read (no data-dependent nonzero() on the device)
-        info = torch.stack((done.long(), batch.rows, batch.prompt_len, batch.num_gen), 1)
-        rows_done = [(b, row, P, G) for b, (d, row, P, G) in enumerate(host_list(info)) if d]
-        fin = torch.tensor([b for b, _, _, _ in rows_done], dtype=torch.long, device=done.device)
-        width = max(P + G for _, _, P, G in rows_done)
-        token_rows, logprob_rows = host_list(torch.stack((batch.tokens[fin, :width].double(),
-                                                          batch.logprobs[fin, :width].double())))
-        eos = self.target.config.eos_token_id
-        for (b, row, P, G), toks, lps in zip(rows_done, token_rows, logprob_rows):
-            hidden = batch.features[b, : P + G - 1].clone() if return_hidden else None
-            out = [int(t) for t in toks[P: P + G]]
-            results[row] = RequestResult(out, "eos" if sampling.stop_on_eos and out[-1] == eos else "length",
-                                         hidden, lps[P: P + G])
-        finished = {b for b, _, _, _ in rows_done}
-        batch.select(fill_holes_order_host([b not in finished for b in range(batch.rows.numel())]), longest)
-        if on_finish is not None:  # after the batch is consistent again: the sink may take its time
-            for _, row, _, _ in rows_done:
-                on_finish(row, results[row])
-
-
-def _longest_running(batch: RowBatch, done: torch.Tensor) -> torch.Tensor:
-    """The longest committed length among the rows not done (0 if none), on the device."""
-    return torch.where(done, 0, batch.lengths).max()

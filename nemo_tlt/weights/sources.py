@@ -8,7 +8,8 @@ straight from the stored dtype to ``dtype``. ``bytes_read`` counts the stored by
 every slice read so far, so a caller (a test, the load benchmark) can check what was read.
 
 ``MappingSource`` wraps an in-memory canonical state dict; the lazily read HF folder is
-``nemo_tlt.weights.hf_source.SafetensorsFolder``. ``check_source(source, cfg)`` refuses
+``nemo_tlt.weights.hf_source.SafetensorsFolder`` (defined, with ``check_range`` and
+``copy_out``, in ``nemo_tlt.model.safetensors_folder``). ``check_source(source, cfg)`` refuses
 a source whose tensors do not match ``cfg`` (missing, unexpected, wrong shape), as
 ``nemo_tlt.model.hf_io.load_hf_folder`` does; with tied embeddings a stored
 ``lm_head.weight`` is ignored, as there.
@@ -20,6 +21,10 @@ from typing import Iterable, Mapping, Protocol, runtime_checkable
 import torch
 
 from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.safetensors_folder import check_range, copy_out
+
+__all__ = ["CanonicalSource", "MappingSource", "check_range", "copy_out", "expected_shapes", "read_whole",
+           "check_source"]
 
 Tensor = torch.Tensor
 
@@ -34,21 +39,6 @@ class CanonicalSource(Protocol):
     def shape(self, name: str) -> tuple[int, ...]: ...
 
     def read(self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype) -> Tensor: ...
-
-
-def check_range(shape: tuple[int, ...], dim: int, start: int, stop: int, what: str) -> None:
-    """Raise a ValueError unless ``start:stop`` of dim 0 or 1 lies inside ``shape``."""
-    if dim not in (0, 1) or dim >= len(shape):
-        raise ValueError(f"{what}: cannot slice dim {dim} of a {len(shape)}-d tensor")
-    if not 0 <= start <= stop <= shape[dim]:
-        raise ValueError(f"{what}: slice {start}:{stop} of dim {dim} is outside its {shape[dim]} entries")
-
-
-def copy_out(view: Tensor, dtype: torch.dtype) -> Tensor:
-    """A new contiguous tensor in ``dtype`` holding ``view``'s values (one copy, one cast)."""
-    out = torch.empty(view.shape, dtype=dtype)
-    out.copy_(view)
-    return out
 
 
 class MappingSource:

@@ -42,11 +42,17 @@ def test_rollout_tp2_is_lossless_and_matches_tp1(tiny_models, tmp_path):
     assert all(r["replicas_identical"] for r in tlt)
     assert sum(r["sd_steps"] for r in tlt) > 0, "TLT never speculated at rollout TP 2"
     assert all(len(r["rewards"]) == 16 and min(r["resp_lens"]) > 0 for r in tlt)  # every sequence counted once
+    # the replica's decode steps are counted once (its leader's): one plain step per token of the longest row
+    base = _metrics(tp2 / "pair1" / "baseline")
+    assert all(0 < r["plain_steps"] <= r["resp_len_max"] and r["sd_steps"] == 0 for r in base)
     assert main([str(DEMO), *tiny_overrides(target, drafter, tp1, steps=1), *NOT_PIPELINED]) == 0
-    one = _metrics(tp1)
+    one = _metrics(tp1 / "tlt")
     assert tlt[0]["rollout_digest"] == one[0]["rollout_digest"]
     assert tlt[0]["rewards"] == one[0]["rewards"]
-    w2, w1 = _policy_at(tp2 / "pair1" / "tlt", 0), _policy_at(tp1, 0)
+    # the same update: each policy replica took its half of the replica's groups, tokens counted once
+    for key in ("loss", "grad_norm"):
+        assert tlt[0][key] == pytest.approx(one[0][key], rel=1e-5, abs=1e-7), key
+    w2, w1 = _policy_at(tp2 / "pair1" / "tlt", 0), _policy_at(tp1 / "tlt", 0)
     assert w2.keys() == w1.keys()
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], atol=1e-6, rtol=1e-5)
