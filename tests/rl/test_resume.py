@@ -64,13 +64,16 @@ def tiny_models(tmp_path_factory):
     return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets")
 
 
-BACKENDS = {"torch": (), "megatron_tp2": ("policy.backend=megatron", "policy.tensor_parallel=2",
-                                                   "policy.pipelined_update=false", "policy.micro_batch_tokens=0")}
+MEGATRON_TP2 = ("policy.backend=megatron", "policy.tensor_parallel=2", "policy.pipelined_update=false",
+                "policy.micro_batch_tokens=0")
+# rollout TP 2: both workers form one rollout replica (its engine and drafter view rebuilt on resume)
+BACKENDS = {"torch": (), "megatron_tp2": MEGATRON_TP2, "torch_rollout_tp2": ("rollout.tensor_parallel=2",),
+            "megatron_tp2_rollout_tp2": (*MEGATRON_TP2, "rollout.tensor_parallel=2")}
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_sigterm_checkpoints_and_resume_equals_uninterrupted(tiny_models, tmp_path, backend):
-    if backend != "torch":
+    if backend.startswith("megatron"):
         pytest.importorskip("megatron.core")
     target, drafter = tiny_models
     extra = BACKENDS[backend]
@@ -83,7 +86,8 @@ def test_sigterm_checkpoints_and_resume_equals_uninterrupted(tiny_models, tmp_pa
     stopped_at = cut["next_step"]
     assert 1 <= stopped_at < STEPS  # stopped at a step boundary, before the end
     # the last completed step was checkpointed (by every rank together with a sharded policy)
-    step = _latest(tmp_path / "cut")[0] if backend == "torch" else _sharded_latest(tmp_path / "cut")[0]
+    sharded = backend.startswith("megatron")
+    step = _sharded_latest(tmp_path / "cut")[0] if sharded else _latest(tmp_path / "cut")[0]
     assert step == stopped_at - 1
 
     resumed = launch(_spec(tmp_path / "cut", target, drafter, resume=True, extra=extra), run_rank)
@@ -95,7 +99,7 @@ def test_sigterm_checkpoints_and_resume_equals_uninterrupted(tiny_models, tmp_pa
     lines = (tmp_path / "cut" / "tlt" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == STEPS  # the resumed run did not duplicate steps in the log
 
-    if backend != "torch":  # every rank wrote its shard: weights and optimizer state, bit for bit
+    if sharded:  # every rank wrote its shard: weights and optimizer state, bit for bit
         step_a, tensors_a = _sharded_latest(tmp_path / "full")
         step_b, tensors_b = _sharded_latest(tmp_path / "cut")
         assert step_a == step_b == STEPS - 1 and sorted(tensors_a) == sorted(tensors_b)
