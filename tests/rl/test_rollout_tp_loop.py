@@ -27,16 +27,20 @@ def tiny_models(tmp_path_factory):
     return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets_rollout_tp")
 
 
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+def _metrics(run: Path, split: str | None = None) -> list[dict]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("split") == split]
 
 
 def test_rollout_tp2_is_lossless_and_matches_tp1(tiny_models, tmp_path):
     target, drafter = tiny_models
     tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
     assert main([str(DEMO), *tiny_overrides(target, drafter, tp2, steps=2), *NOT_PIPELINED,
-                 "rollout.tensor_parallel=2", "--compare-baseline", "--pairs", "1"]) == 0
+                 "rollout.tensor_parallel=2", "validation.every=2", "validation.num_prompts=5",
+                 "--compare-baseline", "--pairs", "1"]) == 0
     report = json.loads((tp2 / "report.json").read_text())
+    # validation decodes each prompt once (in the replica, every member together), counted once
+    assert [r["num_prompts"] for r in _metrics(tp2 / "pair1" / "tlt", "validation")] == [5]
     assert report["rollouts_identical"] and report["rewards_identical"] and report["final_policy_identical"]
     tlt = _metrics(tp2 / "pair1" / "tlt")
     assert all(r["replicas_identical"] for r in tlt)
