@@ -20,10 +20,6 @@ Contract
 * A non-finite element is not rounded: the accumulator remembers it, and after the
   reduction that tensor comes back all NaN (the clip and the optimizer then see a
   non-finite gradient, as with float accumulation).
-* ``start_reduce()`` starts that sum in the background once this rank's terms are all in
-  (``add`` is refused from then on) and ``reduce()`` waits for it: the all-reduce overlaps
-  whatever the rank does in between (the pipelined update: the drafter's meet). Like any
-  collective, every rank starts it at the same point of its sequence of collectives.
 * ``reduce()`` sums the integers over the default process group (a no-op without one),
   ``result(scale)`` returns ``total * 2**-FRACTION_BITS * scale`` per tensor in float32
   (``scale = token_budget / global_tokens`` turns the sums into the token mean).
@@ -67,15 +63,11 @@ class FixedPointGrads:
         self.flat = torch.zeros(numel + len(self.shapes), dtype=torch.int64, device=device)
         self.views = list(self.flat[:numel].split([t.numel() for t in like]))
         self.nonfinite = self.flat[numel:]
-        self._sealed = False  # start_reduce was called: no more terms
-        self._work: dist.Work | None = None  # the background all-reduce, until reduce() waits for it
 
     def add(self, grads: Sequence[torch.Tensor | None], tokens: int) -> None:
         """Add one term (``None``: zeros): the gradients of ``sum(loss over tokens) / token_budget``."""
         if len(grads) != len(self.views):
             raise ValueError(f"FixedPointGrads.add: {len(grads)} gradients for {len(self.views)} tensors")
-        if self._sealed:
-            raise RuntimeError("FixedPointGrads.add: the sum is being reduced (start_reduce); no more terms")
         bound = _LIMIT * max(int(tokens), 1) / self.token_budget
         present = [(k, g.detach()) for k, g in enumerate(grads) if g is not None and g.numel()]
         if not present:
@@ -119,24 +111,9 @@ class FixedPointGrads:
         for k, g64 in terms:
             self.views[k].add_(torch.round(g64 * _ONE).to(torch.int64))
 
-    def start_reduce(self) -> None:
-        """Start ``reduce`` in the background (this rank's terms are all in); ``reduce()`` finishes it."""
-        if self._sealed:
-            raise RuntimeError("FixedPointGrads.start_reduce: already started")
-        self._sealed = True
-        if _distributed():
-            self._work = dist.all_reduce(self.flat, async_op=True)
-
     def reduce(self) -> None:
-        """Sum the integers over the default process group (exact; a no-op without one), or
-        wait for the sum ``start_reduce`` started."""
-        if self._sealed:
-            if self._work is not None:
-                self._work.wait()
-                self._work = None
-            return
-        self._sealed = True
-        if _distributed():
+        """Sum the integers over the default process group (exact; a no-op without one)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(self.flat)
 
     def result(self, scale: float) -> list[torch.Tensor]:
@@ -147,7 +124,3 @@ class FixedPointGrads:
             value = (view.double() * factor).float().reshape(shape)
             out.append(torch.full_like(value, float("nan")) if bad else value)
         return out
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

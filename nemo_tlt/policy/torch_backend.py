@@ -220,17 +220,9 @@ class TorchPolicy:
             raise ValueError(f"TorchPolicy: part {part} of a batch of {len(mbs)} micro-batches")
         return [mbs[part]]
 
-    def start_reduction(self) -> None:
-        """This rank's terms are all in (``accumulate`` refuses more): start their exact sum
-        over every rank in the background (a collective); ``apply_accumulated`` waits for it."""
-        if getattr(self, "_sums", None) is None:
-            raise RuntimeError("TorchPolicy.start_reduction: call begin_accumulation first")
-        self._sums.start_reduce()
-
     def apply_accumulated(self, global_tokens: int) -> dict[str, float]:
-        """Sum the terms over every rank (exact; or finish the sum ``start_reduction`` started),
-        scale to the token mean over ``global_tokens`` and take the one optimizer step; returns
-        ``grad_norm`` and ``lr``."""
+        """Sum the terms over every rank (exact), scale to the token mean over
+        ``global_tokens`` and take the one optimizer step; returns ``grad_norm`` and ``lr``."""
         sums, self._sums = getattr(self, "_sums", None), None
         if sums is None:
             raise RuntimeError("TorchPolicy.apply_accumulated: call begin_accumulation first")

@@ -4,8 +4,7 @@ Contract: ``PipelinedStep`` holds what the loop's pipelined path needs (the poli
 ``begin_accumulation`` / ``accumulate`` / ``apply_accumulated`` / ``num_parts``, the run's
 store, the task's reward) and runs the pieces ``nemo_tlt.rl.pipelined_update`` defines:
 ``board`` / ``collector`` for a step's rollout, ``claim(step, board)`` (TLT: pieces computed
-before this rank goes idle; then the exact sum over ranks starts in the background, so the
-all-reduce overlaps the drafter's meet), ``finish(...)`` (the baseline's own pieces, the exact sum over
+before this rank goes idle), ``finish(...)`` (the baseline's own pieces, the exact sum over
 ranks and the one optimizer step) and ``cleanup(step)`` (rank 0, two steps later).
 """
 from __future__ import annotations
@@ -64,12 +63,9 @@ class PipelinedStep:
     def claim(self, step: int, board: GroupBoard, clock: Callable[[], float]
               ) -> tuple[Sums, list[tuple[float, float, str]], float]:
         """TLT: published pieces until every piece is claimed; their sums, the (start, end,
-        "update") segments on ``clock`` and the seconds of work (not of waiting). Every rank's
-        last piece is then claimed: this rank's terms are in, and their sum over the ranks
-        starts (a collective, every rank's first since the rollout began)."""
+        "update") segments on ``clock`` and the seconds of work (not of waiting)."""
         self.begin()
         sums, segments = claim_all(board, partial(self.term, on_hidden=self.sink(step)), clock)
-        self.policy.start_reduction()
         return sums, segments, sum(b - a for a, b, _ in segments)
 
     def finish(self, step: int, collector: GroupCollector, rollout: Rollout, early: Sums, own_groups: bool

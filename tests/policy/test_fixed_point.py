@@ -5,8 +5,6 @@ plain ``update``."""
 from __future__ import annotations
 
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,10 +14,6 @@ from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.policy.fixed_point import FRACTION_BITS, FixedPointGrads
 from nemo_tlt.policy.torch_backend import TorchPolicy, build_decoder
 from nemo_tlt.model.lm import DecoderLM
-from nemo_tlt.dist import launch_local
-
-sys.path.insert(0, str(Path(__file__).parent))
-from fixed_point_workers import reduce_in_background  # noqa: E402
 
 
 def _terms(n: int, seed: int = 0) -> list[list[torch.Tensor]]:
@@ -121,25 +115,6 @@ def test_the_float32_fast_path_adds_the_reference_integers(monkeypatch):
         for t in terms:
             fast.add(t, tokens=1000)
     assert torch.equal(fast.flat, ref.flat)
-
-
-def test_the_sum_reduced_in_the_background_equals_one_accumulators_sum():
-    """Two ranks: start_reduce, another collective from another thread meanwhile, reduce:
-    every rank holds the sum of all terms, bit for bit, and no term is taken once started."""
-    terms = _terms(5, seed=4)
-    owner = [0, 1, 1, 0, 1]
-    ranks = launch_local(reduce_in_background, 2, terms, owner, timeout_s=120)
-    whole = _sum(terms, range(5))
-    for got in ranks:
-        assert got["refused"] and got["other"] == 3.0
-        assert all(torch.equal(a, b) for a, b in zip(got["result"], whole))
-    acc = FixedPointGrads(terms[0], 1000)  # one rank: nothing to reduce, the sum as it is
-    acc.add(terms[0], 100)
-    acc.start_reduce()
-    with pytest.raises(RuntimeError, match="already started"):
-        acc.start_reduce()
-    acc.reduce()
-    assert all(torch.equal(a, b) for a, b in zip(acc.result(1.0), _sum(terms, [0])))
 
 
 # ---- the torch backend ------------------------------------------------------------------
