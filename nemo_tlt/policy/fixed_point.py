@@ -23,6 +23,15 @@ Contract
 * ``reduce()`` sums the integers over the default process group (a no-op without one),
   ``result(scale)`` returns ``total * 2**-FRACTION_BITS * scale`` per tensor in float32
   (``scale = token_budget / global_tokens`` turns the sums into the token mean).
+* ``add`` has a fast path beside its plain reference (``_add_reference``, per tensor in
+  float64): float32 gradients whose every element is finite and within the bound are
+  copied into one flat float32 buffer, scaled, rounded and converted in one pass each.
+  It adds the same integers bit for bit: scaling by ``2**FRACTION_BITS`` is exact in
+  float32 as in float64 (a power of two, far from overflow within the bound), both round
+  half to even the same real number, and a rounded value below 2**63 converts exactly. A
+  term with a non-finite or out-of-range element takes the reference path (which counts
+  or refuses it per tensor). Its cost: a flat float32 copy and an int64 one of the
+  term while it is added.
 * Memory: one int64 buffer per gradient, twice an fp32 gradient's bytes (flattened for
   the one all-reduce); resolution ``2**-44`` (~5.7e-14) on the scale of the step's mean
   gradient.
@@ -60,9 +69,31 @@ class FixedPointGrads:
         if len(grads) != len(self.views):
             raise ValueError(f"FixedPointGrads.add: {len(grads)} gradients for {len(self.views)} tensors")
         bound = _LIMIT * max(int(tokens), 1) / self.token_budget
-        terms = [(k, g.detach().reshape(-1).double()) for k, g in enumerate(grads) if g is not None and g.numel()]
-        if not terms:
+        present = [(k, g.detach()) for k, g in enumerate(grads) if g is not None and g.numel()]
+        if not present:
             return
+        if all(g.dtype == torch.float32 for _, g in present) and self._add_float32(present, bound):
+            return
+        self._add_reference(present, bound, tokens)
+
+    def _add_float32(self, present: list[tuple[int, torch.Tensor]], bound: float) -> bool:
+        """The fast path (module docstring): True when it added the term, False (nothing
+        added) when an element is non-finite or beyond ``bound``."""
+        flat = torch.cat([g.reshape(-1) for _, g in present])  # a copy: the caller's gradients stay as they are
+        lo, hi = torch.stack(torch.aminmax(flat)).tolist()  # a NaN makes both NaN: the range test fails
+        if not (-bound <= lo and hi <= bound):
+            return False
+        ints = flat.mul_(_ONE).round_().to(torch.int64)
+        if len(present) == len(self.views):
+            self.flat[:ints.numel()].add_(ints)
+        else:
+            for (k, _), chunk in zip(present, ints.split([g.numel() for _, g in present])):
+                self.views[k].add_(chunk)
+        return True
+
+    def _add_reference(self, present: list[tuple[int, torch.Tensor]], bound: float, tokens: int) -> None:
+        """The plain path, per tensor in float64: counts non-finite terms, refuses out-of-range ones."""
+        terms = [(k, g.reshape(-1).double()) for k, g in present]
         finite = [torch.isfinite(g64) for _, g64 in terms]
         terms = [(k, torch.where(ok, g64, torch.zeros_like(g64))) for (k, g64), ok in zip(terms, finite)]
         # every tensor's peak and non-finite flag in one read back (one host sync per term)

@@ -89,6 +89,34 @@ def test_non_finite_terms_make_that_tensor_nan_only():
     assert torch.isnan(first).all() and torch.equal(second, torch.tensor([1.0, 2.0]))
 
 
+def _hard_float32_term(seed: int) -> list[torch.Tensor]:
+    """float32 gradients that test the rounding: magnitudes over 30 decades, subnormals, signed
+    zeros, exact halves of the resolution (ties round to even), values of 2**23 and more
+    resolution units (already integers in float32) and values just inside the bound."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.randn(64, 33, generator=g) * 10.0 ** torch.randint(-30, 1, (64, 33), generator=g).float()
+    k = torch.arange(-40, 41, dtype=torch.float32)
+    ties = (2 * k + 1) * 2.0 ** -(FRACTION_BITS + 1)  # (k + 1/2) units: round half to even
+    big = torch.tensor([2.0 ** 23, 2.0 ** 23 + 2, 3.0 * 2 ** 30, 1.5, -7.25]) * 2.0 ** -FRACTION_BITS
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, 2.0 ** 15, -(2.0 ** 15)])
+    return [spread, torch.cat([ties, big, special]), torch.randn(3, generator=g).float()]
+
+
+def test_the_float32_fast_path_adds_the_reference_integers(monkeypatch):
+    """Bit for bit the integers of the float64 reference path, for whole terms and for terms
+    with missing tensors; and finite in-range float32 terms never take the reference path."""
+    terms = [_hard_float32_term(s) for s in range(4)] + [[None, _hard_float32_term(9)[1], None]]
+    fast, ref = (FixedPointGrads(terms[0], 1000) for _ in range(2))
+    for t in terms:  # tokens=1000: the bound is 2**18, above every element
+        present = [(k, g) for k, g in enumerate(t) if g is not None]
+        ref._add_reference(present, 2.0 ** 18, 1000)
+    with monkeypatch.context() as m:
+        m.setattr(FixedPointGrads, "_add_reference", lambda *a: pytest.fail("took the reference path"))
+        for t in terms:
+            fast.add(t, tokens=1000)
+    assert torch.equal(fast.flat, ref.flat)
+
+
 # ---- the torch backend ------------------------------------------------------------------
 
 def _policy(dtype=torch.float32) -> TorchPolicy:
