@@ -54,8 +54,8 @@ def run_case(case: PolicyCase, world: int) -> dict | None:
                            if case.capture_layers else None, capture_layers=case.capture_layers)
     canonical = trainer.canonical_state_dict()
     rollout = dict(trainer.canonical_weights())
-    # the slice-only sync of a rollout replica of `world` ranks: this rank's slices only
-    rollout_slices = dict(trainer.canonical_weights(rollout_tp=world)) if world > 1 else None
+    # the slice-only sync of a rollout replica of 2 ranks (on 2-rank worlds): this rank's slices only
+    rollout_slices = dict(trainer.canonical_weights(rollout_tp=2)) if world == 2 else None
     # a second step with the old log-probs taken from the loss forward itself (logp_old=None)
     trainer.update(batch, case.advantages[list(mine)], None, ref, global_tokens)
     canonical_on_policy = trainer.canonical_state_dict()
