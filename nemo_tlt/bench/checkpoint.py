@@ -168,7 +168,7 @@ def _worker(ctx: RankContext, method: str, cfg: LMConfig, dtype: torch.dtype, fo
     written = sum(f.stat().st_size for f in target.glob(f"__{ctx.rank}_*.distcp"))
     return {"coords": list(policy.coords), "wall_s": wall, "rank_extra_bytes": peak,
             "children_bytes": children.peak, "children_private_bytes": children.private_peak,
-            "samples": children.samples, "peak_extra_bytes": peak + children.peak, "written_bytes": written,
+            "samples": children.samples, "dropped": children.dropped, "peak_extra_bytes": peak + children.peak, "written_bytes": written,
             "view_bytes": views, "live": {k: _bytes(v) for k, v in own.items()}, **during}
 
 
@@ -245,6 +245,7 @@ def rank_summary(rows: dict[str, list[dict]], layer: int) -> dict:
                      for m in ("async_update", "update_alone")},
         "descendants_after_update": [x["descendants_after_update"] for x in rows["async_update"]],
         "samples": {m: _median(rows[m], "samples") for m in METHODS},
+        "samples_dropped": {m: _median(rows[m], "dropped") for m in METHODS},
         "save_within_target": max(peak["sharded"], peak["async"]) <= budget,
         "in_flight_within_target": in_flight <= budget,
     }

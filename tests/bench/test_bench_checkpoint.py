@@ -90,7 +90,7 @@ def test_children_peak_counts_the_pages_a_parent_rewrites_while_two_descendants_
 def _row(peak: int, shard: int = 1000) -> dict:
     return {"coords": [0, 0], "written_bytes": shard, "live": {}, "view_bytes": 0, "peak_extra_bytes": peak,
             "rank_extra_bytes": peak, "children_bytes": 0, "children_private_bytes": 0, "wall_s": 1.0,
-            "update_s": 1.0, "descendants_after_update": 3, "samples": 10}
+            "update_s": 1.0, "descendants_after_update": 3, "samples": 10, "dropped": 0}
 
 
 def test_the_write_in_flight_is_the_peak_during_an_update_minus_the_update_alone():
