@@ -17,7 +17,13 @@ together by one method:
 * ``async_update``: ``start_save_sharded``, then the same GRPO update again (log-probs and
   update, same batch), then ``wait()``: the run checkpoint's case, where the policy's next
   updates run while the forked writers still write (``nemo_tlt.rl.sharded_run_checkpoint``);
-* ``update_alone``: that update with no save in flight, the second control.
+* ``update_alone``: that update with no save in flight, the second control;
+* ``async_step``: ``start_save_sharded``, then the update's optimizer step again at once
+  (``finish_step``: gradients finalised, Adam step, weights copied from the main params, on
+  the gradients the update left), then ``wait()``: the step certainly while the writers
+  write, as when an update is fast beside the write (on this CPU machine ``async_update``'s
+  update is slowed by the writers, and its step may come after they end);
+* ``step_alone``: that step with no save in flight.
 
 What is measured: the kernel's peak resident set of the rank's process (``VmHWM``, reset
 through ``/proc/self/clear_refs`` just before the method) minus the resident set at that
@@ -31,8 +37,9 @@ staying with the writers. Page cache of the written files is not in it.
 save (every tensor it is the main replica of: weights, fp32 main params, both moments; at
 DP=1 all of its TP x PP slice). "One layer" is one whole decoder layer's state, unsliced:
 its parameters x (weights dtype + 3 fp32 values: main param, two moments). The target, per
-rank: the ``sharded`` and ``async`` peaks, and the write in flight during an update
-(``async_update``'s peak minus ``update_alone``'s, medians), each <= own shard + one layer.
+rank: the ``sharded`` and ``async`` peaks, and the write in flight during an update or a step
+(``async_update``'s peak minus ``update_alone``'s, ``async_step``'s minus ``step_alone``'s,
+medians), each <= own shard + one layer.
 Trials alternate the order; medians are reported. Fresh processes per trial: memory a method
 frees may stay in the allocator and would hide the next method's peak.
 """
@@ -57,7 +64,8 @@ from nemo_tlt.bench.tree_memory import ChildrenPeak
 from nemo_tlt.dist import RankContext, launch_local
 from nemo_tlt.model.config import LMConfig
 
-METHODS = ("sharded", "async", "control", "async_update", "update_alone")
+METHODS = ("sharded", "async", "control", "async_update", "update_alone", "async_step", "step_alone")
+IN_FLIGHT = {"update": ("async_update", "update_alone"), "step": ("async_step", "step_alone")}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -161,22 +169,24 @@ def _worker(ctx: RankContext, method: str, cfg: LMConfig, dtype: torch.dtype, fo
     base = _status("VmRSS")
     start = time.perf_counter()
     with ChildrenPeak() as children:
-        during = _run_method(method, policy, target, own, ctx.rank)
+        during = _run_method(method, policy, target, own, ctx.rank, start)
     wall = time.perf_counter() - start
     peak = _status("VmHWM") - base
     dist.barrier()
     written = sum(f.stat().st_size for f in target.glob(f"__{ctx.rank}_*.distcp"))
     return {"coords": list(policy.coords), "wall_s": wall, "rank_extra_bytes": peak,
             "children_bytes": children.peak, "children_private_bytes": children.private_peak,
-            "samples": children.samples, "dropped": children.dropped, "peak_extra_bytes": peak + children.peak, "written_bytes": written,
+            "samples": children.samples, "dropped": children.dropped,
+            "writers_end_s": writers_end_s(children.live), "peak_extra_bytes": peak + children.peak, "written_bytes": written,
             "view_bytes": views, "live": {k: _bytes(v) for k, v in own.items()}, **during}
 
 
-def _run_method(method: str, policy, target: Path, own: dict, rank: int) -> dict:
-    """Run one method; for ``async_update``, how long the update took and how many descendant
-    processes were alive when it ended (1: the results-queue server only, the writers done)."""
-    import psutil
+def _run_method(method: str, policy, target: Path, own: dict, rank: int, start: float) -> dict:
+    """Run one method; for those that update, when the update (or step) ended, in seconds
+    since ``start``."""
+    from nemo_tlt.megatron.ddp_optimizer import finish_step
 
+    pending = None
     if method == "sharded":
         policy.save_sharded(str(target))
     elif method == "async":
@@ -184,21 +194,29 @@ def _run_method(method: str, policy, target: Path, own: dict, rank: int) -> dict
     elif method == "control":
         target.mkdir(parents=True, exist_ok=True)
         torch.save(own, target / f"rank{rank}.pt")
-    elif method == "async_update":
-        pending = policy.start_save_sharded(str(target))
-        start = time.perf_counter()
-        _one_update(policy, rank)
-        update_s = time.perf_counter() - start
-        alive = len(psutil.Process().children(recursive=True))
-        pending.wait()
-        return {"update_s": update_s, "descendants_after_update": alive}
-    elif method == "update_alone":
-        start = time.perf_counter()
-        _one_update(policy, rank)
-        return {"update_s": time.perf_counter() - start}
+    elif method in ("async_update", "update_alone", "async_step", "step_alone"):
+        if method.startswith("async"):
+            pending = policy.start_save_sharded(str(target))
+        if method.endswith("update"):
+            _one_update(policy, rank)
+        else:
+            with policy._device_context():
+                finish_step(policy.ddp, policy.optimizer)
+        ended = time.perf_counter() - start
+        if pending is not None:
+            pending.wait()
+        return {"update_end_s": ended}
     else:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     return {}
+
+
+def writers_end_s(live: list[tuple[float, int]]) -> float | None:
+    """When megatron's writers last ended (seconds since the start), from ``ChildrenPeak.live``:
+    during a write the rank has 4 live descendants (the results server, the forked writer and
+    its 2 writers), after it 2 (or 1)."""
+    ends = [t for (_, before), (t, now) in zip(live, live[1:]) if before >= 3 > now]
+    return ends[-1] if ends else None
 
 
 # ---- the parent -----------------------------------------------------------------
@@ -224,30 +242,33 @@ def _median(rows: list[dict], key: str) -> int:
 
 def rank_summary(rows: dict[str, list[dict]], layer: int) -> dict:
     """One rank's figures from its trials (``rows``: method -> that rank's result per trial):
-    medians per method, and the write in flight during an update, ``async_update``'s peak
-    minus ``update_alone``'s, against the budget (own shard + ``layer``)."""
+    medians per method, and the write in flight during an update and during a step (the peak
+    with the write in flight minus the peak of the same work alone, ``IN_FLIGHT``), against
+    the budget (own shard + ``layer``). Per trial: when the update / step ended and when the
+    writers ended (seconds since the start), to see whether they overlapped."""
     first = rows["sharded"][0]
     shard = first["written_bytes"]
     budget = shard + layer
     peak = {m: _median(rows[m], "peak_extra_bytes") for m in METHODS}
-    in_flight = peak["async_update"] - peak["update_alone"]
+    in_flight = {k: peak[during] - peak[alone] for k, (during, alone) in IN_FLIGHT.items()}
     parts = {m: {k: _median(rows[m], k) for k in ("rank_extra_bytes", "children_bytes", "children_private_bytes")}
              for m in METHODS}
+    timed = [m for pair in IN_FLIGHT.values() for m in pair]
     return {
         "coords": first["coords"], "own_shard_bytes": shard, "live_bytes": first["live"],
         "cloned_view_bytes": first["view_bytes"], "budget_bytes": budget, "peak_extra_bytes": peak,
         "peak_parts": parts, "write_in_flight_extra_bytes": in_flight,
         "peak_over_shard": {m: round(peak[m] / shard, 3) for m in METHODS},
         "peak_over_budget": {m: round(peak[m] / budget, 3) for m in METHODS},
-        "in_flight_over_shard": round(in_flight / shard, 3), "in_flight_over_budget": round(in_flight / budget, 3),
+        "in_flight_over_shard": {k: round(v / shard, 3) for k, v in in_flight.items()},
+        "in_flight_over_budget": {k: round(v / budget, 3) for k, v in in_flight.items()},
         "wall_s": {m: round(statistics.median(x["wall_s"] for x in rows[m]), 2) for m in METHODS},
-        "update_s": {m: round(statistics.median(x["update_s"] for x in rows[m]), 2)
-                     for m in ("async_update", "update_alone")},
-        "descendants_after_update": [x["descendants_after_update"] for x in rows["async_update"]],
+        "update_end_s": {m: [round(x["update_end_s"], 2) for x in rows[m]] for m in timed},
+        "writers_end_s": {m: [x["writers_end_s"] for x in rows[m]] for m in ("async", "async_update", "async_step")},
         "samples": {m: _median(rows[m], "samples") for m in METHODS},
         "samples_dropped": {m: _median(rows[m], "dropped") for m in METHODS},
         "save_within_target": max(peak["sharded"], peak["async"]) <= budget,
-        "in_flight_within_target": in_flight <= budget,
+        "in_flight_within_target": max(in_flight.values()) <= budget,
     }
 
 
@@ -265,7 +286,7 @@ def summarise(runs: list[tuple[str, list[dict]]], cfg: LMConfig, dtype: torch.dt
                        "+ the sampled (10 ms) peak of the anonymous memory only its descendants map "
                        "(children_private_bytes: their private resident bytes, the measure before); fresh "
                        "processes per trial; all ranks run the method at once; write in flight = "
-                       "async_update - update_alone (medians)"}
+                       "async_update - update_alone, async_step - step_alone (medians)"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ Not counted: page cache (the written files), file-backed pages. Linux only (``sm
 from __future__ import annotations
 
 import threading
+import time
 
 _FIELDS = ("Pss_Anon", "Anonymous", "Private_Clean", "Private_Dirty")
 
@@ -52,27 +53,28 @@ def private_bytes(kids: list[dict[str, int]]) -> int:
 class ChildrenPeak:
     """Samples this process's descendants every ``interval_s`` and keeps ``peak`` and
     ``private_peak`` (see the module docstring), the number of ``samples`` taken and of samples
-    ``dropped`` (a descendant started or ended meanwhile)."""
+    ``dropped`` (a descendant started or ended meanwhile), and ``live``: the number of live
+    descendants at each change, with the seconds since ``__enter__``."""
 
     def __init__(self, interval_s: float = 0.01) -> None:
         import psutil
 
         self._me, self._interval = psutil.Process(), interval_s
         self.peak = self.private_peak = self.samples = self.dropped = 0
+        self.live: list[tuple[float, int]] = []  # (seconds since enter, live descendants) at each change
+        self._start = time.perf_counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _descendants(self) -> list[int] | None:
-        """Live descendants' pids, or None if one is a zombie (exited, not reaped: its share unknown)."""
+        """Live descendants' pids (a zombie has exited: it maps nothing), or None if the listing failed."""
         import psutil
 
         try:
             kids = self._me.children(recursive=True)
-            if any(k.status() == psutil.STATUS_ZOMBIE for k in kids):
-                return None
+            return sorted(k.pid for k in kids if k.status() != psutil.STATUS_ZOMBIE)
         except psutil.NoSuchProcess:
             return None
-        return sorted(k.pid for k in kids)
 
     def sample(self) -> bool:
         """One sample; dropped (False) when a descendant started or ended while it was read: the
@@ -81,6 +83,8 @@ class ChildrenPeak:
         if pids is None:
             self.dropped += 1
             return False
+        if not self.live or self.live[-1][1] != len(pids):
+            self.live.append((round(time.perf_counter() - self._start, 3), len(pids)))
         if not pids:
             self.samples += 1
             return True
@@ -100,6 +104,7 @@ class ChildrenPeak:
             self._stop.wait(self._interval)
 
     def __enter__(self) -> "ChildrenPeak":
+        self._start = time.perf_counter()
         self._thread.start()
         return self
 
