@@ -23,7 +23,12 @@ together by one method:
   the gradients the update left), then ``wait()``: the step certainly while the writers
   write, as when an update is fast beside the write (on this CPU machine ``async_update``'s
   update is slowed by the writers, and its step may come after they end);
-* ``step_alone``: that step with no save in flight.
+* ``step_alone``: that step with no save in flight;
+* ``async_touch``: ``start_save_sharded``, then every element of the rank's own tensors (bf16
+  weights, fp32 main params, both moments) rewritten in place with its own value
+  (``mul_(1)``, far faster than the write), then ``wait()``: every page a step rewrites,
+  rewritten while the writers certainly live (the bound the slowed step above falls short of);
+* ``touch_alone``: that rewrite with no save in flight.
 
 What is measured: the kernel's peak resident set of the rank's process (``VmHWM``, reset
 through ``/proc/self/clear_refs`` just before the method) minus the resident set at that
@@ -37,9 +42,9 @@ staying with the writers. Page cache of the written files is not in it.
 save (every tensor it is the main replica of: weights, fp32 main params, both moments; at
 DP=1 all of its TP x PP slice). "One layer" is one whole decoder layer's state, unsliced:
 its parameters x (weights dtype + 3 fp32 values: main param, two moments). The target, per
-rank: the ``sharded`` and ``async`` peaks, and the write in flight during an update or a step
-(``async_update``'s peak minus ``update_alone``'s, ``async_step``'s minus ``step_alone``'s,
-medians), each <= own shard + one layer.
+rank: the ``sharded`` and ``async`` peaks, and the write in flight during an update, a step or
+the rewrite (the ``async_*`` peak minus its ``*_alone`` peak, medians), each <= own shard + one
+layer.
 Trials alternate the order; medians are reported. Fresh processes per trial: memory a method
 frees may stay in the allocator and would hide the next method's peak.
 """
@@ -64,8 +69,10 @@ from nemo_tlt.bench.tree_memory import ChildrenPeak
 from nemo_tlt.dist import RankContext, launch_local
 from nemo_tlt.model.config import LMConfig
 
-METHODS = ("sharded", "async", "control", "async_update", "update_alone", "async_step", "step_alone")
-IN_FLIGHT = {"update": ("async_update", "update_alone"), "step": ("async_step", "step_alone")}
+METHODS = ("sharded", "async", "control", "async_update", "update_alone", "async_step", "step_alone",
+           "async_touch", "touch_alone")
+IN_FLIGHT = {"update": ("async_update", "update_alone"), "step": ("async_step", "step_alone"),
+             "touch": ("async_touch", "touch_alone")}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -177,7 +184,7 @@ def _worker(ctx: RankContext, method: str, cfg: LMConfig, dtype: torch.dtype, fo
     return {"coords": list(policy.coords), "wall_s": wall, "rank_extra_bytes": peak,
             "children_bytes": children.peak, "children_private_bytes": children.private_peak,
             "samples": children.samples, "dropped": children.dropped,
-            "writers_end_s": writers_end_s(children.live), "peak_extra_bytes": peak + children.peak, "written_bytes": written,
+            "writers_end_s": writers_end_s(children.live), "policy_step": policy.step, "peak_extra_bytes": peak + children.peak, "written_bytes": written,
             "view_bytes": views, "live": {k: _bytes(v) for k, v in own.items()}, **during}
 
 
@@ -194,14 +201,19 @@ def _run_method(method: str, policy, target: Path, own: dict, rank: int, start: 
     elif method == "control":
         target.mkdir(parents=True, exist_ok=True)
         torch.save(own, target / f"rank{rank}.pt")
-    elif method in ("async_update", "update_alone", "async_step", "step_alone"):
-        if method.startswith("async"):
+    elif any(method in pair for pair in IN_FLIGHT.values()):
+        work = next(k for k, pair in IN_FLIGHT.items() if method in pair)
+        if method == IN_FLIGHT[work][0]:
             pending = policy.start_save_sharded(str(target))
-        if method.endswith("update"):
+        if work == "update":
             _one_update(policy, rank)
-        else:
+        elif work == "step":
             with policy._device_context():
                 finish_step(policy.ddp, policy.optimizer)
+        else:
+            for tensors in own.values():
+                for t in tensors:
+                    t.mul_(1)
         ended = time.perf_counter() - start
         if pending is not None:
             pending.wait()
@@ -264,7 +276,8 @@ def rank_summary(rows: dict[str, list[dict]], layer: int) -> dict:
         "in_flight_over_budget": {k: round(v / budget, 3) for k, v in in_flight.items()},
         "wall_s": {m: round(statistics.median(x["wall_s"] for x in rows[m]), 2) for m in METHODS},
         "update_end_s": {m: [round(x["update_end_s"], 2) for x in rows[m]] for m in timed},
-        "writers_end_s": {m: [x["writers_end_s"] for x in rows[m]] for m in ("async", "async_update", "async_step")},
+        "writers_end_s": {m: [x["writers_end_s"] for x in rows[m]] for m in METHODS if m.startswith("async")},
+        "policy_step": {m: rows[m][0]["policy_step"] for m in METHODS},  # updates taken by the end
         "samples": {m: _median(rows[m], "samples") for m in METHODS},
         "samples_dropped": {m: _median(rows[m], "dropped") for m in METHODS},
         "save_within_target": max(peak["sharded"], peak["async"]) <= budget,
@@ -286,7 +299,7 @@ def summarise(runs: list[tuple[str, list[dict]]], cfg: LMConfig, dtype: torch.dt
                        "+ the sampled (10 ms) peak of the anonymous memory only its descendants map "
                        "(children_private_bytes: their private resident bytes, the measure before); fresh "
                        "processes per trial; all ranks run the method at once; write in flight = "
-                       "async_update - update_alone, async_step - step_alone (medians)"}
+                       "async_update - update_alone, async_step - step_alone, async_touch - touch_alone (medians)"}
 
 
 def main(argv: list[str] | None = None) -> int:
