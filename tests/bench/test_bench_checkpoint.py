@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from nemo_tlt.bench.checkpoint import METHODS, layer_state_bytes, rank_summary
+from nemo_tlt.bench.checkpoint import IN_FLIGHT, METHODS, layer_state_bytes, rank_summary
 from nemo_tlt.bench.tree_memory import ChildrenPeak
 
 MB = 2**20
@@ -90,7 +90,7 @@ def test_children_peak_counts_the_pages_a_parent_rewrites_while_two_descendants_
 def _row(peak: int, shard: int = 1000) -> dict:
     return {"coords": [0, 0], "written_bytes": shard, "live": {}, "view_bytes": 0, "peak_extra_bytes": peak,
             "rank_extra_bytes": peak, "children_bytes": 0, "children_private_bytes": 0, "wall_s": 1.0,
-            "update_end_s": 1.0, "writers_end_s": 2.0, "samples": 10, "dropped": 0}
+            "update_end_s": 1.0, "writers_end_s": 2.0, "policy_step": 1, "samples": 10, "dropped": 0}
 
 
 def test_the_write_in_flight_is_the_peak_during_an_update_minus_the_update_alone():
@@ -103,14 +103,17 @@ def test_the_write_in_flight_is_the_peak_during_an_update_minus_the_update_alone
     rows["step_alone"], rows["async_step"] = [_row(300)], [_row(1300)]
     got = rank_summary(rows, layer=200)
     assert got["budget_bytes"] == 1200 and got["peak_extra_bytes"]["async_update"] == 1950
-    assert got["write_in_flight_extra_bytes"] == {"update": 1950 - 900, "step": 1000}
+    assert got["write_in_flight_extra_bytes"] == {"update": 1950 - 900, "step": 1000, "touch": 0}
     assert got["in_flight_within_target"] and got["save_within_target"]
-    assert got["in_flight_over_budget"] == {"update": round(1050 / 1200, 3), "step": round(1000 / 1200, 3)}
+    assert got["in_flight_over_budget"] == {"update": round(1050 / 1200, 3), "step": round(1000 / 1200, 3),
+                                            "touch": 0.0}
     rows["update_alone"] = [_row(500)]
     assert rank_summary(rows, layer=200)["write_in_flight_extra_bytes"]["update"] == 1450
     assert not rank_summary(rows, layer=200)["in_flight_within_target"]
     rows["update_alone"], rows["step_alone"] = [_row(900)], [_row(50)]
     assert not rank_summary(rows, layer=200)["in_flight_within_target"]  # the step's 1250
+    rows["step_alone"], rows["async_touch"] = [_row(300)], [_row(1400)]
+    assert not rank_summary(rows, layer=200)["in_flight_within_target"]  # the rewrite's 1300
 
 
 def test_layer_state_bytes_counts_weights_and_three_fp32_values():
@@ -148,10 +151,11 @@ def test_bench_checkpoint_runs_every_method_on_every_rank(tmp_path):
         for m in METHODS:  # one trial: the peak is the rank's part plus its descendants'
             assert peak[m] == parts[m]["rank_extra_bytes"] + parts[m]["children_bytes"]
         # the writers and the results server during the update or step; no descendant without a save
-        for during, alone in (("async_update", "update_alone"), ("async_step", "step_alone")):
+        for work, (during, alone) in IN_FLIGHT.items():
             assert parts[during]["children_bytes"] > 0 and parts[alone]["children_bytes"] == 0
             assert rank["update_end_s"][during][0] > 0 and rank["update_end_s"][alone][0] > 0
             assert rank["samples"][during] > 0
-        assert rank["write_in_flight_extra_bytes"] == {"update": peak["async_update"] - peak["update_alone"],
-                                                       "step": peak["async_step"] - peak["step_alone"]}
+            assert rank["write_in_flight_extra_bytes"][work] == peak[during] - peak[alone]
         assert all(len(ends) == 1 for ends in rank["writers_end_s"].values())
+        # one update before every method, a second in the update pair only (a step is no update)
+        assert rank["policy_step"] == {m: 2 if m in IN_FLIGHT["update"] else 1 for m in METHODS}
