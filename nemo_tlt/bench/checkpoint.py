@@ -9,26 +9,44 @@ together by one method:
 
 * ``sharded``: ``MegatronPolicy.save_sharded`` (megatron-core ``dist_checkpointing.save``,
   torch_dist format: what the sharded run checkpoint writes);
-* ``async``: ``MegatronPolicy.start_save_sharded`` then its ``wait()`` (megatron-core's async
-  save, what the sharded run checkpoint uses; here nothing runs between the two, so the
-  copy-on-write cost of a policy update during the write is not in it);
+* ``async``: ``MegatronPolicy.start_save_sharded`` then its ``wait()`` at once (megatron-core's
+  async save, what the sharded run checkpoint uses, with nothing run during the write);
 * ``control``: ``torch.save`` of the same live tensors this rank owns (its bf16 weights, the
   fp32 main-param shards, the Adam moments), written storage by storage without a copy: the
-  memory of writing the shard from where it lies, which checks the measure itself.
+  memory of writing the shard from where it lies, which checks the measure itself;
+* ``async_update``: ``start_save_sharded``, then the same GRPO update again (log-probs and
+  update, same batch), then ``wait()``: the run checkpoint's case, where the policy's next
+  updates run while the forked writers still write (``nemo_tlt.rl.sharded_run_checkpoint``);
+* ``update_alone``: that update with no save in flight, the second control;
+* ``async_step``: ``start_save_sharded``, then the update's optimizer step again at once
+  (``finish_step``: gradients finalised, Adam step, weights copied from the main params, on
+  the gradients the update left), then ``wait()``: the step certainly while the writers
+  write, as when an update is fast beside the write (on this CPU machine ``async_update``'s
+  update is slowed by the writers, and its step may come after they end);
+* ``step_alone``: that step with no save in flight;
+* ``async_touch``: ``start_save_sharded``, then every element of the rank's own tensors (bf16
+  weights, fp32 main params, both moments) rewritten in place with its own value
+  (``mul_(1)``, far faster than the write), then ``wait()``: every page a step rewrites,
+  rewritten while the writers certainly live (the bound the slowed step above falls short of);
+* ``touch_alone``: that rewrite with no save in flight.
 
 What is measured: the kernel's peak resident set of the rank's process (``VmHWM``, reset
-through ``/proc/self/clear_refs`` just before the save) minus the resident set at that moment
-(as ``nemo-tlt bench load``), plus the peak of its descendants' summed private resident bytes,
-sampled every 10 ms (megatron-core writes the files from forked processes, 2 per rank, and
-keeps a results-queue server process; a forked writer shares the rank's pages, so only the
-pages it adds count). Page cache of the written files is not in it.
+through ``/proc/self/clear_refs`` just before the method) minus the resident set at that
+moment (as ``nemo-tlt bench load``), plus the peak of the anonymous memory only its
+descendants map (``nemo_tlt.bench.tree_memory.ChildrenPeak``, sampled every 10 ms):
+megatron-core writes the files from a forked process that forks 2 writers, and keeps a
+results-queue server process; a forked writer shares the rank's pages, so only the pages it
+adds count, and every page the rank rewrites while a writer lives is copied, the old page
+staying with the writers. Page cache of the written files is not in it.
 "Own shard" is the bytes of the ``__<rank>_*.distcp`` files the rank wrote in the ``sharded``
 save (every tensor it is the main replica of: weights, fp32 main params, both moments; at
 DP=1 all of its TP x PP slice). "One layer" is one whole decoder layer's state, unsliced:
-its parameters x (weights dtype + 3 fp32 values: main param, two moments). The target: each
-rank's ``sharded`` and ``async`` peaks <= own shard + one layer. Trials alternate the order;
-medians are reported. Fresh processes per trial: memory a method frees may stay in the allocator and would
-hide the next method's peak.
+its parameters x (weights dtype + 3 fp32 values: main param, two moments). The target, per
+rank: the ``sharded`` and ``async`` peaks, and the write in flight during an update, a step or
+the rewrite (the ``async_*`` peak minus its ``*_alone`` peak, medians), each <= own shard + one
+layer.
+Trials alternate the order; medians are reported. Fresh processes per trial: memory a method
+frees may stay in the allocator and would hide the next method's peak.
 """
 from __future__ import annotations
 
@@ -37,7 +55,6 @@ import gc
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -48,10 +65,14 @@ from nemo_tlt.bench.common import megatron_bench_refusal, write_summary
 import torch.distributed as dist
 
 from nemo_tlt.bench.load import _DTYPES, _reset_peak, _status
+from nemo_tlt.bench.tree_memory import ChildrenPeak
 from nemo_tlt.dist import RankContext, launch_local
 from nemo_tlt.model.config import LMConfig
 
-METHODS = ("sharded", "async", "control")
+METHODS = ("sharded", "async", "control", "async_update", "update_alone", "async_step", "step_alone",
+           "async_touch", "touch_alone")
+IN_FLIGHT = {"update": ("async_update", "update_alone"), "step": ("async_step", "step_alone"),
+             "touch": ("async_touch", "touch_alone")}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -107,48 +128,6 @@ def _own_tensors(policy) -> dict:
     return out
 
 
-def _private_bytes(pid: int) -> int:
-    """A process's private resident bytes (pages no other process maps: what it adds to the host)."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            return sum(int(line.split()[1]) * 1024 for line in f
-                       if line.startswith(("Private_Clean:", "Private_Dirty:")))
-    except (FileNotFoundError, ProcessLookupError):
-        return 0  # exited between the listing and the read
-
-
-class ChildrenPeak:
-    """Samples, every ``interval_s``, the summed private resident bytes of this process's descendants
-    (megatron's forked writers, its results-queue server) and keeps the peak. A forked writer shares
-    the rank's pages until it writes them, so only what it adds is counted."""
-
-    def __init__(self, interval_s: float = 0.01) -> None:
-        import psutil
-
-        self._me, self._interval, self.peak = psutil.Process(), interval_s, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import psutil
-
-        while not self._stop.is_set():
-            try:
-                kids = self._me.children(recursive=True)
-            except psutil.Error:
-                kids = []
-            self.peak = max(self.peak, sum(_private_bytes(k.pid) for k in kids))
-            self._stop.wait(self._interval)
-
-    def __enter__(self) -> "ChildrenPeak":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -197,20 +176,59 @@ def _worker(ctx: RankContext, method: str, cfg: LMConfig, dtype: torch.dtype, fo
     base = _status("VmRSS")
     start = time.perf_counter()
     with ChildrenPeak() as children:
-        if method == "sharded":
-            policy.save_sharded(str(target))
-        elif method == "async":
-            policy.start_save_sharded(str(target)).wait()
-        else:
-            target.mkdir(parents=True, exist_ok=True)
-            torch.save(own, target / f"rank{ctx.rank}.pt")
+        during = _run_method(method, policy, target, own, ctx.rank, start)
     wall = time.perf_counter() - start
     peak = _status("VmHWM") - base
     dist.barrier()
-    written = sum(f.stat().st_size for f in target.glob(f"__{ctx.rank}_*.distcp")) if method != "control" else 0
+    written = sum(f.stat().st_size for f in target.glob(f"__{ctx.rank}_*.distcp"))
     return {"coords": list(policy.coords), "wall_s": wall, "rank_extra_bytes": peak,
-            "children_bytes": children.peak, "peak_extra_bytes": peak + children.peak, "written_bytes": written,
-            "view_bytes": views, "live": {k: _bytes(v) for k, v in own.items()}}
+            "children_bytes": children.peak, "children_private_bytes": children.private_peak,
+            "samples": children.samples, "dropped": children.dropped,
+            "writers_end_s": writers_end_s(children.live), "policy_step": policy.step, "peak_extra_bytes": peak + children.peak, "written_bytes": written,
+            "view_bytes": views, "live": {k: _bytes(v) for k, v in own.items()}, **during}
+
+
+def _run_method(method: str, policy, target: Path, own: dict, rank: int, start: float) -> dict:
+    """Run one method; for those that update, when the update (or step) ended, in seconds
+    since ``start``."""
+    from nemo_tlt.megatron.ddp_optimizer import finish_step
+
+    pending = None
+    if method == "sharded":
+        policy.save_sharded(str(target))
+    elif method == "async":
+        policy.start_save_sharded(str(target)).wait()
+    elif method == "control":
+        target.mkdir(parents=True, exist_ok=True)
+        torch.save(own, target / f"rank{rank}.pt")
+    elif any(method in pair for pair in IN_FLIGHT.values()):
+        work = next(k for k, pair in IN_FLIGHT.items() if method in pair)
+        if method == IN_FLIGHT[work][0]:
+            pending = policy.start_save_sharded(str(target))
+        if work == "update":
+            _one_update(policy, rank)
+        elif work == "step":
+            with policy._device_context():
+                finish_step(policy.ddp, policy.optimizer)
+        else:
+            for tensors in own.values():
+                for t in tensors:
+                    t.mul_(1)
+        ended = time.perf_counter() - start
+        if pending is not None:
+            pending.wait()
+        return {"update_end_s": ended}
+    else:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    return {}
+
+
+def writers_end_s(live: list[tuple[float, int]]) -> float | None:
+    """When megatron's writers last ended (seconds since the start), from ``ChildrenPeak.live``:
+    during a write the rank has 4 live descendants (the results server, the forked writer and
+    its 2 writers), after it 2 (or 1)."""
+    ends = [t for (_, before), (t, now) in zip(live, live[1:]) if before >= 3 > now]
+    return ends[-1] if ends else None
 
 
 # ---- the parent -----------------------------------------------------------------
@@ -230,33 +248,58 @@ def _order(trials: int) -> list[str]:
     return order
 
 
+def _median(rows: list[dict], key: str) -> int:
+    return int(statistics.median(x[key] for x in rows))
+
+
+def rank_summary(rows: dict[str, list[dict]], layer: int) -> dict:
+    """One rank's figures from its trials (``rows``: method -> that rank's result per trial):
+    medians per method, and the write in flight during an update and during a step (the peak
+    with the write in flight minus the peak of the same work alone, ``IN_FLIGHT``), against
+    the budget (own shard + ``layer``). Per trial: when the update / step ended and when the
+    writers ended (seconds since the start), to see whether they overlapped."""
+    first = rows["sharded"][0]
+    shard = first["written_bytes"]
+    budget = shard + layer
+    peak = {m: _median(rows[m], "peak_extra_bytes") for m in METHODS}
+    in_flight = {k: peak[during] - peak[alone] for k, (during, alone) in IN_FLIGHT.items()}
+    parts = {m: {k: _median(rows[m], k) for k in ("rank_extra_bytes", "children_bytes", "children_private_bytes")}
+             for m in METHODS}
+    timed = [m for pair in IN_FLIGHT.values() for m in pair]
+    return {
+        "coords": first["coords"], "own_shard_bytes": shard, "live_bytes": first["live"],
+        "cloned_view_bytes": first["view_bytes"], "budget_bytes": budget, "peak_extra_bytes": peak,
+        "peak_parts": parts, "write_in_flight_extra_bytes": in_flight,
+        "peak_over_shard": {m: round(peak[m] / shard, 3) for m in METHODS},
+        "peak_over_budget": {m: round(peak[m] / budget, 3) for m in METHODS},
+        "in_flight_over_shard": {k: round(v / shard, 3) for k, v in in_flight.items()},
+        "in_flight_over_budget": {k: round(v / budget, 3) for k, v in in_flight.items()},
+        "wall_s": {m: round(statistics.median(x["wall_s"] for x in rows[m]), 2) for m in METHODS},
+        "update_end_s": {m: [round(x["update_end_s"], 2) for x in rows[m]] for m in timed},
+        "writers_end_s": {m: [x["writers_end_s"] for x in rows[m]] for m in METHODS if m.startswith("async")},
+        "policy_step": {m: rows[m][0]["policy_step"] for m in METHODS},  # updates taken by the end
+        "samples": {m: _median(rows[m], "samples") for m in METHODS},
+        "samples_dropped": {m: _median(rows[m], "dropped") for m in METHODS},
+        "save_within_target": max(peak["sharded"], peak["async"]) <= budget,
+        "in_flight_within_target": max(in_flight.values()) <= budget,
+    }
+
+
 def summarise(runs: list[tuple[str, list[dict]]], cfg: LMConfig, dtype: torch.dtype, params: int) -> dict:
     layer = layer_state_bytes(cfg, dtype)
-    per_rank = []
-    for r in range(len(runs[0][1])):
-        rows = {m: [ranks[r] for name, ranks in runs if name == m] for m in METHODS}
-        shard = rows["sharded"][0]["written_bytes"]
-        live = rows["sharded"][0]["live"]
-        views = rows["sharded"][0]["view_bytes"]
-        budget = shard + layer
-        peak = {m: int(statistics.median(x["peak_extra_bytes"] for x in rows[m])) for m in METHODS}
-        parts = {m: {k: int(statistics.median(x[k] for x in rows[m])) for k in ("rank_extra_bytes", "children_bytes")}
-                 for m in METHODS}
-        per_rank.append({
-            "coords": rows["sharded"][0]["coords"], "own_shard_bytes": shard, "live_bytes": live,
-            "cloned_view_bytes": views,
-            "budget_bytes": budget, "peak_extra_bytes": peak, "peak_parts": parts,
-            "peak_over_shard": {m: round(peak[m] / shard, 3) for m in METHODS},
-            "peak_over_budget": {m: round(peak[m] / budget, 3) for m in METHODS},
-            "wall_s": {m: round(statistics.median(x["wall_s"] for x in rows[m]), 2) for m in METHODS},
-            "within_target": max(peak["sharded"], peak["async"]) <= budget,
-        })
+    per_rank = [rank_summary({m: [ranks[r] for name, ranks in runs if name == m] for m in METHODS}, layer)
+                for r in range(len(runs[0][1]))]
+    save_ok = all(r["save_within_target"] for r in per_rank)
+    in_flight_ok = all(r["in_flight_within_target"] for r in per_rank)
     return {"layout": "TP2xPP2", "params": params, "dtype": str(dtype).replace("torch.", ""),
             "layer_state_bytes": layer, "order": [name for name, _ in runs], "per_rank": per_rank,
-            "within_target": all(r["within_target"] for r in per_rank),
-            "measure": "the rank's VmHWM - VmRSS at the start of the save (reset via /proc/self/clear_refs) "
-                       "+ the sampled (10 ms) peak of its descendants' summed private resident bytes; fresh "
-                       "processes per trial; all ranks save at once"}
+            "save_within_target": save_ok, "in_flight_within_target": in_flight_ok,
+            "within_target": save_ok and in_flight_ok,
+            "measure": "the rank's VmHWM - VmRSS at the start of the method (reset via /proc/self/clear_refs) "
+                       "+ the sampled (10 ms) peak of the anonymous memory only its descendants map "
+                       "(children_private_bytes: their private resident bytes, the measure before); fresh "
+                       "processes per trial; all ranks run the method at once; write in flight = "
+                       "async_update - update_alone, async_step - step_alone, async_touch - touch_alone (medians)"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
-"""`nemo-tlt bench checkpoint`'s measure of a rank's descendants (the 0.5B run and its figures:
+"""`nemo-tlt bench checkpoint`'s measure of a rank's descendants and its figures (the 0.5B run:
 docs/benchmarks.md). megatron-core writes a checkpoint from forked processes, whose memory the
 rank's own VmHWM does not see: ``ChildrenPeak`` must count what a child adds, and not the pages
-it shares with its parent."""
+it shares with its parent, and the pages the parent rewrites while its descendants still map
+them (the old copies stay with the descendants, shared by all of them). The write in flight
+during an update is reported net of the update alone."""
 from __future__ import annotations
 
 import multiprocessing
@@ -9,9 +11,18 @@ import time
 
 import pytest
 
-from nemo_tlt.bench.checkpoint import ChildrenPeak, layer_state_bytes
+from nemo_tlt.bench.checkpoint import IN_FLIGHT, METHODS, layer_state_bytes, rank_summary
+from nemo_tlt.bench.tree_memory import ChildrenPeak
 
 MB = 2**20
+
+
+def _settle(peak: ChildrenPeak, samples: int = 2, timeout_s: float = 30.0) -> None:
+    """Wait until ``peak`` has taken ``samples`` whole samples from now (a loaded machine may
+    deschedule its thread for longer than any fixed sleep)."""
+    until, deadline = peak.samples + samples + 1, time.monotonic() + timeout_s
+    while peak.samples < until and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _allocate_and_hold(mb: int, started, release) -> None:
@@ -29,7 +40,7 @@ def _count_child(mb: int) -> int:
         child = ctx.Process(target=_allocate_and_hold, args=(mb, started, release))
         child.start()
         started.wait(30)
-        time.sleep(0.1)  # a few samples while the child holds its block
+        _settle(peak)  # whole samples while the child holds its block
         release.set()
         child.join()
     return peak.peak
@@ -43,6 +54,66 @@ def test_children_peak_counts_what_a_forked_child_adds_not_what_it_shares():
     got = _count_child(64)
     assert 64 * MB <= got < 64 * MB + 60 * MB, got  # the child's block and its own touched pages, not 200 MB
     del shared
+
+
+def _hold_with_a_grandchild(started, release) -> None:
+    ctx = multiprocessing.get_context("fork")
+    grandchild = ctx.Process(target=release.wait, args=(30,))
+    grandchild.start()
+    started.set()
+    release.wait(30)
+    grandchild.join()
+
+
+def test_children_peak_counts_the_pages_a_parent_rewrites_while_two_descendants_map_them():
+    """The update during an async save: the parent rewrites its block while a child and the
+    child's own child (megatron's writer and its writers) still map it; the old pages stay with
+    them, shared by both, so neither holds them privately: 64 MB must still be counted, once."""
+    pytest.importorskip("psutil")
+    block = bytearray(64 * MB)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    ctx = multiprocessing.get_context("fork")
+    started, release = ctx.Event(), ctx.Event()
+    with ChildrenPeak(interval_s=0.005) as peak:
+        child = ctx.Process(target=_hold_with_a_grandchild, args=(started, release))
+        child.start()
+        started.wait(30)
+        for i in range(0, len(block), 4096):  # copy on write: the parent maps fresh copies
+            block[i] = 2
+        _settle(peak)
+        release.set()
+        child.join()
+    assert 64 * MB <= peak.peak < 64 * MB + 60 * MB, (peak.peak, peak.private_peak)
+
+
+def _row(peak: int, shard: int = 1000) -> dict:
+    return {"coords": [0, 0], "written_bytes": shard, "live": {}, "view_bytes": 0, "peak_extra_bytes": peak,
+            "rank_extra_bytes": peak, "children_bytes": 0, "children_private_bytes": 0, "wall_s": 1.0,
+            "update_end_s": 1.0, "writers_end_s": 2.0, "policy_step": 1, "samples": 10, "dropped": 0}
+
+
+def test_the_write_in_flight_is_the_peak_during_an_update_minus_the_update_alone():
+    """Budget 1000 + 200: the update alone peaks at 900, with the write in flight at 1900 / 2000
+    (median 1950): the write in flight is 1050, within budget though the raw peak is not. The
+    step's pair is reported the same way, and either over budget misses the target."""
+    rows = {m: [_row(100), _row(100)] for m in METHODS}
+    rows["update_alone"] = [_row(900), _row(800), _row(1000)]
+    rows["async_update"] = [_row(1900), _row(2000)]
+    rows["step_alone"], rows["async_step"] = [_row(300)], [_row(1300)]
+    got = rank_summary(rows, layer=200)
+    assert got["budget_bytes"] == 1200 and got["peak_extra_bytes"]["async_update"] == 1950
+    assert got["write_in_flight_extra_bytes"] == {"update": 1950 - 900, "step": 1000, "touch": 0}
+    assert got["in_flight_within_target"] and got["save_within_target"]
+    assert got["in_flight_over_budget"] == {"update": round(1050 / 1200, 3), "step": round(1000 / 1200, 3),
+                                            "touch": 0.0}
+    rows["update_alone"] = [_row(500)]
+    assert rank_summary(rows, layer=200)["write_in_flight_extra_bytes"]["update"] == 1450
+    assert not rank_summary(rows, layer=200)["in_flight_within_target"]
+    rows["update_alone"], rows["step_alone"] = [_row(900)], [_row(50)]
+    assert not rank_summary(rows, layer=200)["in_flight_within_target"]  # the step's 1250
+    rows["step_alone"], rows["async_touch"] = [_row(300)], [_row(1400)]
+    assert not rank_summary(rows, layer=200)["in_flight_within_target"]  # the rewrite's 1300
 
 
 def test_layer_state_bytes_counts_weights_and_three_fp32_values():
@@ -68,11 +139,23 @@ def test_bench_checkpoint_runs_every_method_on_every_rank(tmp_path):
     rc = main(["--out", str(out), "--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2",
                "--ffn", "128", "--vocab", "300", "--trials", "1", "--timeout-s", "300"])
     report = json.loads(out.read_text())
-    assert rc in (0, 1) and report["order"] == ["sharded", "async", "control"]
+    assert rc in (0, 1) and report["order"] == list(METHODS)
     assert sorted(tuple(r["coords"]) for r in report["per_rank"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for rank in report["per_rank"]:
         live = rank["live_bytes"]
         # the rank wrote its weights, main params and moments (plus the file format's metadata)
         assert rank["own_shard_bytes"] >= live["weights"] + live["main"] + live["moments"]
         assert rank["budget_bytes"] == rank["own_shard_bytes"] + report["layer_state_bytes"]
-        assert rank["peak_extra_bytes"]["sharded"] > 0 and rank["peak_extra_bytes"]["async"] > 0
+        peak, parts = rank["peak_extra_bytes"], rank["peak_parts"]
+        assert peak["sharded"] > 0 and peak["async"] > 0
+        for m in METHODS:  # one trial: the peak is the rank's part plus its descendants'
+            assert peak[m] == parts[m]["rank_extra_bytes"] + parts[m]["children_bytes"]
+        # the writers and the results server during the update or step; no descendant without a save
+        for work, (during, alone) in IN_FLIGHT.items():
+            assert parts[during]["children_bytes"] > 0 and parts[alone]["children_bytes"] == 0
+            assert rank["update_end_s"][during][0] > 0 and rank["update_end_s"][alone][0] > 0
+            assert rank["samples"][during] > 0
+            assert rank["write_in_flight_extra_bytes"][work] == peak[during] - peak[alone]
+        assert all(len(ends) == 1 for ends in rank["writers_end_s"].values())
+        # one update before every method, a second in the update pair only (a step is no update)
+        assert rank["policy_step"] == {m: 2 if m in IN_FLIGHT["update"] else 1 for m in METHODS}
