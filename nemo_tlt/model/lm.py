@@ -177,3 +177,10 @@ class DecoderLM(nn.Module):
 
     def num_params(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+
+def canonical_shapes(config: LMConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical (HF-named) tensor of the whole model of ``config`` and its shape
+    (derived on the meta device: no memory)."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in DecoderLM(config).state_dict().items()}

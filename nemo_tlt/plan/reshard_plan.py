@@ -120,8 +120,7 @@ def plan_stream_reshard(cfg: LMConfig, layout: ParallelLayout, dp: int, rollout_
                            model_bytes=total, rollout_tp=rollout_tp)
 
 
-def _canonical_shapes(cfg: LMConfig) -> list[torch.Size]:
-    with torch.device("meta"):
-        from nemo_tlt.model.lm import DecoderLM
+def _canonical_shapes(cfg: LMConfig) -> list[tuple[int, ...]]:
+    from nemo_tlt.model.lm import canonical_shapes
 
-        return [v.shape for v in DecoderLM(cfg).state_dict().values()]
+    return list(canonical_shapes(cfg).values())

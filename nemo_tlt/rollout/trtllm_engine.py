@@ -70,7 +70,7 @@ from nemo_tlt.adaptive.sd_policy import SpecPolicy
 from nemo_tlt.drafter.base import Drafter
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_config, read_state_dict
-from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.model.lm import canonical_shapes
 from nemo_tlt.rollout import validate
 from nemo_tlt.rollout.protocol import FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
 from nemo_tlt.rollout.trtllm_config import TRTLLM_PACKAGE, TRTLLMEngineConfig, missing_package_message
@@ -218,13 +218,6 @@ def check_drafter_layers(folder: str | os.PathLike, captured: tuple[int, ...]) -
         raise ValueError(f"{path}: the drafter reads target layers in the order {layers}; TensorRT-LLM hands them "
                          f"over ascending ({sorted(layers)}): train the drafter with capture_layers in ascending "
                          "order")
-
-
-def canonical_shapes(cfg: LMConfig) -> dict[str, tuple[int, ...]]:
-    """Every canonical tensor name of a model of config ``cfg`` with its shape (no memory)."""
-    with torch.device("meta"):
-        model = DecoderLM(cfg)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def weight_buckets(weights: PolicyWeights, shapes: Mapping[str, tuple[int, ...]],

@@ -19,7 +19,7 @@ import torch
 
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_config
-from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.model.lm import DecoderLM, canonical_shapes
 from nemo_tlt.model.rope import rope_tables_for
 from nemo_tlt.model.safetensors_folder import SafetensorsFolder
 from nemo_tlt.model.tensor_parallel import TensorParallel, active
@@ -38,12 +38,6 @@ def compute_copy(target: DecoderLM, dtype: torch.dtype | None) -> DecoderLM:
     device = target.lm_head_weight.device
     out.rope_cos, out.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
     return out
-
-
-def canonical_shapes(config: LMConfig) -> dict[str, tuple[int, ...]]:
-    """Every canonical tensor of the whole model and its shape (derived on the meta device)."""
-    with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in DecoderLM(config).state_dict().items()}
 
 
 def weight_pair(i: int, item: Any) -> tuple[str, torch.Tensor]:

@@ -64,11 +64,10 @@ class MappingSource:
 
 
 def expected_shapes(cfg: LMConfig) -> dict[str, tuple[int, ...]]:
-    """Every canonical tensor of ``cfg``'s model and its shape (derived on the meta device)."""
-    from nemo_tlt.model.lm import DecoderLM
+    """Every canonical tensor of ``cfg``'s model and its shape (``nemo_tlt.model.lm.canonical_shapes``)."""
+    from nemo_tlt.model.lm import canonical_shapes
 
-    with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in DecoderLM(cfg).state_dict().items()}
+    return canonical_shapes(cfg)
 
 
 def read_whole(source: CanonicalSource, names: Iterable[str], dtype: torch.dtype) -> dict[str, Tensor]:
