@@ -48,7 +48,10 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
   read this rank's slices of the weights and the distributed optimizer's state (its own
   ``sharded_state_dict``) through megatron-core's ``dist_checkpointing``
   (``nemo_tlt.megatron.policy_checkpoint``); another data-parallel size loads, another TP / PP
-  where the padded vocabulary agrees. ``state_dict()`` is this rank's exact optimizer shard
+  where the padded vocabulary agrees. ``start_save_sharded(dir)`` writes from forked processes
+  while the caller goes on; the next optimizer step (or load) first waits for those writers
+  (``finish_writes``), so the only pages rewritten while they share the rank's memory are the
+  forward and backward passes'. ``state_dict()`` is this rank's exact optimizer shard
   (for a run checkpoint at the same layout).
 """
 from __future__ import annotations
@@ -56,6 +59,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import time
 from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -156,6 +160,7 @@ class MegatronPolicy:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.schedule = LRSchedule(self.optimizer, config.optim)
         self.step = 0
+        self._writing = None  # the PendingPolicySave of a start_save_sharded not waited for yet
 
     # ---- the contract's properties -------------------------------------------------
     @property
@@ -341,7 +346,7 @@ class MegatronPolicy:
                logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None,
                capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None
                ) -> dict[str, float]:
-        from nemo_tlt.megatron.ddp_optimizer import finish_step, zero_grads
+        from nemo_tlt.megatron.ddp_optimizer import zero_grads
 
         check_update_args("MegatronPolicy", batch, advantages, global_tokens)
         capture_layers = check_capture_layers("MegatronPolicy.update", capture_layers, self.model_config.num_layers)
@@ -354,10 +359,20 @@ class MegatronPolicy:
                                                              totals, on_logprobs), False, batch, on_hidden,
                                capture_layers)
             self._from_last_stage(totals)
-            lr = self.schedule.apply(self.step)
-            norm = finish_step(self.ddp, self.optimizer)
-            self.step += 1
+            norm, lr = self._optimizer_step()
         return {**dict(zip(STATS, totals.tolist())), "grad_norm": norm, "lr": lr}
+
+    def _optimizer_step(self) -> tuple[float, float]:
+        """On the gradients in the DDP buffers: the schedule's lr, megatron's step (gradients
+        finalised and clipped, Adam step, weights from the main params); returns (grad norm, lr)."""
+        from nemo_tlt.megatron.ddp_optimizer import finish_step
+
+        lr = self.schedule.apply(self.step)
+        self.finish_writes()  # the step rewrites every page of the state: not while writers share them
+        with self._device_context():
+            norm = finish_step(self.ddp, self.optimizer)
+        self.step += 1
+        return norm, lr
 
     def _loss_fn(self, mb: MicroBatch, advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                  logp_ref: list[torch.Tensor] | None, global_tokens: int, totals: torch.Tensor,
@@ -435,6 +450,7 @@ class MegatronPolicy:
         from nemo_tlt.weights.megatron_source import megatron_shard_items
 
         items = megatron_shard_items(MappingSource(weights), self.model_config, self.layout, self.coords, self.dtype)
+        self.finish_writes()
         load_shard_items(self.model, items, self.spec)
         with self._device_context():
             self.optimizer.reload_model_params()  # the fp32 main params follow the new weights
@@ -461,15 +477,34 @@ class MegatronPolicy:
         (``nemo_tlt.megatron.policy_checkpoint.start_policy_save``)."""
         from nemo_tlt.megatron.policy_checkpoint import start_policy_save
 
+        self.finish_writes()
         with self._device_context():
             state = self._sharded_state(False)
-        return start_policy_save(state, directory, self._device_context)
+        self._writing = start_policy_save(state, directory, self._device_context)
+        return self._writing
+
+    def finish_writes(self) -> None:
+        """Collective: wait for the last ``start_save_sharded``'s writers (its ``wait()``). Called
+        before anything rewrites the policy's state in place (the optimizer step, loads): the
+        forked writers share the rank's pages copy-on-write, so a rewrite while they live would
+        copy the whole state; waiting bounds a checkpoint's extra memory to what the forward and
+        backward passes write (``nemo-tlt bench checkpoint``), at the cost of the wait when the
+        write outlasts the update's passes (logged)."""
+        if self._writing is None:
+            return
+        pending, self._writing = self._writing, None
+        t0 = time.perf_counter()
+        pending.wait()
+        waited = time.perf_counter() - t0
+        if waited > 0.05:
+            log.info("policy step %d waited %.2f s for the checkpoint writers", self.step, waited)
 
     def load_sharded(self, directory: str) -> None:
         """Collective: this rank's slice of a ``save_sharded`` checkpoint, written at any data-parallel
         size (and TP / PP where the padded vocabulary agrees; refused otherwise, naming both)."""
         from nemo_tlt.megatron.policy_checkpoint import COMMON, load_policy_shards, restore_policy_shards
 
+        self.finish_writes()
         with self._device_context():
             loaded = load_policy_shards(self._sharded_state(True), directory)
             restore_policy_shards(self.model, self.optimizer, loaded)
@@ -497,6 +532,7 @@ class MegatronPolicy:
         if mine != theirs:
             raise ValueError(f"MegatronPolicy.load_state_dict: a state of {theirs} cannot be loaded on {mine} (the "
                              "distributed optimizer's shard of one rank; save_sharded / load_sharded reshard)")
+        self.finish_writes()
         with self._device_context():
             load_local_state(self.optimizer, state["optimizer"])
         self.step = int(state["step"])

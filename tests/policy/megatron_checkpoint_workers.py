@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import multiprocessing
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -115,7 +116,11 @@ def async_checkpoint_during_step(ctx: RankContext, cfg, canonical: dict, policy,
     _step(trainer, *batches[0])
     pending = trainer.start_save_sharded(ckpt_dir)
     stats = _step(trainer, *batches[1])
+    # the step waited for the writers before rewriting the state they share: the save was
+    # finalised (rank 0 writes .metadata then) before the update returned
+    finished_by_step = Path(ckpt_dir, ".metadata").is_file()
     pending.wait()
     # neither the forked writers nor the results-queue server outlive the completed save
     assert not multiprocessing.active_children(), multiprocessing.active_children()
-    return _result(trainer, stats)
+    result = _result(trainer, stats)
+    return {**result, "finished_by_step": finished_by_step} if result is not None else None

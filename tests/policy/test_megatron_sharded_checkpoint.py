@@ -69,7 +69,8 @@ def test_kill_during_sharded_save_leaves_previous_checkpoint_loadable(tmp_path):
 @pytest.mark.timeout(600)
 def test_async_save_holds_the_state_of_its_start_while_the_policy_steps_on(tmp_path):
     """``start_save_sharded`` returns while the shard is written; the policy's next update runs
-    meanwhile. Resumed from that checkpoint at 2 ranks, step 2 equals the uninterrupted run's."""
+    meanwhile, its optimizer step only after the writers ended (the step rewrites every page
+    they share). Resumed from that checkpoint at 2 ranks, step 2 equals the uninterrupted run's."""
     from megatron_checkpoint_workers import async_checkpoint_during_step
 
     canonical = _weights(LLAMA, seed=5)
@@ -77,6 +78,7 @@ def test_async_save_holds_the_state_of_its_start_while_the_policy_steps_on(tmp_p
     ckpt = str(tmp_path / "policy")
     whole = launch_local(async_checkpoint_during_step, 4, LLAMA, canonical, _policy(2), batches, ckpt,
                          timeout_s=300)[0]
+    assert whole["finished_by_step"]
     resumed = launch_local(resume_and_continue, 2, LLAMA, canonical, _policy(2), batches, ckpt, timeout_s=300)[0]
     assert resumed["loss"] == pytest.approx(whole["loss"], rel=1e-6)
     assert resumed["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-6)
