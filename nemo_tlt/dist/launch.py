@@ -38,6 +38,10 @@ key-value channel every rank shares) and ``stop`` (a ``StopFlag``).
   without a word raises naming the rank and exit code. ``timeout_s`` bounds the whole
   run (``TimeoutError`` naming the ranks that did not finish; None: no bound).
   Nothing is left running either way.
+* Logging: each rank configures logging (``logging.basicConfig``; a record reads
+  ``... rank R name: message``) with ``nemo_tlt``'s loggers at the launcher's level and other
+  libraries' at WARNING or above, so a rank's INFO lines reach the launcher's stderr as its
+  own do (a spawned process starts unconfigured, where they are dropped).
 * ``forward_signals=True``: SIGINT / SIGTERM sent to the launcher set a shared event
   every rank's ``ctx.stop`` reads (installed as the ranks' signal handler too), so the
   ranks stop at a boundary of their choosing instead of dying mid-step.
@@ -58,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
+import logging
 import os
 import queue
 import signal
@@ -175,7 +180,12 @@ def _leave(store: Any, rdzv: Rendezvous, timeout_s: float) -> None:
 
 
 def _child(rdzv: Rendezvous, port: Any, fn: Callable, args: tuple, results: Any, timeout_s: float, threads: int,
-           device: str, stop_event: Any, install_signals: bool) -> None:
+           device: str, stop_event: Any, install_signals: bool, log_level: int) -> None:
+    # a spawned rank starts with logging unconfigured (INFO records dropped): nemo_tlt's records at the
+    # launcher's level, other libraries' at WARNING (megatron-core lists every bucket's parameters at INFO)
+    logging.basicConfig(level=max(log_level, logging.WARNING),
+                        format=f"%(asctime)s %(levelname)s rank {rdzv.rank} %(name)s: %(message)s")
+    logging.getLogger("nemo_tlt").setLevel(log_level)
     try:
         rdzv = replace(rdzv, port=port.recv())  # the launcher opens its store once every rank has started
         value = run_rank(fn, rdzv, args, timeout_s=timeout_s, threads=threads, device=device,
@@ -206,7 +216,8 @@ def launch_local(fn: Callable, world_size: int, *args: Any, timeout_s: float | N
     ports = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # (reader, writer) per rank
     procs = [ctx.Process(target=_child, name=f"tlt-rank-{r}",
                          args=(Rendezvous("127.0.0.1", 0, r, world_size, r), ports[r][0], fn, args, results,
-                               collective_timeout_s, threads, device, stop_event, forward_signals))
+                               collective_timeout_s, threads, device, stop_event, forward_signals,
+                               logging.getLogger().getEffectiveLevel()))
              for r in range(world_size)]
     forwarded = _forward_signals(stop_event) if forward_signals else {}
     ok, store = False, None

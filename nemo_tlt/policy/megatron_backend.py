@@ -49,9 +49,9 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
   ``sharded_state_dict``) through megatron-core's ``dist_checkpointing``
   (``nemo_tlt.megatron.policy_checkpoint``); another data-parallel size loads, another TP / PP
   where the padded vocabulary agrees. ``start_save_sharded(dir)`` writes from forked processes
-  while the caller goes on; the next optimizer step (or load) first waits for those writers
-  (``finish_writes``), so the only pages rewritten while they share the rank's memory are the
-  forward and backward passes'. ``state_dict()`` is this rank's exact optimizer shard
+  while the caller goes on; a load, and on the CPU the next optimizer step, first wait for
+  those writers (``finish_writes``), so the only host pages rewritten while they share the
+  rank's memory are the forward and backward passes'. ``state_dict()`` is this rank's exact optimizer shard
   (for a run checkpoint at the same layout).
 """
 from __future__ import annotations
@@ -368,7 +368,8 @@ class MegatronPolicy:
         from nemo_tlt.megatron.ddp_optimizer import finish_step
 
         lr = self.schedule.apply(self.step)
-        self.finish_writes()  # the step rewrites every page of the state: not while writers share them
+        if self.device.type == "cpu":  # the step rewrites the host pages the writers share
+            self.finish_writes()
         with self._device_context():
             norm = finish_step(self.ddp, self.optimizer)
         self.step += 1
@@ -485,11 +486,12 @@ class MegatronPolicy:
 
     def finish_writes(self) -> None:
         """Collective: wait for the last ``start_save_sharded``'s writers (its ``wait()``). Called
-        before anything rewrites the policy's state in place (the optimizer step, loads): the
-        forked writers share the rank's pages copy-on-write, so a rewrite while they live would
-        copy the whole state; waiting bounds a checkpoint's extra memory to what the forward and
+        before a load, and before the optimizer step where the state lives in host memory: the
+        forked writers share the rank's pages copy-on-write, so a step while they live would copy
+        the whole state; waiting bounds a checkpoint's extra memory to what the forward and
         backward passes write (``nemo-tlt bench checkpoint``), at the cost of the wait when the
-        write outlasts the update's passes (logged)."""
+        write outlasts the rollout and passes before the step (logged). On a GPU the writers
+        write a host copy made before the fork and the step rewrites device memory: no wait."""
         if self._writing is None:
             return
         pending, self._writing = self._writing, None

@@ -13,11 +13,12 @@ Contract
   before the commit leaves the previous step's checkpoint the newest loadable one. The
   policy's write is asynchronous (``policy.start_save_sharded``, megatron-core's async
   save): ``save`` returns while a process forked from each rank writes its shard, and the
-  next step's rollout and forward / backward passes run meanwhile; the policy's next optimizer
-  step waits for the writers first (``MegatronPolicy.finish_writes``: a step rewrites every
-  page the writers share). The commit runs at the next ``save`` or at ``close()`` (both
-  collective), after every rank's write ended (``finish``). So step N's checkpoint becomes loadable only then: a run killed
-  in between resumes from the checkpoint before it.
+  next step's rollout and forward / backward passes run meanwhile; on the CPU the policy's
+  next optimizer step waits for the writers first (``MegatronPolicy.finish_writes``: a step
+  rewrites every host page the writers share). The commit runs at the next ``save`` or at
+  ``close()`` (both collective), after every rank's write ended (``finish``). So step N's
+  checkpoint becomes loadable only then: a run killed in between resumes from the checkpoint
+  before it.
 * ``load_latest(world, mode)`` (collective) returns the newest valid checkpoint's
   ``RunState`` with ``policy_dir`` set (no full weights in it) or None. Another mode is
   refused; another world size is not: the policy reshards over the data-parallel size when

@@ -3,6 +3,7 @@ reported and nothing is left running; signals reach the ranks' stop flags; one r
 in-process without a process group."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -52,6 +53,28 @@ def _waits_for_stop(ctx: RankContext, signal_launcher: bool) -> bool:
 
 
 @pytest.mark.timeout(120)
+def _logs_info(ctx: RankContext) -> None:
+    logging.getLogger("nemo_tlt.test").info("hello from a rank")
+    logging.getLogger("megatron.core.test").info("a library's chatter")
+
+
+def test_a_ranks_info_lines_reach_stderr_at_the_launchers_level(capfd):
+    """A spawned rank starts with logging unconfigured, where INFO records are dropped; other
+    libraries' INFO stays out."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        launch_local(_logs_info, 2, timeout_s=120)
+    finally:
+        root.setLevel(level)
+    err = capfd.readouterr().err
+    assert "rank 0 nemo_tlt.test: hello from a rank" in err and "rank 1 nemo_tlt.test: hello from a rank" in err
+    assert "a library's chatter" not in err
+    launch_local(_logs_info, 2, timeout_s=120)  # at WARNING, the launcher's default, nothing
+    assert "hello from a rank" not in capfd.readouterr().err
+
+
 def test_values_per_rank():
     out = launch_local(_sum_ranks, 2, 10, timeout_s=90)
     assert [v.item() for v in out] == [10.0, 10.0]
