@@ -333,10 +333,6 @@ class TLTConfig:
         if world % rollout_tp:
             raise ValueError(f"rollout.tensor_parallel={rollout_tp} must divide workers.num_workers={world} "
                              "(consecutive ranks form one rollout replica)")
-        if rollout_tp > 1 and self.policy.pipelined_update:
-            raise ValueError(f"policy.pipelined_update=true with rollout.tensor_parallel={rollout_tp} is not built "
-                             "(the pipelined pieces are claimed per rank; a replica's ranks share one rollout): "
-                             "set policy.pipelined_update=false")
         replicas = world // rollout_tp
         if self.grpo.prompts_per_step < replicas:
             raise ValueError(f"grpo.prompts_per_step={self.grpo.prompts_per_step} leaves a rollout replica without "

@@ -106,7 +106,7 @@ class RLWorker:
         # the update pipelined into the rollout's tail (nemo_tlt.rl.pipelined_step)
         self.pipeline = (PipelinedStep(cfg, spec.mode, self.policy, comm, self.task,
                                        partial(self._harvest_sink, own=None) if self.harvest_from == "policy" else None,
-                                       self.capture_layers) if cfg.policy.pipelined_update else None)
+                                       self.capture_layers, self.replicas) if cfg.policy.pipelined_update else None)
         self.coord = WorkerCoordinator(comm.store, comm.rank, comm.world, cfg.drafter.min_idle_workers,
                                        prefix=f"tlt/{spec.mode}", timeout_s=cfg.workers.timeout_s)
         # a sharded policy state is checkpointed by every rank (its shard); else rank 0 writes it all

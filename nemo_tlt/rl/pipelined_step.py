@@ -6,6 +6,13 @@ store, the task's reward) and runs the pieces ``nemo_tlt.rl.pipelined_update`` d
 ``board`` / ``collector`` for a step's rollout, ``claim(step, board)`` (TLT: pieces computed
 before this rank goes idle), ``finish(...)`` (the baseline's own pieces, the exact sum over
 ranks and the one optimizer step) and ``cleanup(step)`` (rank 0, two steps later).
+
+With rollout replicas (``rollout.tensor_parallel`` > 1, ``nemo_tlt.rl.rollout_replicas``)
+every member of a replica decodes the same rows: only the leader publishes the replica's
+groups (each group once on the board), any rank may claim any piece (TLT), the baseline's
+members split their replica's groups (member m computes the groups at places i with
+i % tp == m), and the step's token count counts each replica once. The fixed-point sum makes
+the result independent of who computed which piece.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from nemo_tlt.rl.group_board import Group, GroupBoard, board_prefix, cleanup
 from nemo_tlt.rl.logprob_gap import comparable
 from nemo_tlt.rl.pipelined_update import GroupCollector, claim_all, combine, group_term
 from nemo_tlt.rl.records import Rollout
+from nemo_tlt.rl.rollout_replicas import RolloutReplicas
 
 Sums = dict[tuple[int, int], dict[str, float]]
 
@@ -27,9 +35,10 @@ Sums = dict[tuple[int, int], dict[str, float]]
 class PipelinedStep:
     def __init__(self, cfg: Any, mode: str, policy: Any, comm: Any, task: Any,
                  harvest: Callable[[int], HiddenSink] | None = None,
-                 capture_layers: tuple[int, ...] | None = None) -> None:
+                 capture_layers: tuple[int, ...] | None = None, replicas: RolloutReplicas | None = None) -> None:
         self.cfg, self.mode, self.policy, self.comm, self.task = cfg, mode, policy, comm, task
         self.harvest, self.capture_layers = harvest, capture_layers
+        self.replicas = replicas if replicas is not None else RolloutReplicas(comm.rank, comm.world)
 
     def board(self, step: int) -> GroupBoard:
         return GroupBoard(self.comm.store, board_prefix(self.mode, step), self.cfg.grpo.prompts_per_step,
@@ -43,7 +52,7 @@ class PipelinedStep:
         task = self.task
         return GroupCollector(self.cfg.grpo.group_size,
                               lambda gid, tokens: task.reward(prompts[gid], task.tokenizer.decode(tokens)),
-                              self.comm.rank, board.publish if board is not None else None)
+                              self.comm.rank, board.publish if board is not None and self.replicas.leader else None)
 
     def begin(self) -> None:
         g = self.cfg.grpo
@@ -79,11 +88,12 @@ class PipelinedStep:
         if own_groups:
             self.begin()
             on_hidden = self.sink(step)
-            for group in collector.own_groups():  # piece by piece as TLT's ranks claim them: the same stats
+            tp, local = self.replicas.tp, self.replicas.local
+            for group in collector.own_groups()[local::tp]:  # piece by piece as TLT's ranks claim them
                 for part in range(self.parts(group)):
                     sums[(group.gid, part)] = self.term(group, part, on_hidden)
         t_groups = time.perf_counter() - t0
-        own_tokens = sum(len(r.tokens) for r in rollout.out.results)
+        own_tokens = self.replicas.counted_tokens(sum(len(r.tokens) for r in rollout.out.results))
         global_tokens = int(self.comm.sum_(torch.tensor([float(own_tokens)], device="cpu")).item())
         t1 = time.perf_counter()
         out = self.policy.apply_accumulated(global_tokens)

@@ -62,6 +62,27 @@ def test_rollout_tp2_is_lossless_and_matches_tp1(tiny_models, tmp_path):
         torch.testing.assert_close(w2[k], w1[k], atol=1e-6, rtol=1e-5)
 
 
+def test_pipelined_update_at_rollout_tp2_is_the_rollout_tp1_update_bit_for_bit(tiny_models, tmp_path):
+    """The pipelined update with a replica of 2 ranks: the leader publishes each group once,
+    both ranks claim pieces (TLT) or split the replica's groups (baseline), tokens counted once;
+    summed in fixed point, the update equals the rollout-TP-1 run's exactly."""
+    target, drafter = tiny_models
+    tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
+    assert main([str(DEMO), *tiny_overrides(target, drafter, tp2, steps=2), "rollout.tensor_parallel=2",
+                 "--compare-baseline", "--pairs", "1"]) == 0
+    report = json.loads((tp2 / "report.json").read_text())
+    assert report["rollouts_identical"] and report["rewards_identical"] and report["final_policy_identical"]
+    tlt = _metrics(tp2 / "pair1" / "tlt")
+    assert all(r["replicas_identical"] for r in tlt) and sum(r["sd_steps"] for r in tlt) > 0
+    assert all(len(r["rewards"]) == 16 for r in tlt)
+    assert main([str(DEMO), *tiny_overrides(target, drafter, tp1, steps=1)]) == 0
+    one = _metrics(tp1 / "tlt")
+    assert tlt[0]["rollout_digest"] == one[0]["rollout_digest"]
+    assert (tlt[0]["loss"], tlt[0]["grad_norm"]) == (one[0]["loss"], one[0]["grad_norm"])
+    w2, w1 = _policy_at(tp2 / "pair1" / "tlt", 0), _policy_at(tp1 / "tlt", 0)
+    assert w2.keys() == w1.keys() and all(torch.equal(w2[k], w1[k]) for k in w1)
+
+
 def test_rollout_tp2_with_megatron_policy_tp2(tiny_models, tmp_path):
     pytest.importorskip("megatron.core")
     target, drafter = tiny_models
