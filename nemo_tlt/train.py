@@ -45,7 +45,8 @@ from nemo_tlt.rl.run import RunSpec, prepare_run_dir
 from nemo_tlt.rl.task import build_task
 from nemo_tlt.rl.validation import validation_prompts
 from nemo_tlt.rl.loggers import check_available
-from nemo_tlt.rl.report import compare_pairs, format_pairs, read_validation, run_block, write_plots
+from nemo_tlt.rl.plots import write_plots
+from nemo_tlt.rl.report import compare_pairs, format_pairs, read_validation, run_block
 from nemo_tlt.rl.workers import launch, process_rank, resolved_workers
 
 log = logging.getLogger(__name__)

@@ -7,9 +7,10 @@ import math
 
 import pytest
 
-from nemo_tlt.rl.report import (compare_pairs, control_is_noisy, decode_strips, format_pairs, median_over_pairs,
-                                pair_figures, plot_worker_timeline, process_runs, resume_times, summarize_pairs,
-                                timeline_segments, worker_labels)
+from nemo_tlt.rl.plots import decode_strips, plot_worker_timeline, process_runs, resume_times, timeline_segments, \
+    worker_labels
+from nemo_tlt.rl.report import compare_pairs, control_is_noisy, format_pairs, median_over_pairs, pair_figures, \
+    summarize_pairs
 
 
 def records(step_s, update_s=None, rollout_s=None, rewards=None, digest="d"):
@@ -162,7 +163,7 @@ def _validation(step: int, accuracy: bool = True) -> dict:
 
 
 def test_validation_records_make_a_validation_curve_mixed_in_or_apart(tmp_path):
-    from nemo_tlt.rl.report import write_plots
+    from nemo_tlt.rl.plots import write_plots
     steps = [_plot_record(k) for k in range(4)]
     mixed = steps[:2] + [_validation(1)] + steps[2:] + [_validation(3)]
     plots = write_plots({"tlt": mixed}, tmp_path / "a")
