@@ -9,7 +9,8 @@ return None (``iter_reshard`` yields nothing there).
 How: every Megatron -> canonical conversion is a permutation along one dimension
 (``megatron_tensor_sources``) and every rollout split cuts along that same dimension, so
 the rows (or columns) a rollout rank keeps of a canonical tensor are known positions in
-known TP parts. ``reshard_schedule`` (pure, no process group) lists, canonical tensor by
+known TP parts. ``reshard_schedule`` (``nemo_tlt.weights.reshard_schedule``: pure, no
+process group) lists, canonical tensor by
 canonical tensor in a fixed global order, the pieces each rollout rank needs from each
 part; the owner of a part (data-parallel replica 0) cuts each piece (``index_select``)
 and sends it point to point to the receivers of that rollout rank only, which place the
@@ -33,10 +34,11 @@ import torch.distributed as dist
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.weights.layout import ParallelLayout
 from nemo_tlt.weights.megatron_layout import (
-    StateDict, canonical_layer_to_megatron, check_megatron_biases, check_tp, megatron_layer_to_canonical,
-    megatron_tensor_sources, megatron_to_canonical_ends,
+    StateDict, check_megatron_biases, check_tp, megatron_layer_to_canonical, megatron_to_canonical_ends,
 )
-from nemo_tlt.weights.rollout import check_rollout_tp, rollout_range, rollout_slice, rollout_split_dim
+# the schedule's names stay importable from here (this module's API, ``__all__``)
+from nemo_tlt.weights.reshard_schedule import Piece, SliceSpec, Transfer, megatron_shard_shapes, reshard_schedule
+from nemo_tlt.weights.rollout import check_rollout_tp, rollout_slice
 
 
 @dataclass
@@ -84,41 +86,6 @@ def _rank_table() -> dict[tuple[int, int], int]:
     table: list = [None] * dist.get_world_size()
     dist.all_gather_object(table, mine)
     return {(p, t): g for p, t, d, g in table if d == 0}
-
-
-def megatron_shard_shapes(cfg: LMConfig, layout: ParallelLayout) -> dict[tuple[int, int], dict[str, torch.Size]]:
-    """Every rank's shard shapes (no ``_extra_state``), derived on the meta device: no memory."""
-    meta_layer = {name: torch.empty(shape, device="meta") for name, shape in _canonical_layer_shapes(cfg).items()}
-    layer_shapes = [{k: v.shape for k, v in shard.items()}
-                    for shard in canonical_layer_to_megatron(meta_layer, cfg, layout.tp)]
-    padded = layout.padded_vocab_size(cfg.vocab_size) // layout.tp
-    vocab_shape = torch.Size((padded, cfg.hidden_size))
-    last = layout.pp - 1
-    out: dict[tuple[int, int], dict[str, torch.Size]] = {}
-    for p, count in enumerate(layout.stage_layer_counts(cfg.num_layers)):
-        for t in range(layout.tp):
-            shard = {f"decoder.layers.{local}.{k}": v for local in range(count) for k, v in layer_shapes[t].items()}
-            if p == 0:
-                shard["embedding.word_embeddings.weight"] = vocab_shape
-            if p == last:
-                shard["decoder.final_layernorm.weight"] = torch.Size((cfg.hidden_size,))
-                if not cfg.tie_word_embeddings or layout.pp > 1:
-                    shard["output_layer.weight"] = vocab_shape
-            out[(p, t)] = shard
-    return out
-
-
-def _canonical_layer_shapes(cfg: LMConfig) -> dict[str, tuple[int, ...]]:
-    # A Megatron layer never holds an o_proj bias (refused here rather than left out of the shapes).
-    check_megatron_biases(cfg)
-    h, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-              "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-              "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-              "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
-    if cfg.qkv_bias:
-        shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
-    return shapes
 
 
 # Process groups of the movers, made once per world and reused by every later call
@@ -217,93 +184,6 @@ class _Mover:
 
     def rollout_rank(self) -> int:
         return self.receivers.index(self.me) % self.plan.rollout_tp
-
-
-# ---- the slice-only schedule (pure: no process group) ---------------------------------
-
-@dataclass(frozen=True)
-class Piece:
-    """The rows (or columns) of TP part ``part`` that one rollout slice takes: ``src`` along the
-    transfer's dim in the part, landing at ``dst`` in the slice."""
-    part: int
-    src: torch.Tensor
-    dst: torch.Tensor
-    shape: torch.Size  # of the piece as it travels
-
-
-@dataclass(frozen=True)
-class SliceSpec:
-    shape: torch.Size  # the rollout slice
-    pieces: tuple[Piece, ...]
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One canonical tensor: it comes from megatron tensor ``key`` of stage ``stage``;
-    ``slices[r]`` is what rollout rank ``r`` keeps of it."""
-    name: str
-    stage: int
-    key: str
-    dim: int
-    slices: tuple[SliceSpec, ...]
-
-
-def _slices(name: str, dim: int, positions: torch.Tensor, part_shape: torch.Size, rollout_tp: int
-            ) -> tuple[SliceSpec, ...]:
-    """Cut the canonical tensor's source positions (in ``cat(parts, dim)``) into per-rollout-rank pieces."""
-    split = rollout_split_dim(name)
-    if split is not None and split != dim:
-        raise ValueError(f"reshard: {name} is split by the rollout engine along dim {split}, "
-                         f"but assembled along dim {dim}")
-    n = part_shape[dim]
-    out = []
-    for r in range(rollout_tp):
-        lo, hi = rollout_range(name, len(positions), rollout_tp, r)
-        mine = positions[lo:hi]
-        owner = mine // n
-        pieces = []
-        for t in owner.unique(sorted=True).tolist():
-            at = (owner == t).nonzero().flatten()
-            shape = list(part_shape)
-            shape[dim] = len(at)
-            pieces.append(Piece(t, mine[at] - t * n, at, torch.Size(shape)))
-        shape = list(part_shape)
-        shape[dim] = hi - lo
-        out.append(SliceSpec(torch.Size(shape), tuple(pieces)))
-    return tuple(out)
-
-
-def reshard_schedule(cfg: LMConfig, layout: ParallelLayout, rollout_tp: int) -> Iterator[Transfer]:
-    """Every canonical tensor in the global order (stage, local layer, megatron tensor, its canonical
-    tensors; then the final norm, the embedding, the output layer), with what each rollout rank keeps.
-
-    Pure and cheap: the slices of a layer tensor are computed once per stage and shared by its layers.
-    The streaming reshard executes it; ``nemo_tlt.plan.reshard_plan`` counts its bytes.
-    """
-    check_rollout_tp(cfg, rollout_tp)
-    shapes = megatron_shard_shapes(cfg, layout)
-    counts, offsets = layout.stage_layer_counts(cfg.num_layers), layout.stage_layer_offsets(cfg.num_layers)
-    for p in range(layout.pp):
-        if counts[p] == 0:
-            continue
-        per_tensor = []
-        for mname in sorted(k.split(".", 3)[3] for k in shapes[(p, 0)] if k.startswith("decoder.layers.0.")):
-            part_shape = shapes[(p, 0)][f"decoder.layers.0.{mname}"]
-            dim, sources = megatron_tensor_sources(mname, layout.tp, cfg)
-            per_tensor.append((mname, dim, [(cname, _slices(cname, dim, pos, part_shape, rollout_tp))
-                                            for cname, pos in sources.items()]))
-        for local in range(counts[p]):
-            for mname, dim, canon in per_tensor:
-                for cname, slices in canon:
-                    yield Transfer(f"model.layers.{offsets[p] + local}.{cname}", p,
-                                   f"decoder.layers.{local}.{mname}", dim, slices)
-    last = layout.pp - 1
-    ends = [(last, "decoder.final_layernorm.weight", "model.norm.weight", torch.arange(cfg.hidden_size)),
-            (0, "embedding.word_embeddings.weight", "model.embed_tokens.weight", torch.arange(cfg.vocab_size))]
-    if not cfg.tie_word_embeddings:
-        ends.append((last, "output_layer.weight", "lm_head.weight", torch.arange(cfg.vocab_size)))
-    for p, key, cname, positions in ends:
-        yield Transfer(cname, p, key, 0, _slices(cname, 0, positions, shapes[(p, 0)][key], rollout_tp))
 
 
 # ---- executing it: point-to-point, slice by slice ---------------------------------------
