@@ -56,7 +56,6 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 import time
@@ -66,52 +65,15 @@ import torch
 import torch.distributed as dist
 
 from nemo_tlt.device import Placement
+from nemo_tlt.megatron.policy_checks import batch_digest, check_policy_model, check_policy_spec, policy_layout
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.optim import LRSchedule
-from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, padded, scatter
+from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, scatter
 from nemo_tlt.policy.config import PolicyConfig
-from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty
 from nemo_tlt.policy.protocol import STATS, HiddenSink, LogprobSink, check_capture_layers, check_update_args
-from nemo_tlt.weights.layout import ParallelLayout
-from nemo_tlt.weights.megatron_layout import check_tp
 from nemo_tlt.weights.sources import CanonicalSource, MappingSource
 
 log = logging.getLogger(__name__)
-
-VOCAB_MULTIPLE = 128  # Megatron's default make_vocab_size_divisible_by
-
-
-def policy_layout(config: PolicyConfig) -> ParallelLayout:
-    return ParallelLayout(tp=config.tensor_parallel, pp=config.pipeline_parallel,
-                          make_vocab_size_divisible_by=VOCAB_MULTIPLE)
-
-
-def check_policy_model(config: PolicyConfig, model_config: LMConfig) -> None:
-    """Refuse a TP that cannot split heads / query groups / MLP, or a PP the layers cannot fill."""
-    try:
-        check_tp(model_config, config.tensor_parallel)
-    except ValueError as err:
-        raise ValueError(f"policy.tensor_parallel={config.tensor_parallel}: {err}") from None
-    if config.pipeline_parallel > model_config.num_layers:
-        raise ValueError(f"policy.pipeline_parallel={config.pipeline_parallel} exceeds num_layers="
-                         f"{model_config.num_layers}: every stage needs at least one layer")
-    try:
-        policy_layout(config).stage_layer_counts(model_config.num_layers)
-    except ValueError as err:
-        raise ValueError(f"policy.pipeline_parallel={config.pipeline_parallel}: {err}") from None
-
-
-def check_policy_spec(config: PolicyConfig, spec: str, device_type: str) -> None:
-    """Refuse sequence parallelism where megatron-core's local layer spec would be built: its norm
-    (``WrappedTorchNorm``, apex absent) asserts ``sequence_parallel`` is off."""
-    if config.sequence_parallel and spec == "local":
-        raise ValueError("policy.sequence_parallel=true needs Transformer Engine's layer spec (transformer_engine "
-                         f"installed, the policy on a GPU); on this {device_type} rank megatron-core's local spec "
-                         "would be built, whose norm (WrappedTorchNorm) does not support sequence parallelism")
-
-
-def _batch_digest(batch: Sequence[Sequence2]) -> str:
-    return hashlib.sha256(repr([(list(p), list(r)) for p, r in batch]).encode()).hexdigest()
 
 
 class MegatronPolicy:
@@ -217,67 +179,18 @@ class MegatronPolicy:
 
     # ---- forward pieces ------------------------------------------------------------------
     def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """log softmax(logits / T) at the next tokens, from vocab-parallel logits ``[B, T, V/tp]``."""
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        from nemo_tlt.megatron.policy_forward import vocab_parallel_logprobs
 
-        if input_ids.shape[1] == 1:  # a lone token has no target; keep the graph for backward
-            return logits.sum(-1) * 0.0
-        scaled = (logits[:, :-1].float() / self.temperature).contiguous()
-        part = scaled.shape[-1]
-        valid = self.model_config.vocab_size - parallel_state.get_tensor_model_parallel_rank() * part
-        if valid < part:
-            # Megatron pads the vocabulary with zero rows; their logit 0 would join the partition
-            # function, so they get probability exactly 0 (and no gradient) instead.
-            pad = torch.arange(part, device=scaled.device) >= max(valid, 0)
-            scaled = scaled.masked_fill(pad, float("-inf"))
-        # The megatron op subtracts the max in place: it gets a tensor nobody else reads.
-        return -vocab_parallel_cross_entropy(scaled, input_ids[:, 1:].contiguous())
+        return vocab_parallel_logprobs(logits, input_ids, self.temperature, self.model_config.vocab_size)
 
     def _schedule(self, model: torch.nn.Module, mb: MicroBatch, loss_fn: Callable, forward_only: bool,
                   batch: Sequence[Sequence2], on_hidden: HiddenSink | None,
                   capture_layers: tuple[int, ...] | None = None) -> list:
-        """Megatron's own schedule (pipelined for PP > 1) over one micro-batch; hands the final
-        hidden states of this forward (or the EAGLE-3 features, with ``capture_layers``) to
-        ``on_hidden`` on every rank.
+        from nemo_tlt.megatron.policy_forward import run_schedule
 
-        One schedule call per micro-batch because micro-batches have different lengths
-        and the pipeline's point-to-point buffers are shaped per call.
-        """
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from nemo_tlt.megatron.forward_features import ForwardFeatures
-        from nemo_tlt.megatron.pipeline_forward import causal_attention_mask
-
-        ids = mb.input_ids.to(self.device)
-        B, T = ids.shape
-        # sequence parallelism splits the sequence over TP: pad it (on the right, so causal
-        # attention keeps every real token's view) to a multiple of TP, cut the logits back
-        padded_T = -(-T // self.layout.tp) * self.layout.tp if self.config.sequence_parallel else T
-        ids = torch.nn.functional.pad(ids, (0, padded_T - T))
-        positions = torch.arange(padded_T, device=self.device).unsqueeze(0).expand(B, padded_T)
-        mask = causal_attention_mask(padded_T, B, self.device)
-        capture = (ForwardFeatures(getattr(model, "module", model), self.layout, self.model_config.num_layers,
-                                   capture_layers) if on_hidden is not None else None)
-        last = self._is_last_stage()
-
-        def forward_step(data_iterator: Iterator, step_model: torch.nn.Module):
-            out = step_model(next(data_iterator), positions, mask)
-            return (out[:, :T] if last and padded_T != T else out), loss_fn
-
-        try:
-            out = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter([ids]), model=[model], num_microbatches=1,
-                seq_length=padded_T, micro_batch_size=B, forward_only=forward_only, collect_non_loss_data=forward_only)
-        finally:
-            if capture is not None:
-                capture.close()
-        if capture is not None:
-            hidden = capture.features((B, padded_T, self.model_config.hidden_size), self.device)[:, :T].cpu()
-            for row, i in enumerate(mb.index.tolist()):
-                length = len(batch[i][0]) + len(batch[i][1])
-                on_hidden(i, mb.input_ids[row, :length], hidden[row, :length])
-        return out
+        return run_schedule(model, mb, loss_fn, forward_only, batch, on_hidden, capture_layers, device=self.device,
+                            layout=self.layout, sequence_parallel=self.config.sequence_parallel,
+                            model_config=self.model_config, last_stage=self._is_last_stage())
 
     def _is_last_stage(self) -> bool:
         from megatron.core import parallel_state
@@ -300,7 +213,7 @@ class MegatronPolicy:
             return
         group = parallel_state.get_model_parallel_group()
         digests: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(digests, _batch_digest(batch), group=group)
+        dist.all_gather_object(digests, batch_digest(batch), group=group)
         if len(set(digests)) != 1:
             raise ValueError("MegatronPolicy: the ranks of one model-parallel group passed different batches; "
                              "every rank of policy.train_ranks must pass the union of their rollouts")
@@ -378,34 +291,11 @@ class MegatronPolicy:
     def _loss_fn(self, mb: MicroBatch, advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                  logp_ref: list[torch.Tensor] | None, global_tokens: int, totals: torch.Tensor,
                  on_logprobs: LogprobSink | None = None) -> Callable:
-        """The last stage's loss for one micro-batch; accumulates the step stats into ``totals``
-        and hands ``on_logprobs`` each sequence's response log-probs."""
-        idx = mb.index.tolist()
-        mask = mb.mask.to(self.device)
-        ids = mb.input_ids.to(self.device)
-        old = None if logp_old is None else padded([logp_old[i].to(mask) for i in idx], mask)
-        ref = padded([logp_ref[i].to(mask) for i in idx], mask) if logp_ref is not None else None
-        adv = advantages[mb.index].to(mask)
-        share = float(mb.mask.sum()) / global_tokens
+        from nemo_tlt.megatron.policy_forward import grpo_loss_fn
 
-        def loss_fn(output: torch.Tensor, non_loss_data: bool = False):
-            new = self._token_logprobs(output, ids)
-            if on_logprobs is not None:
-                detached = new.detach()
-                for row, i in enumerate(idx):
-                    on_logprobs(i, detached[row][mask[row].bool()])
-            pg, stats = clipped_pg_loss(new, new.detach() if old is None else old, adv, mask, self.config.clip_eps)
-            loss, kl = pg, None
-            if ref is not None:
-                kl = kl_penalty(new, ref, mask)
-                loss = loss + self.config.kl_coef * kl
-            parts = (loss.detach(), pg.detach(), kl.detach() if kl is not None else 0.0,
-                     stats["clip_frac"], stats["approx_kl"])
-            totals.add_(torch.tensor([float(v) for v in parts], dtype=torch.float64, device=totals.device) * share)
-            # micro-batch token mean -> its share of the global token mean
-            return loss * share, {}
-
-        return loss_fn
+        return grpo_loss_fn(mb, advantages, logp_old, logp_ref, global_tokens, totals, on_logprobs,
+                            device=self.device, token_logprobs=self._token_logprobs, clip_eps=self.config.clip_eps,
+                            kl_coef=self.config.kl_coef)
 
     # ---- weights out / in ----------------------------------------------------------------
     def canonical_weights(self, rollout_tp: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
