@@ -5,8 +5,6 @@ parallel          -- megatron's parallel state on an initialised process group; 
 pipeline_forward  -- forward-only pass through megatron's pipeline schedule; the causal mask
 live              -- live GPTModel shards <-> canonical weights (inside a process group)
 torch_dist        -- megatron ``torch_dist`` checkpoints <-> canonical weights
-policy_checks     -- the megatron policy's layout and its checks before any collective
-policy_forward    -- the megatron policy's schedule over a micro-batch; vocab-parallel log-probs
 
 megatron-core is imported lazily inside functions, so this package imports without it;
 ``require_megatron_core`` turns its absence into one clear error. Runtime patches applied

@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_tlt.device import Placement
-from nemo_tlt.megatron.policy_checks import batch_digest, check_policy_model, check_policy_spec, policy_layout
+from nemo_tlt.policy.megatron_checks import batch_digest, check_policy_model, check_policy_spec, policy_layout
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.optim import LRSchedule
 from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, scatter
@@ -179,14 +179,14 @@ class MegatronPolicy:
 
     # ---- forward pieces ------------------------------------------------------------------
     def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        from nemo_tlt.megatron.policy_forward import vocab_parallel_logprobs
+        from nemo_tlt.policy.megatron_forward import vocab_parallel_logprobs
 
         return vocab_parallel_logprobs(logits, input_ids, self.temperature, self.model_config.vocab_size)
 
     def _schedule(self, model: torch.nn.Module, mb: MicroBatch, loss_fn: Callable, forward_only: bool,
                   batch: Sequence[Sequence2], on_hidden: HiddenSink | None,
                   capture_layers: tuple[int, ...] | None = None) -> list:
-        from nemo_tlt.megatron.policy_forward import run_schedule
+        from nemo_tlt.policy.megatron_forward import run_schedule
 
         return run_schedule(model, mb, loss_fn, forward_only, batch, on_hidden, capture_layers, device=self.device,
                             layout=self.layout, sequence_parallel=self.config.sequence_parallel,
@@ -291,7 +291,7 @@ class MegatronPolicy:
     def _loss_fn(self, mb: MicroBatch, advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                  logp_ref: list[torch.Tensor] | None, global_tokens: int, totals: torch.Tensor,
                  on_logprobs: LogprobSink | None = None) -> Callable:
-        from nemo_tlt.megatron.policy_forward import grpo_loss_fn
+        from nemo_tlt.policy.megatron_forward import grpo_loss_fn
 
         return grpo_loss_fn(mb, advantages, logp_old, logp_ref, global_tokens, totals, on_logprobs,
                             device=self.device, token_logprobs=self._token_logprobs, clip_eps=self.config.clip_eps,
