@@ -11,7 +11,9 @@ pages under them are touched) and closes the file again, so that nothing of the 
 stays mapped between reads. A folder with weights in another format (``*.bin``,
 ``*.pt``, ``*.pth``: pickles, which cannot be sliced without loading them whole) and no
 safetensors is refused with a ValueError that says how to convert it; a folder with no
-weights at all raises FileNotFoundError.
+weights at all raises FileNotFoundError. ``check_source(source, cfg)`` (any
+``CanonicalSource``; re-exported by ``nemo_tlt.weights.sources``) refuses a source whose
+tensors do not match ``cfg``.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.lm import canonical_shapes
 
 INDEX = "model.safetensors.index.json"
 _OTHER_FORMATS = ("*.bin", "*.pt", "*.pth")
@@ -39,6 +44,24 @@ def copy_out(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(view.shape, dtype=dtype)
     out.copy_(view)
     return out
+
+
+def check_source(source, cfg: LMConfig) -> None:
+    """Raise a ValueError naming the source (a ``CanonicalSource``: ``label``, ``names()``,
+    ``shape(name)``) when it does not hold exactly ``cfg``'s tensors; with tied embeddings a
+    stored ``lm_head.weight`` is ignored."""
+    where = source.label
+    expected = canonical_shapes(cfg)
+    have = set(source.names())
+    if cfg.tie_word_embeddings:
+        have.discard("lm_head.weight")
+    missing, unexpected = sorted(set(expected) - have), sorted(have - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{where}: weights do not match config.json: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for name, shape in expected.items():
+        if source.shape(name) != shape:
+            raise ValueError(f"{where}: {name} has shape {source.shape(name)}, config.json implies {shape}")
 
 
 def _weight_files(folder: Path) -> list[str]:

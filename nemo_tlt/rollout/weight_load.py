@@ -21,7 +21,7 @@ from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_config
 from nemo_tlt.model.lm import DecoderLM, canonical_shapes
 from nemo_tlt.model.rope import rope_tables_for
-from nemo_tlt.model.safetensors_folder import SafetensorsFolder
+from nemo_tlt.model.safetensors_folder import SafetensorsFolder, check_source
 from nemo_tlt.model.tensor_parallel import TensorParallel, active
 from nemo_tlt.model.tp_layout import rollout_range, rollout_slice, rollout_split_dim
 
@@ -91,21 +91,14 @@ def load_tp_source(source: SafetensorsFolder, config: LMConfig, tp: TensorParall
     if active(tp) is None:
         raise ValueError(f"load_tp_source: tensor parallel size {tp.size}: a size-1 model loads whole "
                          "(nemo_tlt.model.hf_io.load_hf_folder)")
+    check_source(source, config)
     full = canonical_shapes(config)
-    have = set(source.names()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
-    missing, unexpected = sorted(set(full) - have), sorted(have - set(full))
-    if missing or unexpected:
-        raise ValueError(f"{source.label}: weights do not match config.json: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
     with torch.device("meta"):
         model = DecoderLM(config, tp).to(dtype)
     model.to_empty(device=device)
     cos, sin = rope_tables_for(config)
     model.rope_cos, model.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
     for name, param in model.state_dict().items():
-        if source.shape(name) != full[name]:
-            raise ValueError(f"{source.label}: {name} has shape {source.shape(name)}, config.json implies "
-                             f"{full[name]}")
         dim = rollout_split_dim(name)
         lo, hi = (0, full[name][0]) if dim is None else rollout_range(name, full[name][dim], tp.size, tp.rank)
         param.copy_(source.read(name, 0 if dim is None else dim, lo, hi, dtype))

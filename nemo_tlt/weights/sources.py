@@ -21,7 +21,7 @@ from typing import Iterable, Mapping, Protocol, runtime_checkable
 import torch
 
 from nemo_tlt.model.config import LMConfig
-from nemo_tlt.model.safetensors_folder import check_range, copy_out
+from nemo_tlt.model.safetensors_folder import check_range, check_source, copy_out
 
 __all__ = ["CanonicalSource", "MappingSource", "check_range", "copy_out", "expected_shapes", "read_whole",
            "check_source"]
@@ -73,19 +73,3 @@ def expected_shapes(cfg: LMConfig) -> dict[str, tuple[int, ...]]:
 def read_whole(source: CanonicalSource, names: Iterable[str], dtype: torch.dtype) -> dict[str, Tensor]:
     """The named tensors, whole, in ``dtype``."""
     return {name: source.read(name, 0, 0, source.shape(name)[0], dtype) for name in names}
-
-
-def check_source(source: CanonicalSource, cfg: LMConfig) -> None:
-    """Raise a ValueError naming the source when it does not hold exactly ``cfg``'s tensors."""
-    where = source.label
-    expected = expected_shapes(cfg)
-    have = set(source.names())
-    if cfg.tie_word_embeddings:
-        have.discard("lm_head.weight")
-    missing, unexpected = sorted(set(expected) - have), sorted(have - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{where}: weights do not match config.json: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    for name, shape in expected.items():
-        if source.shape(name) != shape:
-            raise ValueError(f"{where}: {name} has shape {source.shape(name)}, config.json implies {shape}")
