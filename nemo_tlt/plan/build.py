@@ -126,7 +126,8 @@ def simulate_both(costs: RolloutCosts, fixed: FixedCosts, sim: SimConfig, share_
     with_, without = summarize(piped, base), summarize(plain, base)
     summary["pipelined_update"] = {
         "modelled": sim.pipelined_update,
-        "note": "a prediction of a design not yet built in the RL loop",
+        "note": ("the simulator's model of the RL loop's policy.pipelined_update (torch policy backend only; "
+                 "the 32B / 70B training configs use megatron), not measured at this size"),
         "speedup_with": round(with_["speedup"], 4), "speedup_without": round(without["speedup"], 4),
         "tlt_step_s_with": round(with_["tlt_step_s"], 4), "tlt_step_s_without": round(without["tlt_step_s"], 4),
         "update_overlap_s": round(with_["update_overlap_s"], 4), "update_share": share,

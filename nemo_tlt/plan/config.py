@@ -94,7 +94,8 @@ class SDPlan:
     drift: float = 0.3
     recover_gpu_s: float = 600.0
     harvest_mb: int = 256
-    # model the policy update pipelined into the rollout's tail (a design, not yet in the loop)
+    # model the policy update pipelined into the rollout's tail (the RL loop's policy.pipelined_update,
+    # torch policy backend only)
     pipelined_update: bool = False
     # of the idle replicas' capacity, what the pipelined update may take (the rest trains the
     # drafter); None: the simulator picks the share of the shortest step

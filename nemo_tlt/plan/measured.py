@@ -64,6 +64,10 @@ class PlanInputs:
     accepted: tuple[float, ...]        # per plan arm, in the order of ``sd.arms``
     draft_overhead_ms: float
     provenance: dict[str, Any]
+    # the measured response lengths as read (before rescaling and clipping; empty: assumed
+    # lengths), so that a variant of the plan (``nemo_tlt.plan.sensitivity``) rescales the
+    # measured shape, not the clipped one
+    measured_lengths: tuple[int, ...] = ()
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -210,4 +214,5 @@ def resolve_inputs(plan: PlanConfig, sources: Sequence[Measured]) -> PlanInputs:
         prov["notes"] = notes
     if not math.isfinite(draft_ms):
         raise ValueError(f"calibrated drafter overhead is not finite: {draft_ms}")
-    return PlanInputs(lengths, tuple(accepted), draft_ms, prov)
+    return PlanInputs(lengths, tuple(accepted), draft_ms, prov,
+                      with_lengths.lengths if with_lengths is not None else ())

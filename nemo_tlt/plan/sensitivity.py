@@ -5,9 +5,12 @@ Contract: every row of ``RANGES`` changes one input of the plan's simulation (af
 measured inputs, if any, replaced the assumed ones) and leaves the rest as planned; the
 plan's memory and reshard are not recomputed (weight sync seconds depend on none of the
 inputs varied). Each end reports the speedup without and with the pipelined update (the
-update's share of idle capacity chosen as in the plan). With measured lengths the
-``lengths.sigma`` row stretches the measured shape instead (every ratio to the median
-raised to the power sigma / the samples' log-sigma).
+update's share of idle capacity chosen as in the plan). With measured lengths both length
+rows start from the samples as measured (``PlanInputs.measured_lengths``, before the plan
+rescaled and clipped them, so a tail clipped at the planned median keeps its ratio where
+it fits): ``lengths.median`` moves their median, ``lengths.sigma`` stretches their shape
+(every ratio to the median raised to the power sigma / the measured samples' log-sigma),
+and the planned value shown is the planned samples' median and the measured log-sigma.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import numpy as np
 from nemo_tlt.model.hf_io import read_config
 from nemo_tlt.plan.build import _shapes, plan_inputs, sim_parts, simulate_both
 from nemo_tlt.plan.config import PlanConfig
-from nemo_tlt.plan.measured import PlanInputs, scale_lengths
+from nemo_tlt.plan.measured import PlanInputs, length_summary, scale_lengths
 from nemo_tlt.plan.memory import training_memory
 from nemo_tlt.plan.reshard_plan import plan_stream_reshard
 from nemo_tlt.weights.layout import ParallelLayout
@@ -48,18 +51,25 @@ def _cluster(name: str) -> Variant:
 
 def _median(plan: PlanConfig, inputs: PlanInputs, v: float):
     model = inputs.lengths
-    if model.samples:
-        model = replace(model, samples=scale_lengths(model.samples, v, model.max_len))
+    if inputs.measured_lengths:  # from the lengths as measured: what the plan clipped may fit now
+        model = replace(model, samples=scale_lengths(inputs.measured_lengths, v, model.max_len))
     return plan, replace(inputs, lengths=replace(model, median=v))
+
+
+def _measured_median(plan: PlanConfig, inputs: PlanInputs) -> float:
+    """The median the plan's samples were given (``measured.length_scaling``)."""
+    if plan.measured.length_scaling == "median":
+        return float(plan.lengths.median)
+    return float(np.median(inputs.measured_lengths))
 
 
 def _sigma(plan: PlanConfig, inputs: PlanInputs, v: float):
     model = inputs.lengths
-    if model.samples:
-        logs = np.log(np.asarray(model.samples, dtype=np.float64))
-        stretch = v / float(np.std(logs)) if np.std(logs) > 0 else 1.0
-        model = replace(model, samples=scale_lengths(model.samples, float(np.median(model.samples)), model.max_len,
-                                                     stretch))
+    if inputs.measured_lengths:
+        log_sigma = length_summary(inputs.measured_lengths)["log_sigma"]
+        stretch = v / log_sigma if log_sigma > 0 else 1.0
+        model = replace(model, samples=scale_lengths(inputs.measured_lengths, _measured_median(plan, inputs),
+                                                     model.max_len, stretch))
     return plan, replace(inputs, lengths=replace(model, sigma=v))
 
 
@@ -82,6 +92,10 @@ def _planned_value(name: str, plan: PlanConfig, inputs: PlanInputs) -> Any:
         return list(inputs.accepted)
     if name == "cluster.draft_overhead_ms":
         return inputs.draft_overhead_ms
+    if name == "lengths.median" and inputs.measured_lengths:
+        return _measured_median(plan, inputs)
+    if name == "lengths.sigma" and inputs.measured_lengths:
+        return length_summary(inputs.measured_lengths)["log_sigma"]
     block, key = name.split(".")
     return getattr(getattr(plan, block), key)
 
@@ -120,7 +134,7 @@ def markdown_table(result: dict[str, Any]) -> str:
              "|---|---|---|---|---|"]
     for r in result["rows"]:
         planned = r["planned"]
-        planned = "/".join(f"{x:g}" for x in planned) if isinstance(planned, list) else f"{planned:g}"
+        planned = "/".join(f"{x:.4g}" for x in planned) if isinstance(planned, list) else f"{planned:.4g}"
         rng = f"x{r['low']:g} .. x{r['high']:g}" if r["assumption"] == "sd.accepted" else f"{r['low']:g} .. {r['high']:g}"
         lines.append(f"| `{r['assumption']}` ({r['meaning']}) | {planned} | {rng} | "
                      f"{r['at_low']['speedup']:.2f}x / {r['at_high']['speedup']:.2f}x | "

@@ -20,9 +20,9 @@ Contract
   plan's seconds) and the host offload of the trainer's state, the same for both.
 * With ``sd`` and ``drafter_training`` both off the TLT path is the baseline path: the
   two results are equal to the last bit.
-* ``pipelined_update`` (a design not yet built in the RL loop): the log-prob and update
-  work of a prompt group (``group_size`` consecutive sequences of a replica) can run once
-  its last row has finished, on the replicas whose rollout is done; that work is charged
+* ``pipelined_update`` (the RL loop's ``policy.pipelined_update``, modelled): the log-prob
+  and update work of a prompt group (``group_size`` consecutive sequences of a replica) can
+  run once its last row has finished, on the replicas whose rollout is done; that work is charged
   at its share of the step's tokens of ``logprob_s + update_s``, and the idle replicas
   process it at the rate of their share of the cluster (a replica is ``1 / replicas`` of
   the GPUs the training phases are spread over). Whatever is not done when the slowest
