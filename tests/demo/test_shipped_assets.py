@@ -17,7 +17,7 @@ from nemo_tlt.demo.tasks import TaskConfig
 from nemo_tlt.drafter.train import DrafterTrainConfig
 from nemo_tlt.speculative.tree_shape import TreeShape
 
-# What the README promises of the shipped drafter: greedy SD with the demo arm 6_2_12
+# What the README promises of the shipped drafter: greedy SD with the tree 6_2_12
 # accepts at least this many tokens per verify step on held-out task prompts.
 STATED_MIN_ACCEPT_LEN = 4.0
 
