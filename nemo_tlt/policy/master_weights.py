@@ -53,12 +53,16 @@ class MasterWeights:
                 p.register_post_accumulate_grad_hook(_into_master(master))
 
     @torch.no_grad()
-    def zero_grads(self) -> None:
+    def zero_grads(self, set_to_none: bool = False) -> None:
         """Start a step: zeros on the masters (fp32 parameters: their existing gradients
-        zeroed in place, as ``zero_grad(set_to_none=False)``), none on bf16 parameters."""
+        zeroed in place, as ``zero_grad(set_to_none=False)``; with ``set_to_none``, dropped,
+        so the next backward hands each its gradient without adding it to zeros), none on
+        bf16 parameters."""
         for p in self.params:
             if not self.mixed:
-                if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
                     p.grad.zero_()
             else:
                 p.grad = None

@@ -196,7 +196,7 @@ class TorchPolicy:
         sums = dict.fromkeys((*STATS, "tokens"), 0.0)
         advantages = advantages.to(self.device)
         for mb in self._micro_batches(batch, part):
-            self.master.zero_grads()
+            self.master.zero_grads(set_to_none=True)  # one micro-batch's gradient alone: nothing to add to
             loss, means, n_local = self._micro_loss(mb, batch, advantages, logp_old, logp_ref, on_hidden,
                                                     capture_layers, on_logprobs)
             (loss * (n_local / self._sums.token_budget)).backward()

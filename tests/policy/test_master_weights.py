@@ -85,6 +85,24 @@ def test_masters_travel_with_the_state_so_a_resumed_run_continues_exactly():
         assert torch.equal(p, q)
 
 
+def test_set_to_none_hands_the_next_backward_its_gradient_alone():
+    """``zero_grads(set_to_none=True)`` (the pipelined update, one micro-batch per term): fp32
+    parameters lose their gradients, so the next backward's gradient is the parameter's
+    ``grad`` itself (no add to zeros); without it they keep zeroed tensors in place."""
+    layer = torch.nn.Linear(8, 8, bias=False)
+    master = MasterWeights([layer.weight])
+    layer(torch.ones(2, 8)).sum().backward()
+    kept = layer.weight.grad
+    master.zero_grads()
+    assert layer.weight.grad is kept and not kept.any()
+    master.zero_grads(set_to_none=True)
+    assert layer.weight.grad is None
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    layer(x).pow(2).sum().backward()
+    (want,) = torch.autograd.grad(layer(x).pow(2).sum(), layer.weight)
+    assert torch.equal(layer.weight.grad, want)
+
+
 def test_micro_batches_of_a_bf16_step_accumulate_in_fp32():
     """The master gradient is the fp32 sum of each micro-batch's bf16 gradient, in order
     (bit for bit); a bf16 running sum, as a bf16 ``.grad`` keeps it, is measurably off."""
