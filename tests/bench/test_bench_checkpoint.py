@@ -130,19 +130,33 @@ def test_layer_state_bytes_counts_weights_and_three_fp32_values():
     assert layer_state_bytes(cfg, torch.float32) == params * (4 + 12)
 
 
-def test_bench_checkpoint_runs_every_method_on_every_rank(tmp_path):
+# The kinds of method the command runs: a blocking save, an async one, and a save in flight
+# during work against the same work alone (the step pair; the update and touch pairs differ
+# only in the work, and rank_summary's arithmetic over all nine is tested above). Each method
+# starts four fresh ranks (megatron imported in each), so all nine took about 3 minutes of the
+# suite on two cores.
+SMOKE_METHODS = ("sharded", "async", "async_step", "step_alone")
+
+
+def test_bench_checkpoint_runs_every_kind_of_method_on_every_rank(tmp_path, monkeypatch):
     """The command on a tiny model (where the fixed cost of megatron's writer processes dwarfs
-    the shard, so the target is not asserted): every method, every rank reported."""
+    the shard, so the target is not asserted), limited to ``SMOKE_METHODS``: each method
+    reported for every rank, the parts of each peak adding up, writers alive only with a save."""
     pytest.importorskip("megatron.core")
     import json
 
-    from nemo_tlt.bench.checkpoint import main
+    import nemo_tlt.bench.checkpoint as bench
+
+    in_flight = {"step": IN_FLIGHT["step"]}
+    monkeypatch.setattr(bench, "METHODS", SMOKE_METHODS)
+    monkeypatch.setattr(bench, "IN_FLIGHT", in_flight)
+    monkeypatch.setattr(bench, "TARGET_WORK", ("step",))
 
     out = tmp_path / "checkpoint.json"
-    rc = main(["--out", str(out), "--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2",
-               "--ffn", "128", "--vocab", "300", "--trials", "1", "--timeout-s", "300"])
+    rc = bench.main(["--out", str(out), "--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2",
+                     "--ffn", "128", "--vocab", "300", "--trials", "1", "--timeout-s", "300"])
     report = json.loads(out.read_text())
-    assert rc in (0, 1) and report["order"] == list(METHODS)
+    assert rc in (0, 1) and report["order"] == list(SMOKE_METHODS)
     assert sorted(tuple(r["coords"]) for r in report["per_rank"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for rank in report["per_rank"]:
         live = rank["live_bytes"]
@@ -151,14 +165,14 @@ def test_bench_checkpoint_runs_every_method_on_every_rank(tmp_path):
         assert rank["budget_bytes"] == rank["own_shard_bytes"] + report["layer_state_bytes"]
         peak, parts = rank["peak_extra_bytes"], rank["peak_parts"]
         assert peak["sharded"] > 0 and peak["async"] > 0
-        for m in METHODS:  # one trial: the peak is the rank's part plus its descendants'
+        for m in SMOKE_METHODS:  # one trial: the peak is the rank's part plus its descendants'
             assert peak[m] == parts[m]["rank_extra_bytes"] + parts[m]["children_bytes"]
         # the writers and the results server during the update or step; no descendant without a save
-        for work, (during, alone) in IN_FLIGHT.items():
+        for work, (during, alone) in in_flight.items():
             assert parts[during]["children_bytes"] > 0 and parts[alone]["children_bytes"] == 0
             assert rank["update_end_s"][during][0] > 0 and rank["update_end_s"][alone][0] > 0
             assert rank["samples"][during] > 0
             assert rank["write_in_flight_extra_bytes"][work] == peak[during] - peak[alone]
         assert all(len(ends) == 1 for ends in rank["writers_end_s"].values())
         # one update before every method, a second optimizer step in the update and step pairs
-        assert rank["policy_step"] == {m: 2 if m in IN_FLIGHT["update"] + IN_FLIGHT["step"] else 1 for m in METHODS}
+        assert rank["policy_step"] == {m: 2 if m in in_flight["step"] else 1 for m in SMOKE_METHODS}
