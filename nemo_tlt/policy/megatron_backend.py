@@ -65,11 +65,13 @@ import torch
 import torch.distributed as dist
 
 from nemo_tlt.device import Placement
-from nemo_tlt.policy.megatron_checks import batch_digest, check_policy_model, check_policy_spec, policy_layout
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.optim import LRSchedule
 from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, scatter
 from nemo_tlt.policy.config import PolicyConfig
+from nemo_tlt.policy.megatron_checks import batch_digest, check_policy_model, check_policy_spec, policy_layout
+# megatron-core is imported inside these functions, so importing them here costs nothing
+from nemo_tlt.policy.megatron_forward import grpo_loss_fn, run_schedule, vocab_parallel_logprobs
 from nemo_tlt.policy.protocol import STATS, HiddenSink, LogprobSink, check_capture_layers, check_update_args
 from nemo_tlt.weights.sources import CanonicalSource, MappingSource
 
@@ -179,15 +181,11 @@ class MegatronPolicy:
 
     # ---- forward pieces ------------------------------------------------------------------
     def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        from nemo_tlt.policy.megatron_forward import vocab_parallel_logprobs
-
         return vocab_parallel_logprobs(logits, input_ids, self.temperature, self.model_config.vocab_size)
 
     def _schedule(self, model: torch.nn.Module, mb: MicroBatch, loss_fn: Callable, forward_only: bool,
                   batch: Sequence[Sequence2], on_hidden: HiddenSink | None,
                   capture_layers: tuple[int, ...] | None = None) -> list:
-        from nemo_tlt.policy.megatron_forward import run_schedule
-
         return run_schedule(model, mb, loss_fn, forward_only, batch, on_hidden, capture_layers, device=self.device,
                             layout=self.layout, sequence_parallel=self.config.sequence_parallel,
                             model_config=self.model_config, last_stage=self._is_last_stage())
@@ -291,8 +289,6 @@ class MegatronPolicy:
     def _loss_fn(self, mb: MicroBatch, advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                  logp_ref: list[torch.Tensor] | None, global_tokens: int, totals: torch.Tensor,
                  on_logprobs: LogprobSink | None = None) -> Callable:
-        from nemo_tlt.policy.megatron_forward import grpo_loss_fn
-
         return grpo_loss_fn(mb, advantages, logp_old, logp_ref, global_tokens, totals, on_logprobs,
                             device=self.device, token_logprobs=self._token_logprobs, clip_eps=self.config.clip_eps,
                             kl_coef=self.config.kl_coef)
