@@ -34,6 +34,21 @@ is not probed there at all; one that ties keeps being probed ever more rarely. A
 whose measurements were discounted (a new drafter) is probed on its back-off even
 where it looked clearly worse, until it runs again. No randomness: the same steps and
 timings give the same choices.
+
+What a probe costs. Steps differ in price: in a long tail one step at the crowded head
+takes as long as five or ten in the tail, so a probe that lands there (a back-off
+falls due in the tail, where the estimates are sure, and fires on the next rollout's
+first step, where they are not) costs most where it is least needed. A probe is made
+only where its expected loss, the time it would take beyond what the best arm needs
+for the same tokens (``r * tokens_per_row_a * (1 / v_a - 1 / v_best)``, both from the
+estimates), is at most ``probe_cost`` times the median step the estimates rest on (all
+arms' kept steps). An arm close to the best is still probed in the head; one far
+behind there is probed only where its steps are cheap, and its estimate in the head
+moves with those steps along its cost curve. An arm whose measurements were
+discounted is probed whatever its estimate says, as above (that estimate is the one
+in doubt). And a step that first catches the drafter up (``catch_up``: the first SD
+step of a rollout or after plain steps; its time is not recorded) probes no tree
+while a tree leads: the probe would be measured only on a second step.
 """
 from __future__ import annotations
 
@@ -75,13 +90,16 @@ class ArmCosts:
     """Per-arm step records over all batch sizes, pull counts and probe back-offs."""
 
     def __init__(self, num_arms: int, window: int, min_pulls: int, bandwidth: float, spread: float,
-                 exponent_error: float, probe_shortest: int, probe_longest: int) -> None:
+                 exponent_error: float, probe_shortest: int, probe_longest: int,
+                 probe_cost: float = math.inf) -> None:
         check_int("ArmCosts.num_arms", num_arms, 1)
         check_int("ArmCosts.window", window, 1)
         check_int("ArmCosts.min_pulls", min_pulls, 1, window)
         check_float("ArmCosts.bandwidth", bandwidth, 1.0, lo_open=True)
         check_float("ArmCosts.spread", spread, 0.0)
         check_float("ArmCosts.exponent_error", exponent_error, 0.0, 1.0)
+        check_float("ArmCosts.probe_cost", probe_cost, 0.0)
+        self.probe_cost = float(probe_cost)
         self.num_arms, self.window, self.min_pulls = num_arms, window, min_pulls
         self._log_bw = math.log(float(bandwidth))
         self.spread, self.exponent_error = float(spread), float(exponent_error)
@@ -91,81 +109,133 @@ class ArmCosts:
         self.clock = 0
         self._probes = [Backoff(probe_shortest, probe_longest) for _ in range(num_arms)]
         self._fits = [StepCostFit() for _ in range(num_arms)]  # one group: the arm's own curve
-        self._arrays: list[tuple[np.ndarray, np.ndarray] | None] = [None] * num_arms  # (log r, tokens/s)
-        self._cache: list[dict[tuple[int, float], Estimate]] = [{} for _ in range(num_arms)]
+        # (log r, tokens/s, tokens per row) of each arm's kept steps
+        self._arrays: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = [None] * num_arms
+        self._median_step: float | None = None  # seconds: the median kept step of all arms
+        self._exponents: list[float | None] = [None] * num_arms  # exponent(arm), until a step is recorded
+        self._cache: list[dict[tuple[int, float], list]] = [{} for _ in range(num_arms)]  # see _point
         self._pooled = StepCostFit()  # groups: arms
 
     # ---- estimates ------------------------------------------------------------
     def exponent(self, arm: int) -> float:
         """b of step time ~ running**b for ``arm``: its own fit, else pooled, else the prior."""
-        own = self._fits[arm].fitted()
-        return own if own is not None else self._pooled.exponent()
+        if self._exponents[arm] is None:
+            own = self._fits[arm].fitted()
+            self._exponents[arm] = own if own is not None else self._pooled.exponent()
+        return self._exponents[arm]
 
     def pooled_exponent(self) -> float:
         return self._pooled.exponent()
 
     def estimate(self, arm: int, running: int) -> Estimate | None:
         """The arm's throughput at batch ``running``, its optimistic bound and the steps it
-        rests on there; None if the arm has no steps. Cached per (batch size, exponent)
-        until the arm's steps change: the policy asks every arm at every step."""
+        rests on there; None if the arm has no steps."""
+        point = self._point(arm, running)
+        return None if point is None else Estimate(point[0], self._upper(arm, running), point[1])
+
+    def _point(self, arm: int, running: int) -> list | None:
+        """[value, near, upper or None] at ``running``: cached per (batch size, exponent)
+        until the arm's steps change (the policy asks every arm at every step); the
+        bound is filled in only when asked for (a probe is considered)."""
         b = self.exponent(arm)
         cache = self._cache[arm]
-        if (running, b) in cache:
-            return cache[(running, b)]
+        key = (running, b)
+        if key not in cache:
+            log_r, tps, _ = self._steps_of(arm)
+            if not len(tps):
+                return None
+            log_f = math.log(running) - log_r
+            w = self._weights(log_f)
+            moved = tps * np.exp((1.0 - b) * log_f)  # throughput_at, for every step at once
+            if len(cache) >= 64:  # b moves with every step of an arm that has no fit of its own
+                cache.clear()
+            cache[key] = [weighted_median(moved, w), float(w.sum()), None]
+        return cache[key]
+
+    def _upper(self, arm: int, running: int) -> float:
+        point = self._point(arm, running)
+        if point[2] is None:
+            b = self.exponent(arm)
+            log_r, tps, _ = self._steps_of(arm)
+            log_f = math.log(running) - log_r
+            moved = tps * np.exp((1.0 - b) * log_f + self.exponent_error * np.abs(log_f))
+            point[2] = weighted_median(moved, self._weights(log_f)) * (1.0 + self.spread / math.sqrt(1.0 + point[1]))
+        return point[2]
+
+    def _steps_of(self, arm: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self._arrays[arm] is None:
-            steps = [e for key in sorted(self._steps[arm]) for e in self._steps[arm][key]]
-            self._arrays[arm] = (np.log([r for r, _, _ in steps]), np.array([t / s for _, t, s in steps]))
-        log_r, tps = self._arrays[arm]
-        if not len(tps):
+            steps = np.array([e for key in sorted(self._steps[arm]) for e in self._steps[arm][key]],
+                             dtype=np.float64).reshape(-1, 3)  # (running, tokens, seconds) rows
+            self._arrays[arm] = (np.log(steps[:, 0]), steps[:, 1] / steps[:, 2], steps[:, 1] / steps[:, 0])
+        return self._arrays[arm]
+
+    def _weights(self, log_f: np.ndarray) -> np.ndarray:
+        return np.exp(-0.5 * (log_f / self._log_bw) ** 2)
+
+    def probe_loss(self, arm: int, best: int, running: int) -> float | None:
+        """Seconds a step of ``arm`` at ``running`` rows is expected to take beyond what
+        ``best`` needs for the same tokens (tokens per row: the weighted median of the
+        arm's steps near ``running``); None if either arm has no steps."""
+        a, b = self._point(arm, running), self._point(best, running)
+        if a is None or b is None:
             return None
-        log_f = math.log(running) - log_r
-        w = np.exp(-0.5 * (log_f / self._log_bw) ** 2)
-        moved = tps * np.exp((1.0 - b) * log_f)  # throughput_at, for every step at once
-        near = float(w.sum())
-        upper = weighted_median(moved * np.exp(self.exponent_error * np.abs(log_f)), w)
-        est = Estimate(weighted_median(moved, w), upper * (1.0 + self.spread / math.sqrt(1.0 + near)), near)
-        if len(cache) >= 64:  # b moves with every step of an arm that has no fit of its own
-            cache.clear()
-        cache[(running, b)] = est
-        return est
+        log_r, _, tpr = self._steps_of(arm)
+        tokens = running * weighted_median(tpr, self._weights(math.log(running) - log_r))
+        return max(0.0, tokens * (1.0 / a[0] - 1.0 / b[0]))
+
+    def median_step(self) -> float | None:
+        """The median seconds of every kept step (all arms): a probe's price is judged against it."""
+        if self._median_step is None:
+            seconds = [s for arm in self._steps for steps in arm.values() for _, _, s in steps]
+            self._median_step = float(np.median(seconds)) if seconds else None
+        return self._median_step
 
     def _changed(self, arm: int) -> None:
         self._arrays[arm], self._cache[arm] = None, {}
+        self._median_step = None
 
     def best(self, running: int) -> int | None:
         """The arm with the best estimate at ``running`` (ties: lowest index); None if none pulled."""
         best, value = None, -1.0
         for arm in range(self.num_arms):
-            est = self.estimate(arm, running)
-            if est is not None and est.value > value:
-                best, value = arm, est.value
+            point = self._point(arm, running)
+            if point is not None and point[0] > value:
+                best, value = arm, point[0]
         return best
 
     # ---- choosing and recording ---------------------------------------------------------
-    def choose(self, running: int) -> int:
-        """The arm for a step at batch ``running`` (advances the step clock)."""
+    def choose(self, running: int, catch_up: bool = False) -> int:
+        """The arm for a step at batch ``running`` (advances the step clock). ``catch_up``:
+        a tree run now would first catch the drafter up, unmeasured (see the module docstring)."""
         self.clock += 1
         pulls = self._pulls
-        ests = [self.estimate(a, running) for a in range(self.num_arms)]
-        if min(pulls) < self.min_pulls or any(e is None for e in ests):
+        points = [self._point(a, running) for a in range(self.num_arms)]
+        if min(pulls) < self.min_pulls or any(p is None for p in points):
             # Each arm its pulls in a row, plain first: one switch from plain to trees, and
             # so one catch-up of the drafter (see learned_policy.py), in the start-up.
-            return min(a for a in range(self.num_arms) if pulls[a] < self.min_pulls or ests[a] is None)
-        best = max(range(self.num_arms), key=lambda a: (ests[a].value, -a))
+            return min(a for a in range(self.num_arms) if pulls[a] < self.min_pulls or points[a] is None)
+        best = max(range(self.num_arms), key=lambda a: (points[a][0], -a))
         due = []
         for a in range(self.num_arms):
-            if a == best:
+            if a == best or (catch_up and a != 0 and best != 0):
                 continue
             backoff_due = self._probes[a].due(self.clock)
-            if ests[a].upper >= ests[best].value and (ests[a].near < 1.0 or backoff_due):
+            if self._stale[a] and backoff_due:
                 due.append(a)
-            elif self._stale[a] and backoff_due:
+            elif ((points[a][1] < 1.0 or backoff_due) and self._upper(a, running) >= points[best][0]
+                  and self._affordable(a, best, running)):
                 due.append(a)
         if not due:
             return best
-        arm = min(due, key=lambda a: (ests[a].near, a))  # the least certain first
+        arm = min(due, key=lambda a: (points[a][1], a))  # the least certain first
         self._probes[arm].failed(self.clock)
         return arm
+
+    def _affordable(self, arm: int, best: int, running: int) -> bool:
+        if math.isinf(self.probe_cost):
+            return True
+        loss, typical = self.probe_loss(arm, best, running), self.median_step()
+        return loss is None or typical is None or loss <= self.probe_cost * typical
 
     def record(self, running: int, arm: int, tokens: int, seconds: float) -> None:
         key = octave(running)
@@ -176,6 +246,7 @@ class ArmCosts:
         self._stale[arm] = False
         self._fits[arm].add("arm", running, seconds)
         self._pooled.add(str(arm), running, seconds)
+        self._exponents = [None] * self.num_arms
 
     def discount(self, arms: Iterable[int]) -> None:
         """Trust what ``arms`` measured half as much: each octave keeps its newer half
@@ -247,4 +318,5 @@ class ArmCosts:
         self._steps, self._pulls, self.clock = steps, list(state["pulls"]), state["clock"]
         for arm in range(na):
             self._changed(arm)
+        self._exponents = [None] * na
         self._stale = list(stale)

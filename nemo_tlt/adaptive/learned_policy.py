@@ -65,6 +65,10 @@ class LearnedSDConfig:
     # How far the fitted step-time exponent may be off: an estimate moved by a factor f
     # in batch size may be off by f**exponent_error (its optimistic bound allows that).
     exponent_error: float = 0.25
+    # A probe is made only where its expected loss (time beyond the best arm's for the same
+    # tokens) is at most this share of the median measured step: not in the crowded head
+    # for an arm far behind there (see arm_costs.py).
+    probe_cost: float = 0.25
     probe_shortest: int = 8      # decode steps before a losing arm is first probed again
     probe_longest: int = 256     # the longest a plausible losing arm goes unprobed (decode steps)
     collapse_accept: float = 1.3  # accepted tokens per row per SD step below which SD is lost
@@ -81,6 +85,7 @@ class LearnedSDConfig:
         check_float("LearnedSDConfig.bandwidth", self.bandwidth, 1.0, lo_open=True)
         check_float("LearnedSDConfig.probe_spread", self.probe_spread, 0.0)
         check_float("LearnedSDConfig.exponent_error", self.exponent_error, 0.0, 1.0)
+        check_float("LearnedSDConfig.probe_cost", self.probe_cost, 0.0)
         check_int("LearnedSDConfig.probe_shortest", self.probe_shortest, 1)
         check_int("LearnedSDConfig.probe_longest", self.probe_longest, self.probe_shortest)
         check_float("LearnedSDConfig.collapse_accept", self.collapse_accept, 1.0)
@@ -126,8 +131,15 @@ class LearnedSDPolicy:
         elif self._pending is not None:
             arm = self._pending
         else:
-            arm = self.costs.choose(num_running)
+            arm = self.costs.choose(num_running, catch_up=self._catching_up(num_running, tree=True))
         return self._choices[arm]
+
+    def _catching_up(self, num_running: int, tree: bool) -> bool:
+        """Whether a step at ``num_running`` rows starts by catching the drafter up (if a
+        tree runs): the first of a rollout (begin_rollout, or more running rows than the
+        last step: rows only finish within one) or the first after plain steps."""
+        previous = self._previous
+        return tree and (previous is None or previous[1] == 0 or num_running > previous[0])
 
     def best_choice(self, num_running: int) -> TreeShape | None:
         """What the estimates pick at ``num_running`` rows, without exploring or any side
@@ -147,10 +159,8 @@ class LearnedSDPolicy:
         if arm is None:
             names = ", ".join(a.name for a in self.config.arms)
             raise ValueError(f"observe: shape {shape!r} is neither None (plain) nor one of the arms ({names})")
-        previous, self._previous = self._previous, (int(num_running), arm)
-        # A new rollout (begin_rollout, or more running rows than last step: rows only
-        # finish within one) starts with a catch-up, as does a tree after plain steps.
-        catching_up = arm != 0 and (previous is None or previous[1] == 0 or num_running > previous[0])
+        catching_up = self._catching_up(num_running, tree=arm != 0)
+        self._previous = (int(num_running), arm)
         if arm and self.guard.record(tokens_generated / num_running, num_running) == "recovered":
             # A drafter that accepts again is a different drafter: measure its trees afresh.
             self.costs.forget(range(1, len(self._choices)))
@@ -221,7 +231,7 @@ class LearnedSDPolicy:
     def _fresh_costs(self) -> ArmCosts:
         c = self.config
         return ArmCosts(len(self._choices), c.window, c.min_pulls, c.bandwidth, c.probe_spread,
-                        c.exponent_error, c.probe_shortest, c.probe_longest)
+                        c.exponent_error, c.probe_shortest, c.probe_longest, c.probe_cost)
 
     def _fresh_guard(self) -> CollapseGuard:
         c = self.config

@@ -4,6 +4,7 @@ that travels."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -224,6 +225,7 @@ def test_observe_refuses_an_unknown_shape_and_bad_outcomes():
     ({"collapse_accept": 0.5}, "collapse_accept"),
     ({"collapse_rows": 0}, "collapse_rows"),
     ({"exponent_error": 1.5}, "exponent_error"),
+    ({"probe_cost": -0.1}, "probe_cost"),
     ({"max_sd_running": 0}, "max_sd_running"),
 ])
 def test_config_validation_names_the_field(kwargs, match):
@@ -400,3 +402,66 @@ def test_a_new_rollout_with_as_many_rows_starts_with_an_unrecorded_catch_up():
     p.begin_rollout()
     p.observe(8, CHAIN, 32, 5.0)  # the slow catch-up step of the new rollout
     assert p.costs.pulls() == pulls
+
+
+def test_a_probe_far_behind_goes_where_steps_are_cheap_not_to_the_crowded_head():
+    # Arm 0 is 10% behind arm 1 at every batch size; a step's time grows like the batch
+    # (b = 1), so a step at 64 rows costs 16 of one at 4. Each "rollout" has one step at
+    # 64 rows and ten at 4. A probe of arm 0 in the head would lose 16x what one in the
+    # tail loses: arm 0 is still probed, but only at 4 rows.
+    def run(probe_cost):
+        table = costs(2, probe_cost=probe_cost)
+        probes = {64: 0, 4: 0}
+        for rollout in range(60):
+            for r in [64] + [4] * 10:
+                arm = table.choose(r)
+                record_rate(table, r, arm, 4.0, 0.001 * r * (1.1 if arm == 0 else 1.0))
+                if rollout >= 2 and arm == 0:
+                    probes[r] += 1
+        return probes
+
+    gated, ungated = run(0.25), run(math.inf)
+    assert gated[64] == 0 and gated[4] >= 3, gated
+    assert ungated[64] >= 1, ungated  # what the gate prevents
+
+
+def test_probe_loss_is_the_time_beyond_the_best_arm_for_the_same_tokens():
+    table = costs(2)
+    for r in (4, 8, 16):
+        record_rate(table, r, 0, 2.0, 0.001 * r * 1.25)
+        record_rate(table, r, 1, 2.0, 0.001 * r)
+    # 2 tokens a row at 8 rows: 16 tokens; arm 0 needs 0.010 s, arm 1 0.008 s.
+    assert table.probe_loss(0, 1, 8) == pytest.approx(0.002, rel=0.02)
+    assert table.probe_loss(1, 0, 8) == 0.0
+    assert table.median_step() == pytest.approx(0.009)
+    assert costs(2).probe_loss(0, 1, 8) is None
+
+
+def test_the_first_step_of_a_rollout_probes_no_tree_while_a_tree_leads():
+    # Two trees close in the head (8 rows: the second 4% behind), the second clearly
+    # behind in the tail (50% at one row: its step time grows like r**0.3, the first's
+    # like r**0.5); plain far behind. The second tree's back-off falls due in the tail, where it is
+    # not plausible, so its probe would wait for the next rollout's first step, which
+    # also catches the drafter up and is not measured: a probe there needs a second
+    # step to be measured, both in the most crowded steps. Probes go to later steps.
+    def seconds(shape, r):
+        return 0.63 * r ** 0.3 if shape == TREE else 0.4 * r ** 0.5 * (3.0 if shape is None else 1.0)
+
+    def run(catch_up_aware):
+        p = policy(min_pulls=1)
+        if not catch_up_aware:
+            choose = p.costs.choose
+            p.costs.choose = lambda running, catch_up=False: choose(running)
+        first, later = [], []
+        for _ in range(120):
+            p.begin_rollout()
+            for i, r in enumerate((8, 8, 7, 6, 5, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1)):
+                shape = p.choose(r)
+                p.observe(r, shape, (1 if shape is None else 4) * r, seconds(shape, r))
+                (first if i == 0 else later).append(shape)
+        return first[10:], later  # once the estimates settled (b fitted)
+
+    first, later = run(True)
+    assert set(first) == {CHAIN}, first
+    assert later.count(TREE) >= 3
+    assert TREE in run(False)[0]  # what the catch-up rule prevents
