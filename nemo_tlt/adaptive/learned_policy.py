@@ -12,7 +12,9 @@ Contract
   step of an arm informs its estimate at every batch size (moved along the arm's
   fitted step-cost curve, weighted by closeness in batch size), a short start-up
   profile pulls each arm ``min_pulls`` times, and probes go where an arm could be
-  the best and its estimate rests on the fewest steps.
+  the best and its estimate rests on the fewest steps, if the probe is cheap there:
+  its expected loss at most ``probe_cost`` times the median measured step, so an arm
+  far behind in the crowded head is probed in the tail instead.
 * ``max_sd_running`` is an optional bound (never speculate above that many rows),
   not the mechanism.
 * A :class:`~nemo_tlt.adaptive.collapse.CollapseGuard` watches the accepted length
