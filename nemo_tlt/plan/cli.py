@@ -66,7 +66,8 @@ def _emit(result: dict, out: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    # intermixed: key=value overrides may also follow the options, as `nemo-tlt train` takes them
+    args = _parser().parse_intermixed_args(argv)
     if args.calibrate:
         return _calibrate(args)
     if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):

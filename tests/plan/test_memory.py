@@ -99,3 +99,15 @@ def test_cli_refuses_a_layout_that_does_not_fit(tmp_path, capsys):
     assert set(plan["memory_gib"]) == {"training", "rollout"} and plan["gpu_memory_gib"] == 79.6
     assert set(plan["reshard"]) >= {"peak_extra_bytes_per_rank", "largest_layer_bytes", "bytes_moved_per_rank"}
     assert "plan does not fit" in capsys.readouterr().err
+
+
+def test_cli_takes_overrides_after_the_options(tmp_path):
+    from nemo_tlt.plan.cli import main
+
+    outs = [tmp_path / "before.json", tmp_path / "after.json"]
+    keys = ["model_config=conf/models/llama3.3-70b-instruct", "cluster.nodes=1", "training.tensor_parallel=8",
+            "rollout.tensor_parallel=8", "batch.prompts=8", "batch.group_size=1"]
+    assert main([*keys, "--out", str(outs[0])]) == 1
+    assert main(["--out", str(outs[1]), *keys[:3], "--out", str(outs[1]), *keys[3:]]) == 1
+    before, after = (json.loads(o.read_text()) for o in outs)
+    assert before == after and after["fits"] is False
