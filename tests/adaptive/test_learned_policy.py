@@ -438,12 +438,13 @@ def test_probe_loss_is_the_time_beyond_the_best_arm_for_the_same_tokens():
 
 
 def test_the_first_step_of_a_rollout_probes_no_tree_while_a_tree_leads():
-    # Two trees close in the head (8 rows: the second 4% behind), the second clearly
-    # behind in the tail (50% at one row: its step time grows like r**0.3, the first's
-    # like r**0.5); plain far behind. The second tree's back-off falls due in the tail, where it is
-    # not plausible, so its probe would wait for the next rollout's first step, which
-    # also catches the drafter up and is not measured: a probe there needs a second
-    # step to be measured, both in the most crowded steps. Probes go to later steps.
+    # Two trees close in the head (8 rows: the second's step 4% slower), the second
+    # clearly behind in the tail (1.6x the first's step at one row: its step time grows
+    # like r**0.3, the first's like r**0.5); plain far behind. The second tree's back-off
+    # falls due in the tail, where it is not plausible, so its probe would wait for the
+    # next rollout's first step, which also catches the drafter up and is not measured:
+    # a probe there needs a second step to be measured, both in the most crowded steps.
+    # Probes go to later steps.
     def seconds(shape, r):
         return 0.63 * r ** 0.3 if shape == TREE else 0.4 * r ** 0.5 * (3.0 if shape is None else 1.0)
 
