@@ -22,7 +22,7 @@ def check_int(key: str, value: Any, lo: int | None = None, hi: int | None = None
 def check_float(key: str, value: Any, lo: float | None = None, hi: float | None = None,
                 lo_open: bool = False, hi_open: bool = False) -> None:
     """A real number above lo (strictly if lo_open) and below hi (strictly if hi_open)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:  # NaN: no bound holds
         raise ValueError(f"{key} must be a number, got {value!r}")
     if lo is not None and (value <= lo if lo_open else value < lo):
         raise ValueError(f"{key} must be {'>' if lo_open else '>='} {lo}, got {value!r}")

@@ -22,7 +22,8 @@ def test_check_int_refuses(value, lo, hi, match):
 
 
 @pytest.mark.parametrize("value, kwargs, match", [
-    (False, {}, "a number"), ("0.1", {}, "a number"), (0.0, dict(lo=0, lo_open=True), "> 0"),
+    (False, {}, "a number"), ("0.1", {}, "a number"), (float("nan"), dict(lo=0), "a number"),
+    (0.0, dict(lo=0, lo_open=True), "> 0"),
     (-1e-9, dict(lo=0), ">= 0"), (1.0, dict(hi=1, hi_open=True), "< 1"), (1.5, dict(hi=1), "<= 1"),
 ])
 def test_check_float_refuses(value, kwargs, match):

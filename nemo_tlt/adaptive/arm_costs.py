@@ -175,9 +175,10 @@ class ArmCosts:
     def probe_loss(self, arm: int, best: int, running: int) -> float | None:
         """Seconds a step of ``arm`` at ``running`` rows is expected to take beyond what
         ``best`` needs for the same tokens (tokens per row: the weighted median of the
-        arm's steps near ``running``); None if either arm has no steps."""
+        arm's steps near ``running``); None if either arm has no steps or made no tokens
+        there (nothing to price a probe by)."""
         a, b = self._point(arm, running), self._point(best, running)
-        if a is None or b is None:
+        if a is None or b is None or a[0] <= 0.0 or b[0] <= 0.0:
             return None
         log_r, _, tpr = self._steps_of(arm)
         tokens = running * weighted_median(tpr, self._weights(math.log(running) - log_r))

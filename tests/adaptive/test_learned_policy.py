@@ -435,6 +435,10 @@ def test_probe_loss_is_the_time_beyond_the_best_arm_for_the_same_tokens():
     assert table.probe_loss(1, 0, 8) == 0.0
     assert table.median_step() == pytest.approx(0.009)
     assert costs(2).probe_loss(0, 1, 8) is None
+    empty = costs(2, probe_cost=0.25)  # steps that kept no tokens price no probe (and do not divide by 0)
+    for _ in range(6):
+        empty.record(4, empty.choose(4), 0, 0.01)
+    assert empty.probe_loss(0, 1, 4) is None
 
 
 def test_the_first_step_of_a_rollout_probes_no_tree_while_a_tree_leads():
