@@ -470,3 +470,18 @@ def test_the_first_step_of_a_rollout_probes_no_tree_while_a_tree_leads():
     assert set(first) == {CHAIN}, first
     assert later.count(TREE) >= 3
     assert TREE in run(False)[0]  # what the catch-up rule prevents
+
+
+def test_more_running_rows_than_the_last_step_start_an_unrecorded_catch_up():
+    """Without begin_rollout (an engine that does not call it), a step with more running
+    rows than the last one is a new rollout's first: its catch-up is not recorded."""
+    p = LearnedSDPolicy(LearnedSDConfig(arms=(CHAIN,)))
+    for _ in range(6):
+        shape = p.choose(8)
+        p.observe(8, shape, 32 if shape else 8, 0.1)
+    assert shape == CHAIN  # the last step ran the tree: no catch-up for that reason
+    pulls = p.costs.pulls()
+    p.observe(12, CHAIN, 48, 5.0)
+    assert p.costs.pulls() == pulls
+    p.observe(12, CHAIN, 48, 0.1)
+    assert p.costs.pulls()[1] == pulls[1] + 1
