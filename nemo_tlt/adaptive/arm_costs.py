@@ -112,55 +112,39 @@ class ArmCosts:
         # (log r, tokens/s, tokens per row) of each arm's kept steps
         self._arrays: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = [None] * num_arms
         self._median_step: float | None = None  # seconds: the median kept step of all arms
-        self._exponents: list[float | None] = [None] * num_arms  # exponent(arm), until a step is recorded
-        self._cache: list[dict[tuple[int, float], list]] = [{} for _ in range(num_arms)]  # see _point
+        self._cache: list[dict[tuple[int, float], Estimate]] = [{} for _ in range(num_arms)]
         self._pooled = StepCostFit()  # groups: arms
 
     # ---- estimates ------------------------------------------------------------
     def exponent(self, arm: int) -> float:
         """b of step time ~ running**b for ``arm``: its own fit, else pooled, else the prior."""
-        if self._exponents[arm] is None:
-            own = self._fits[arm].fitted()
-            self._exponents[arm] = own if own is not None else self._pooled.exponent()
-        return self._exponents[arm]
+        own = self._fits[arm].fitted()
+        return own if own is not None else self._pooled.exponent()
 
     def pooled_exponent(self) -> float:
         return self._pooled.exponent()
 
     def estimate(self, arm: int, running: int) -> Estimate | None:
         """The arm's throughput at batch ``running``, its optimistic bound and the steps it
-        rests on there; None if the arm has no steps."""
-        point = self._point(arm, running)
-        return None if point is None else Estimate(point[0], self._upper(arm, running), point[1])
-
-    def _point(self, arm: int, running: int) -> list | None:
-        """[value, near, upper or None] at ``running``: cached per (batch size, exponent)
-        until the arm's steps change (the policy asks every arm at every step); the
-        bound is filled in only when asked for (a probe is considered)."""
+        rests on there; None if the arm has no steps. Cached per (batch size, exponent)
+        until the arm's steps change: the policy asks every arm at every step."""
         b = self.exponent(arm)
         cache = self._cache[arm]
-        key = (running, b)
-        if key not in cache:
-            log_r, tps, _ = self._steps_of(arm)
-            if not len(tps):
-                return None
-            log_f = math.log(running) - log_r
-            w = self._weights(log_f)
-            moved = tps * np.exp((1.0 - b) * log_f)  # throughput_at, for every step at once
-            if len(cache) >= 64:  # b moves with every step of an arm that has no fit of its own
-                cache.clear()
-            cache[key] = [weighted_median(moved, w), float(w.sum()), None]
-        return cache[key]
-
-    def _upper(self, arm: int, running: int) -> float:
-        point = self._point(arm, running)
-        if point[2] is None:
-            b = self.exponent(arm)
-            log_r, tps, _ = self._steps_of(arm)
-            log_f = math.log(running) - log_r
-            moved = tps * np.exp((1.0 - b) * log_f + self.exponent_error * np.abs(log_f))
-            point[2] = weighted_median(moved, self._weights(log_f)) * (1.0 + self.spread / math.sqrt(1.0 + point[1]))
-        return point[2]
+        if (running, b) in cache:
+            return cache[(running, b)]
+        log_r, tps, _ = self._steps_of(arm)
+        if not len(tps):
+            return None
+        log_f = math.log(running) - log_r
+        w = self._weights(log_f)
+        moved = tps * np.exp((1.0 - b) * log_f)  # throughput_at, for every step at once
+        near = float(w.sum())
+        upper = weighted_median(moved * np.exp(self.exponent_error * np.abs(log_f)), w)
+        est = Estimate(weighted_median(moved, w), upper * (1.0 + self.spread / math.sqrt(1.0 + near)), near)
+        if len(cache) >= 64:  # b moves with every step of an arm that has no fit of its own
+            cache.clear()
+        cache[(running, b)] = est
+        return est
 
     def _steps_of(self, arm: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self._arrays[arm] is None:
@@ -177,12 +161,12 @@ class ArmCosts:
         ``best`` needs for the same tokens (tokens per row: the weighted median of the
         arm's steps near ``running``); None if either arm has no steps or made no tokens
         there (nothing to price a probe by)."""
-        a, b = self._point(arm, running), self._point(best, running)
-        if a is None or b is None or a[0] <= 0.0 or b[0] <= 0.0:
+        a, b = self.estimate(arm, running), self.estimate(best, running)
+        if a is None or b is None or a.value <= 0.0 or b.value <= 0.0:
             return None
         log_r, _, tpr = self._steps_of(arm)
         tokens = running * weighted_median(tpr, self._weights(math.log(running) - log_r))
-        return max(0.0, tokens * (1.0 / a[0] - 1.0 / b[0]))
+        return max(0.0, tokens * (1.0 / a.value - 1.0 / b.value))
 
     def median_step(self) -> float | None:
         """The median seconds of every kept step (all arms): a probe's price is judged against it."""
@@ -199,9 +183,9 @@ class ArmCosts:
         """The arm with the best estimate at ``running`` (ties: lowest index); None if none pulled."""
         best, value = None, -1.0
         for arm in range(self.num_arms):
-            point = self._point(arm, running)
-            if point is not None and point[0] > value:
-                best, value = arm, point[0]
+            est = self.estimate(arm, running)
+            if est is not None and est.value > value:
+                best, value = arm, est.value
         return best
 
     # ---- choosing and recording ---------------------------------------------------------
@@ -210,12 +194,12 @@ class ArmCosts:
         a tree run now would first catch the drafter up, unmeasured (see the module docstring)."""
         self.clock += 1
         pulls = self._pulls
-        points = [self._point(a, running) for a in range(self.num_arms)]
-        if min(pulls) < self.min_pulls or any(p is None for p in points):
+        ests = [self.estimate(a, running) for a in range(self.num_arms)]
+        if min(pulls) < self.min_pulls or any(e is None for e in ests):
             # Each arm its pulls in a row, plain first: one switch from plain to trees, and
             # so one catch-up of the drafter (see learned_policy.py), in the start-up.
-            return min(a for a in range(self.num_arms) if pulls[a] < self.min_pulls or points[a] is None)
-        best = max(range(self.num_arms), key=lambda a: (points[a][0], -a))
+            return min(a for a in range(self.num_arms) if pulls[a] < self.min_pulls or ests[a] is None)
+        best = max(range(self.num_arms), key=lambda a: (ests[a].value, -a))
         due = []
         for a in range(self.num_arms):
             if a == best or (catch_up and a != 0 and best != 0):
@@ -223,12 +207,12 @@ class ArmCosts:
             backoff_due = self._probes[a].due(self.clock)
             if self._stale[a] and backoff_due:
                 due.append(a)
-            elif ((points[a][1] < 1.0 or backoff_due) and self._upper(a, running) >= points[best][0]
+            elif (ests[a].upper >= ests[best].value and (ests[a].near < 1.0 or backoff_due)
                   and self._affordable(a, best, running)):
                 due.append(a)
         if not due:
             return best
-        arm = min(due, key=lambda a: (points[a][1], a))  # the least certain first
+        arm = min(due, key=lambda a: (ests[a].near, a))  # the least certain first
         self._probes[arm].failed(self.clock)
         return arm
 
@@ -247,7 +231,6 @@ class ArmCosts:
         self._stale[arm] = False
         self._fits[arm].add("arm", running, seconds)
         self._pooled.add(str(arm), running, seconds)
-        self._exponents = [None] * self.num_arms
 
     def discount(self, arms: Iterable[int]) -> None:
         """Trust what ``arms`` measured half as much: each octave keeps its newer half
@@ -319,5 +302,4 @@ class ArmCosts:
         self._steps, self._pulls, self.clock = steps, list(state["pulls"]), state["clock"]
         for arm in range(na):
             self._changed(arm)
-        self._exponents = [None] * na
         self._stale = list(stale)

@@ -133,15 +133,15 @@ class LearnedSDPolicy:
         elif self._pending is not None:
             arm = self._pending
         else:
-            arm = self.costs.choose(num_running, catch_up=self._catching_up(num_running, tree=True))
+            arm = self.costs.choose(num_running, catch_up=self._catching_up(num_running))
         return self._choices[arm]
 
-    def _catching_up(self, num_running: int, tree: bool) -> bool:
-        """Whether a step at ``num_running`` rows starts by catching the drafter up (if a
-        tree runs): the first of a rollout (begin_rollout, or more running rows than the
-        last step: rows only finish within one) or the first after plain steps."""
+    def _catching_up(self, num_running: int) -> bool:
+        """Whether a tree run at ``num_running`` rows starts by catching the drafter up: the
+        first SD step of a rollout (begin_rollout, or more running rows than the last step:
+        rows only finish within one) or the first after plain steps."""
         previous = self._previous
-        return tree and (previous is None or previous[1] == 0 or num_running > previous[0])
+        return previous is None or previous[1] == 0 or num_running > previous[0]
 
     def best_choice(self, num_running: int) -> TreeShape | None:
         """What the estimates pick at ``num_running`` rows, without exploring or any side
@@ -161,7 +161,7 @@ class LearnedSDPolicy:
         if arm is None:
             names = ", ".join(a.name for a in self.config.arms)
             raise ValueError(f"observe: shape {shape!r} is neither None (plain) nor one of the arms ({names})")
-        catching_up = self._catching_up(num_running, tree=arm != 0)
+        catching_up = arm != 0 and self._catching_up(num_running)
         self._previous = (int(num_running), arm)
         if arm and self.guard.record(tokens_generated / num_running, num_running) == "recovered":
             # A drafter that accepts again is a different drafter: measure its trees afresh.
