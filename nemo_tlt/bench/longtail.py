@@ -14,7 +14,10 @@ drafter for a freshly initialised one (what a run starts with, or a drafter gone
 stale). Methods run in round-robin rounds, each round starting one method later;
 each reports its median round. `ratios_rounds` holds each round's own ratios
 (methods of one round ran back to back) and `noise` the spread between rounds;
-`ratios_cpu` / `ratios_warm_cpu` are the same ratios on each run's CPU time.
+`ratios_cpu` / `ratios_warm_cpu` are the same ratios on each run's CPU time, with
+`control` (`longtail_control`: the first arm run a second time every round, over its
+first run: identical work) and a 90% bootstrap interval over rounds of each
+(`ratios_cpu_interval`, `ratios_warm_cpu_interval`).
 Writes JSON with the adaptive run's step trace and a timeline PNG beside it.
 """
 from __future__ import annotations
@@ -36,6 +39,7 @@ from nemo_tlt.demo.assets import AssetConfig, default_cache_dir, load_assets, pr
 from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.bench.common import format_table, machine_info
 from nemo_tlt.bench.headroom import bucket_seconds, per_bucket_oracle
+from nemo_tlt.bench.interval import bootstrap_interval
 from nemo_tlt.bench.timeline import plot_rollout_timeline
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
@@ -46,6 +50,8 @@ from nemo_tlt.speculative.tree_shape import TreeShape
 # here) turns SD on where the best arm beats plain decoding on the default rollout, at 64
 # running rows and below (figures: docs/benchmarks.md).
 DEFAULT_ARMS = ("4_1_4", "6_1_6", "8_2_16")
+# The control: the first arm run a second time in every round (the same work twice).
+CONTROL = "longtail_control"
 # The default workload's options this one refuses, and what it uses instead.
 NOT_LONGTAIL = {
     "--shape": "runs every tree shape of --arms (fixed, then adaptive)",
@@ -159,13 +165,31 @@ def longtail_requests(task, num_prompts: int, group: int, seed: int) -> list[Req
     return [Request(r.prompt, seq_id=i * group + g) for i, r in enumerate(prompts) for g in range(group)]
 
 
-def median_ratios(rounds: dict[str, list], key: str, adaptive: str) -> dict[str, Any]:
+def median_ratios(rounds: dict[str, list], key: str, adaptive: str, idx: np.ndarray | None = None) -> dict[str, Any]:
     """adaptive / best fixed arm and adaptive / plain on each method's median ``key`` over
-    the rounds (the best fixed arm chosen on ``key`` too)."""
-    med = {name: float(np.median([r[key] for r, _ in rs])) for name, rs in rounds.items()}
+    the rounds ``idx`` (default all; the best fixed arm chosen on ``key`` too), and the
+    control: the second run of the first arm / the first (the same work twice)."""
+    med = {name: float(np.median([rs[i][0][key] for i in (range(len(rs)) if idx is None else idx)]))
+           for name, rs in rounds.items()}
     best = min((v, n) for n, v in med.items() if n.startswith("longtail_fixed_"))[1]
     return {"adaptive_vs_best_fixed": med[adaptive] / med[best],
-            "adaptive_vs_plain": med[adaptive] / med["longtail_plain"], "best_fixed": best}
+            "adaptive_vs_plain": med[adaptive] / med["longtail_plain"], "best_fixed": best,
+            **({"control": med[CONTROL] / med[_controlled(rounds)]} if CONTROL in med else {})}
+
+
+def ratio_intervals(rounds: dict[str, list], key: str, adaptive: str, seed: int) -> dict[str, list[float]]:
+    """The 90% bootstrap interval of each of :func:`median_ratios`' figures, resampling whole
+    rounds (the best fixed arm chosen anew in each resample, as the figure chooses it)."""
+    n = len(next(iter(rounds.values())))
+    names = [k for k in median_ratios(rounds, key, adaptive) if k != "best_fixed"]
+    rng = np.random.default_rng(seed)
+    return {k: list(bootstrap_interval(lambda idx, k=k: median_ratios(rounds, key, adaptive, idx)[k], n,
+                                       np.random.default_rng(rng.integers(2**32)))) for k in names}
+
+
+def _controlled(rounds: dict[str, list]) -> str:
+    """The fixed arm the control repeats: the first one run."""
+    return next(n for n in rounds if n.startswith("longtail_fixed_"))
 
 
 def _run(engine: TorchRolloutEngine, reqs, sp, policy) -> tuple[dict[str, Any], list[list[int]], Any]:
@@ -217,6 +241,7 @@ def run_rounds(args, target, drafter, reqs: list[Request], sp: SamplingParams,
     runs = [("longtail_plain", "plain", plain, lambda: None)]
     runs += [(f"longtail_fixed_{s.name}", f"longtail_fixed_{s.name}", sd, lambda s=s: FixedSDPolicy(s))
              for s in args.arm_shapes]
+    runs.append((CONTROL, "control", sd, lambda: FixedSDPolicy(args.arm_shapes[0])))
     runs.append(("longtail_adaptive", "adaptive", sd, fresh))
     kept = None
     if args.warm:
@@ -244,7 +269,8 @@ def headroom_of(args, traces: dict[str, Any], adaptive_trace) -> dict[str, Any]:
     bucket_of = _bucket_of(args.edges)
     fixed_traces = {s.name: traces[f"longtail_fixed_{s.name}"] for s in args.arm_shapes}
     headroom = per_bucket_oracle(fixed_traces, bucket_of)
-    with_plain = per_bucket_oracle(fixed_traces | {"plain": traces["plain"]}, bucket_of)
+    with_plain = per_bucket_oracle(fixed_traces | {"plain": traces["plain"]}, bucket_of,
+                                   reference=headroom["best_fixed"])  # the same work, plain may run it
     headroom["oracle_with_plain_steps_s"] = with_plain["oracle_steps_s"]
     headroom["oracle_with_plain_vs_best_fixed"] = with_plain["oracle_steps_s"] / headroom["best_fixed_steps_s"]
     headroom["best_per_bucket"] = {_label(args.edges, b): arm for b, arm in headroom["best_per_bucket"].items()}
@@ -301,8 +327,11 @@ def compare(args, target, drafter, reqs: list[Request], warm_up_reqs: list[Reque
                # The same ratios on CPU time (one thread: the work each method did), which
                # other processes taking the cores inflate far less than wall time.
                "ratios_cpu": median_ratios(rounds, "cpu_s", "longtail_adaptive"),
+               "ratios_cpu_interval": ratio_intervals(rounds, "cpu_s", "longtail_adaptive", args.seed),
                **({} if warm is None else {
-                   "ratios_warm_cpu": median_ratios(rounds, "cpu_s", "longtail_adaptive_warm")}),
+                   "ratios_warm_cpu": median_ratios(rounds, "cpu_s", "longtail_adaptive_warm"),
+                   "ratios_warm_cpu_interval": ratio_intervals(rounds, "cpu_s", "longtail_adaptive_warm",
+                                                               args.seed)}),
                **({} if warm is None else {
                    "ratios_warm": warm["median_of_medians"], "ratios_warm_rounds": warm["rounds"],
                    "ratios_warm_round_median": warm["median"],
@@ -325,10 +354,12 @@ def _print_summary(payload: dict[str, Any], out: str) -> None:
     print(format_table(results, ["wall_s", "tokens_per_s", "target_forwards", "sd_steps", "mean_accept_len",
                                  "outside_steps_s"]))
     print("ratios: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in ratios.items()))
-    print("on CPU time: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                                      for k, v in payload["ratios_cpu"].items())
-          + ("" if "ratios_warm_cpu" not in payload else "; warm " + ", ".join(
-              f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in payload["ratios_warm_cpu"].items())))
+    for label, key in (("on CPU time", "ratios_cpu"), ("warm, on CPU time", "ratios_warm_cpu")):
+        if key in payload:
+            spans = payload[f"{key}_interval"]
+            print(f"{label}: " + ", ".join(
+                f"{k}={v:.3f} [{spans[k][0]:.3f}, {spans[k][1]:.3f}]" if k in spans else f"{k}={v}"
+                for k, v in payload[key].items()) + " ([90% bootstrap interval over rounds])")
     if "ratios_warm" in payload:
         print("ratios_warm: " + ", ".join(f"{k}={v:.2f}" for k, v in payload["ratios_warm"].items())
               + " | per round: " + "; ".join(f"{k} " + " ".join(f"{x:.2f}" for x in v)

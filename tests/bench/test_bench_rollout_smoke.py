@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,8 +76,8 @@ def test_longtail_workload(tiny):
                          "--cache-dir", str(tiny / "cache")]) == 0
     payload = json.loads(out.read_text())
     assert payload["machine"]["torch_threads"] == threads
-    assert {"longtail_plain", "longtail_fixed_2_1_2", "longtail_fixed_3_2_4", "longtail_adaptive"} == set(
-        payload["results"])
+    assert {"longtail_plain", "longtail_fixed_2_1_2", "longtail_fixed_3_2_4", "longtail_control",
+            "longtail_adaptive"} == set(payload["results"])
     assert payload["outputs_identical"] is True
     assert payload["trace"] and (tiny / "lt.png").is_file()
     assert all(len(r["wall_s_rounds"]) == 5 for r in payload["results"].values())
@@ -140,7 +141,31 @@ def test_longtail_warm_keeps_one_policy_across_rounds_and_reports_both(tiny, mon
         cpu["longtail_adaptive_warm"] / cpu["longtail_plain"])
     assert payload["ratios_cpu"]["adaptive_vs_best_fixed"] == pytest.approx(
         cpu["longtail_adaptive"] / cpu[payload["ratios_cpu"]["best_fixed"]])
+    assert payload["ratios_warm_cpu"]["control"] == pytest.approx(cpu["longtail_control"] / cpu["longtail_fixed_2_1_2"])
+    for key in ("ratios_cpu", "ratios_warm_cpu"):
+        spans = payload[f"{key}_interval"]
+        assert set(spans) == {"adaptive_vs_best_fixed", "adaptive_vs_plain", "control"}
+        assert all(lo <= payload[key][k] <= hi for k, (lo, hi) in spans.items())
     assert payload["outputs_identical"] is True
+
+
+def _rounds(**walls):
+    return {name: [({"cpu_s": w}, None) for w in ws] for name, ws in walls.items()}
+
+
+def test_median_ratios_choose_the_best_fixed_arm_on_the_rounds_given_and_carry_the_control():
+    rounds = _rounds(longtail_plain=[4.0, 4.0, 4.0], longtail_fixed_a=[2.0, 2.2, 1.0],
+                     longtail_fixed_b=[2.1, 2.1, 2.1], longtail_control=[2.2, 2.4, 1.2],
+                     longtail_adaptive=[2.0, 2.0, 2.0])
+    r = longtail.median_ratios(rounds, "cpu_s", "longtail_adaptive")
+    assert r["best_fixed"] == "longtail_fixed_a" and r["adaptive_vs_best_fixed"] == pytest.approx(1.0)
+    assert r["control"] == pytest.approx(2.2 / 2.0) and r["adaptive_vs_plain"] == pytest.approx(0.5)
+    r = longtail.median_ratios(rounds, "cpu_s", "longtail_adaptive", idx=np.array([0, 1, 1]))
+    assert r["best_fixed"] == "longtail_fixed_b" and r["adaptive_vs_best_fixed"] == pytest.approx(2.0 / 2.1)
+    spans = longtail.ratio_intervals(rounds, "cpu_s", "longtail_adaptive", seed=0)
+    assert spans["adaptive_vs_plain"] == [0.5, 0.5]  # the same in every round
+    lo, hi = spans["adaptive_vs_best_fixed"]
+    assert lo == pytest.approx(2.0 / 2.1) and hi == pytest.approx(2.0)  # resamples with round 3 twice: a at 1.0
 
 
 def test_untrained_drafter_differs_from_the_trained_one_and_is_seeded():
