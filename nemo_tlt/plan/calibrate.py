@@ -4,24 +4,35 @@ run folder and predict that run's TLT and baseline phase times with the simulato
 Contract
 --------
 * Input: ``<run_dir>/report.json`` (its ``speedup`` is the measured one), ``config.yaml``
-  (workers, prompts x group size, SD threshold and arms) and
+  (workers, prompts x group size, SD threshold and arms, ``policy.pipelined_update``) and
   ``pair<k>/<tlt|baseline>/metrics.jsonl``. Step 0 of every run is left out of fits and
   predictions, as the report leaves it out of its means (it pays one-time warm-up).
 * Cost model (``LinearCosts``, the interface of ``RolloutCosts``): a plain decode step
   costs ``a + b x running rows``, an SD step ``c + d x running rows`` (its rows advance
   by the accepted length), a rollout's prefill and dispatch ``p`` (one per mode). The
   context length is not a term: at the demo's few hundred tokens it is below the
-  noise. Update costs ``u0 + u1 x response tokens`` (the same work in both modes, fitted
-  on both); log-prob, weight sync, ``other`` and the gap between the slowest worker's
-  generation and ``rollout_s`` are per-mode means.
-* Workload: the metrics keep no per-sequence lengths, so each worker's rows are
-  rebuilt from what they do keep: the step's longest response, the baseline's plain
+  noise. A rank's update work costs ``u0 + u1 x its tokens``, fitted on ``update_work_s``
+  (each rank's seconds of log-probs, gradients and step, averaged over ranks: the same
+  work in both modes, wherever it ran) on a rank's mean tokens. After the rollout the
+  update phase lasts as long as the rank with the most tokens (its gradients are
+  awaited). With ``policy.pipelined_update`` TLT's update work runs in its rollout's
+  tail (the baseline's never does): each group's share of it (by tokens) can run on the
+  workers whose decoding has ended once its last row finished, what is left when the
+  slowest worker ends runs on all of them inside the rollout phase, and the update
+  phase keeps only the combining and the optimizer step (its mean). Records from
+  before ``update_work_s`` fit ``u0 + u1 x the step's tokens`` on the update phase of
+  both modes, as before. Log-prob, weight sync, ``other`` and the gap between the
+  slowest worker's generation and ``rollout_s`` (less that tail) are per-mode means.
+* Workload: each worker's rows, group by group, come from the baseline record's
+  per-sequence ``resp_lens`` (sequence p x group + g; prompt p on worker p % workers).
+  Records written before they were kept are rebuilt from what they do keep: the step's
+  longest response, the baseline's plain
   decode steps (the sum over workers of each worker's longest response; the rollouts
   are identical in both modes) and the token total. The longest response goes to one
   worker, the remaining plain steps are shared evenly as the other workers' longest,
   and the remaining tokens evenly over the other rows. With costs linear in the
   running rows only a worker's longest response and token sum matter, so this loses
-  nothing the model uses. Each worker is simulated by ``simulate_replica`` (with SD
+  nothing the rollout model uses. Each worker is simulated by ``simulate_replica`` (with SD
   at <= the config's ``threshold_on`` running rows, one arm whose accepted length is
   measured, epsilon 0); ``rollout_s`` is the slowest worker plus the fitted gap.
 * No circularity: the records are split into folds: ``folds="pairs"`` (the default)
@@ -49,7 +60,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
-from nemo_tlt.plan.simulator import SimConfig, simulate_replica
+from nemo_tlt.plan.simulator import SimConfig, finish_times, pipelined_overlap, simulate_replica
 from nemo_tlt.speculative.tree_shape import TreeShape
 
 MODES = ("tlt", "baseline")
@@ -62,9 +73,11 @@ FITTED_FROM = {
     "tlt_sd": "c, d (s per SD step, + per running row) and p: the same over the other folds' TLT per-worker "
               "generation times, with those folds' measured accepted lengths",
     "accepted_length": "the other folds' mean_accept_len at the same step index",
-    "update": "u0 + u1 x response tokens: least squares over the other folds' update_s of both modes",
-    "fixed": "log-prob, weight sync, other and rollout_s minus the slowest worker's generation: the other "
-             "folds' means per mode",
+    "update": "u0 + u1 x a rank's response tokens: least squares (non-negative) over the other folds' "
+              "update_work_s of both modes (records without it: x the step's tokens, on update_s)",
+    "fixed": "log-prob, weight sync, other and rollout_s minus the slowest worker's generation (and minus "
+             "the update work left after it, pipelined): the other folds' means per mode; a pipelined TLT's "
+             "update phase (combining and the optimizer step): the other folds' mean",
 }
 
 
@@ -90,10 +103,13 @@ class LinearCosts:
 
 @dataclass(frozen=True)
 class RunLayout:
-    """What the run's config fixes: rows per worker, the SD threshold and the deepest arm."""
+    """What the run's config fixes: rows per worker, the SD threshold and the deepest arm,
+    the GRPO group size and whether TLT's update was pipelined into its rollout."""
     rows: tuple[int, ...]
     threshold: int
     shape: TreeShape
+    group: int = 1
+    pipelined: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,11 +118,15 @@ class StepRecord:
     mode: str
     step: int
     fold: int
-    lengths: tuple[tuple[int, ...], ...]   # per worker
+    lengths: tuple[tuple[int, ...], ...]   # per worker, whole groups in order when rebuilt from resp_lens
     gen_s: tuple[float, ...]
     accept: float
     tokens: int
     phases: dict[str, float]
+    update_work: float | None = None       # update_work_s: the update's seconds of work per rank
+
+    def rank_tokens(self) -> list[int]:
+        return [sum(ls) for ls in self.lengths]
 
 
 def read_layout(run_dir: Path) -> RunLayout:
@@ -124,7 +144,19 @@ def read_layout(run_dir: Path) -> RunLayout:
         shapes, threshold = sd.learned.arms, sd.learned.max_sd_running or max(rows)
     else:
         shapes, threshold = sd.bandit.arms, sd.threshold.threshold_on
-    return RunLayout(rows, threshold, max(shapes, key=lambda s: s.depth))
+    return RunLayout(rows, threshold, max(shapes, key=lambda s: s.depth), group, bool(cfg.policy.pipelined_update))
+
+
+def lengths_by_worker(rows: tuple[int, ...], group: int, resp_lens: list[int]) -> tuple[tuple[int, ...], ...] | None:
+    """Each worker's response lengths, group by group, from a record's per-sequence
+    ``resp_lens`` (sequence id p x group + g; prompt p on worker p % workers); None when
+    they do not fit the layout (a record written before records kept them has none)."""
+    workers, prompts = len(rows), sum(rows) // group
+    if len(resp_lens) != prompts * group:
+        return None
+    out = tuple(tuple(resp_lens[p * group + g] for p in range(w, prompts, workers) for g in range(group))
+                for w in range(workers))
+    return out if tuple(map(len, out)) == rows else None
 
 
 def worker_lengths(rows: tuple[int, ...], longest: int, plain_steps: int, tokens: int) -> tuple[tuple[int, ...], ...]:
@@ -164,11 +196,12 @@ def read_records(run_dir: Path, layout: RunLayout, by_pair: bool = True) -> tupl
                 base = base_by_step[r["step"]]
                 fold = k if by_pair and len(pairs) > 1 else r["step"] % 2
                 phases = {p: float(r[f"{p}_s"]) for p in PHASES}
-                out.append(StepRecord(k, mode, r["step"], fold,
-                                      worker_lengths(layout.rows, base["resp_len_max"], base["plain_steps"],
-                                                     base["tokens"]),
+                lengths = (lengths_by_worker(layout.rows, layout.group, base.get("resp_lens", []))
+                           or worker_lengths(layout.rows, base["resp_len_max"], base["plain_steps"], base["tokens"]))
+                work = r.get("update_work_s")
+                out.append(StepRecord(k, mode, r["step"], fold, lengths,
                                       tuple(float(x) for x in r["rollout_gen_s"]), float(r["mean_accept_len"]),
-                                      int(r["tokens"]), phases))
+                                      int(r["tokens"]), phases, None if work is None else float(work)))
     return out, len(pairs)
 
 
@@ -179,9 +212,27 @@ def _sim_config(layout: RunLayout, lengths: tuple[int, ...], mode: str, accept: 
 
 
 def worker_seconds(costs: LinearCosts, layout: RunLayout, lengths: tuple[int, ...], mode: str, accept: float) -> float:
+    return worker_run(costs, layout, lengths, mode, accept)[0]
+
+
+def worker_run(costs: LinearCosts, layout: RunLayout, lengths: tuple[int, ...], mode: str,
+               accept: float) -> tuple[float, np.ndarray]:
+    """(seconds, when each row finished, in the order of ``lengths``) of one worker's rollout."""
     cfg = _sim_config(layout, lengths, mode, accept)
-    seconds, _ = simulate_replica(np.asarray(lengths), 0, costs, cfg, 1.0, np.random.default_rng(0))
-    return seconds
+    rows = np.asarray(lengths)
+    seconds, trace = simulate_replica(rows, 0, costs, cfg, 1.0, np.random.default_rng(0))
+    return seconds, finish_times(rows, trace)
+
+
+def pipelined_tail(runs: list[tuple[float, np.ndarray]], lengths: tuple[tuple[int, ...], ...], group: int,
+                   work_s: float) -> float:
+    """Seconds of the update's work (``work_s`` per rank, spread over the ranks) left when the
+    slowest worker's rollout ends, if each group's share (by its tokens) can run on the
+    workers already done once its last row finished (the simulator's ``pipelined_overlap``)."""
+    total = sum(map(sum, lengths))
+    groups = [(float(np.max(done[g:g + group])), work_s * sum(ls[g:g + group]) / total)
+              for (_, done), ls in zip(runs, lengths) for g in range(0, len(ls), group)]
+    return work_s - pipelined_overlap(groups, [s for s, _ in runs], work_s)
 
 
 # the per-step basis costs; the prefill column is 1 (one prefill per rollout)
@@ -212,17 +263,42 @@ def fit_rollout(records: list[StepRecord], layout: RunLayout, mode: str, accept:
 class FoldFit:
     rollout: dict[str, LinearCosts]
     update: tuple[float, float]
-    fixed: dict[str, dict[str, float]]    # mode -> {logprob, weight_sync, other, rollout_gap}
+    fixed: dict[str, dict[str, float]]    # mode -> {logprob, weight_sync, other, rollout_gap[, update]}
     accept: dict[int, float]              # step -> accepted length
     accept_mean: float
+    per_rank: bool = False                # update = u0 + u1 x a rank's tokens (from update_work_s), else x the step's
 
     def to_dict(self) -> dict[str, Any]:
         b, t = self.rollout["baseline"], self.rollout["tlt"]
         return {"decode_step_s": b.decode_s, "decode_per_row_s": b.decode_row_s, "baseline_prefill_s": b.prefill_s,
                 "sd_step_s": t.sd_s, "sd_per_row_s": t.sd_row_s, "tlt_prefill_s": t.prefill_s,
                 "update_s": self.update[0], "update_per_token_s": self.update[1],
+                "update_tokens": "of a rank" if self.per_rank else "of the step",
                 "accepted_length_by_step": {str(k): v for k, v in sorted(self.accept.items())},
                 "fixed_s": self.fixed}
+
+
+def fit_update(train: list[StepRecord]) -> tuple[tuple[float, float], bool]:
+    """(u0, u1) and whether u1 is per token of a rank: least squares (non-negative) of
+    ``update_work_s`` (each rank's seconds of update work, averaged over ranks; the same
+    work in both modes, wherever it ran) on a rank's mean tokens when every record has it,
+    else of the update phase's seconds on the step's tokens (records from before it)."""
+    if all(r.update_work is not None for r in train):
+        design = np.array([[1.0, float(np.mean(r.rank_tokens()))] for r in train])
+        u, _ = nnls(design, np.array([r.update_work for r in train]))
+        return (float(u[0]), float(u[1])), True
+    u, _ = nnls(np.array([[1.0, r.tokens] for r in train]), np.array([r.phases["update"] for r in train]))
+    return (float(u[0]), float(u[1])), False
+
+
+def _piped(layout: RunLayout, mode: str, per_rank: bool) -> bool:
+    """TLT's update ran in its rollout's tail (the baseline's never does) and its work is known."""
+    return layout.pipelined and mode == "tlt" and per_rank
+
+
+def _tail(rec: StepRecord, costs: LinearCosts, layout: RunLayout, accept: float, update: tuple[float, float]) -> float:
+    runs = [worker_run(costs, layout, ls, rec.mode, accept) for ls in rec.lengths]
+    return pipelined_tail(runs, rec.lengths, layout.group, update[0] + update[1] * float(np.mean(rec.rank_tokens())))
 
 
 def fit_fold(train: list[StepRecord], layout: RunLayout) -> FoldFit:
@@ -232,14 +308,18 @@ def fit_fold(train: list[StepRecord], layout: RunLayout) -> FoldFit:
         by_step.setdefault(r.step, []).append(r.accept)
     accept = {s: float(np.mean(v)) for s, v in by_step.items()}
     rollout = {m: fit_rollout(train, layout, m, accept) for m in MODES}
-    design = np.array([[1.0, r.tokens] for r in train])
-    u, _ = nnls(design, np.array([r.phases["update"] for r in train]))
+    update, per_rank = fit_update(train)
     fixed = {}
     for m in MODES:
         recs = [r for r in train if r.mode == m]
         fixed[m] = {p: float(np.mean([r.phases[p] for r in recs])) for p in ("logprob", "weight_sync", "other")}
-        fixed[m]["rollout_gap"] = float(np.mean([r.phases["rollout"] - max(r.gen_s) for r in recs]))
-    return FoldFit(rollout, (float(u[0]), float(u[1])), fixed, accept, float(np.mean([r.accept for r in tlt])))
+        # a pipelined rollout phase also holds the update work left after the slowest worker's decode
+        tails = ([_tail(r, rollout[m], layout, accept.get(r.step, r.accept), update) for r in recs]
+                 if _piped(layout, m, per_rank) else [0.0] * len(recs))
+        fixed[m]["rollout_gap"] = float(np.mean([r.phases["rollout"] - max(r.gen_s) - t for r, t in zip(recs, tails)]))
+        if _piped(layout, m, per_rank):  # what is left for the update phase: combining the groups, the step
+            fixed[m]["update"] = float(np.mean([r.phases["update"] for r in recs]))
+    return FoldFit(rollout, update, fixed, accept, float(np.mean([r.accept for r in tlt])), per_rank)
 
 
 def predict(rec: StepRecord, fit: FoldFit, layout: RunLayout) -> dict[str, float]:
@@ -247,8 +327,12 @@ def predict(rec: StepRecord, fit: FoldFit, layout: RunLayout) -> dict[str, float
     acc = fit.accept.get(rec.step, fit.accept_mean)
     gen = max(worker_seconds(fit.rollout[rec.mode], layout, ls, rec.mode, acc) for ls in rec.lengths)
     fx = fit.fixed[rec.mode]
-    out = {"rollout": gen + fx["rollout_gap"], "logprob": fx["logprob"],
-           "update": fit.update[0] + fit.update[1] * rec.tokens,
+    u0, u1 = fit.update
+    if _piped(layout, rec.mode, fit.per_rank):
+        tail, update = _tail(rec, fit.rollout[rec.mode], layout, acc, fit.update), fx["update"]
+    else:  # after the rollout, as long as the rank with the most tokens takes (its gradients are awaited)
+        tail, update = 0.0, u0 + u1 * (max(rec.rank_tokens()) if fit.per_rank else rec.tokens)
+    out = {"rollout": gen + fx["rollout_gap"] + tail, "logprob": fx["logprob"], "update": update,
            "weight_sync": fx["weight_sync"], "other": fx["other"]}
     out["step"] = sum(out.values())
     return out

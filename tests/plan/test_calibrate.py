@@ -114,3 +114,98 @@ def test_cli_writes_the_json(tmp_path, capsys):
     assert {"predicted_speedup", "measured_speedup", "phases"} <= set(out)
     assert main(["--calibrate", str(tmp_path / "nowhere")]) == 2
     assert "report.json" in capsys.readouterr().err
+
+
+# ---- a run whose TLT update was pipelined into the rollout's tail ---------------------
+PIPE = dict(u0=0.03, u1=0.002, opt=0.02)   # update work per rank: u0 + u1 x its tokens; TLT's step after
+
+
+def _finish(lengths: list[int], mode: str) -> tuple[float, list[float]]:
+    """worker_time step by step, with the time each row finished."""
+    c = COSTS
+    per_step, per_row, prefill, adv = ((c["a"], c["b"], c["p_base"], 1) if mode == "baseline"
+                                       else (c["c"], c["d"], c["p_tlt"], ACCEPT))
+    t, done, ends = prefill, 0, [0.0] * len(lengths)
+    while any(n > done for n in lengths):
+        t += per_step + per_row * sum(n > done for n in lengths)
+        done += adv
+        for i, n in enumerate(lengths):
+            if done >= n > done - adv:
+                ends[i] = t
+    return t, ends
+
+
+def _work_left(workers: list[list[int]], mode: str, work: float, dt: float = 1e-5) -> tuple[list[float], float]:
+    """(generation seconds per worker, worker-seconds of update work left when the last one
+    ends) by small time steps: a finished group's work (its token share of workers x
+    ``work``) is done by the workers whose decoding has ended, one worker-second a second."""
+    runs = [_finish(w, mode) for w in workers]
+    total = sum(map(sum, workers))
+    groups = [(max(ends[g:g + 4]), len(workers) * work * sum(w[g:g + 4]) / total)
+              for w, (_, ends) in zip(workers, runs) for g in range(0, len(w), 4)]
+    last, t, done = max(s for s, _ in runs), 0.0, 0.0
+    while t < last:
+        idle = sum(s <= t for s, _ in runs)
+        done = min(sum(v for f, v in groups if f <= t), done + idle * dt)
+        t += dt
+    return [s for s, _ in runs], len(workers) * work - done
+
+
+def piped_record(step: int, mode: str) -> dict:
+    l0, l1, q = STEPS[step]
+    lens = [q + ACCEPT * (i % 3) for i in range(16)]  # groups differ, so which rows share a worker matters
+    lens[0], lens[4] = l0, l1        # sequence p x 4 + g; prompt p on worker p % 2: ids 0-3, 8-11 on worker 0
+    workers = [[lens[i] for i in (0, 1, 2, 3, 8, 9, 10, 11)], [lens[i] for i in (4, 5, 6, 7, 12, 13, 14, 15)]]
+    rank_work = [PIPE["u0"] + PIPE["u1"] * sum(w) for w in workers]
+    work = float(np.mean(rank_work))
+    fx = FIXED[mode]
+    if mode == "tlt":
+        gen, left = _work_left(workers, mode, work)
+        rollout, update = max(gen) + fx["gap"] + left / 2, PIPE["opt"]
+    else:
+        gen = [_finish(w, mode)[0] for w in workers]
+        rollout, update = max(gen) + fx["gap"], max(rank_work)
+    r = {"step": step, "mode": mode, "resp_len_max": max(l0, l1), "tokens": sum(lens), "resp_lens": lens,
+         "plain_steps": l0 + l1 if mode == "baseline" else 0, "mean_accept_len": float(ACCEPT) if mode == "tlt" else 0.0,
+         "rollout_gen_s": gen, "rollout_s": rollout, "logprob_s": 0.0, "update_s": update, "update_work_s": work,
+         "weight_sync_s": fx["weight_sync"], "other_s": fx["other"]}
+    r["step_s"] = sum(r[k] for k in ("rollout_s", "logprob_s", "update_s", "weight_sync_s", "other_s"))
+    return r
+
+
+def write_piped_run(root: Path, pairs: int = 3) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text(CONFIG + "policy:\n  pipelined_update: true\n")
+    figures = []
+    for k in range(1, pairs + 1):
+        recs = {m: [piped_record(s, m) for s in range(len(STEPS))] for m in ("tlt", "baseline")}
+        for mode, rs in recs.items():
+            (root / f"pair{k}" / mode).mkdir(parents=True)
+            (root / f"pair{k}" / mode / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+        figures.append(pair_figures(("tlt", "baseline"), recs["tlt"], recs["baseline"]))
+    (root / "report.json").write_text(json.dumps({**summarize_pairs(figures), "pairs": figures}))
+    return root
+
+
+@pytest.mark.parametrize("folds", ["pairs", "steps"])
+def test_a_pipelined_run_is_predicted_from_the_update_work_and_when_groups_finish(tmp_path, folds):
+    out = calibrate(write_piped_run(tmp_path), folds)
+    for fit in out["fits"].values():  # the update's work per rank, from update_work_s of both modes
+        assert fit["update_tokens"] == "of a rank"
+        np.testing.assert_allclose([fit["update_s"], fit["update_per_token_s"]], [PIPE["u0"], PIPE["u1"]], rtol=1e-6)
+        assert fit["fixed_s"]["tlt"]["update"] == pytest.approx(PIPE["opt"])
+        assert fit["fixed_s"]["tlt"]["rollout_gap"] == pytest.approx(FIXED["tlt"]["gap"], abs=2e-4)
+    for name, v in out["phases"].items():
+        # TLT's rollout phase holds the work left after its slowest worker (generated in 10 us steps);
+        # the baseline's update is its busiest rank's work
+        assert v["predicted_s"] == pytest.approx(v["measured_s"], rel=1e-3, abs=1e-9), name
+    assert out["predicted_speedup"] == pytest.approx(out["measured_speedup"], rel=1e-3)
+
+
+def test_lengths_by_worker_follow_the_prompt_sharding_or_give_way():
+    from nemo_tlt.plan.calibrate import lengths_by_worker
+    lens = list(range(16))  # 4 prompts x group 4, 2 workers: prompts 0, 2 on worker 0
+    assert lengths_by_worker((8, 8), 4, lens) == ((0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
+    assert lengths_by_worker((12, 8), 4, list(range(20))) == (tuple(range(4)) + tuple(range(8, 12)) + tuple(range(16, 20)),
+                                                            tuple(range(4, 8)) + tuple(range(12, 16)))
+    assert lengths_by_worker((8, 8), 4, lens[:12]) is None  # not this layout's sequences
