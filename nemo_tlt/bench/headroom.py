@@ -21,22 +21,22 @@ from typing import Callable, Mapping, Sequence
 from nemo_tlt.rollout.protocol import StepTrace
 
 
-def bucket_seconds(trace: Sequence[StepTrace], bucket_of: Callable[[int], int]) -> dict[int, float]:
-    """Decode-step seconds per bucket of the running batch size."""
+def _per_bucket(trace: Sequence[StepTrace], bucket_of: Callable[[int], int], value: Callable[[StepTrace], float]):
     out: dict[int, float] = {}
     for step in trace:
         b = bucket_of(step.running)
-        out[b] = out.get(b, 0.0) + step.seconds
+        out[b] = out.get(b, 0) + value(step)
     return out
+
+
+def bucket_seconds(trace: Sequence[StepTrace], bucket_of: Callable[[int], int]) -> dict[int, float]:
+    """Decode-step seconds per bucket of the running batch size."""
+    return _per_bucket(trace, bucket_of, lambda step: step.seconds)
 
 
 def bucket_tokens(trace: Sequence[StepTrace], bucket_of: Callable[[int], int]) -> dict[int, int]:
     """Tokens emitted per bucket of the running batch size."""
-    out: dict[int, int] = {}
-    for step in trace:
-        b = bucket_of(step.running)
-        out[b] = out.get(b, 0) + step.tokens
-    return out
+    return _per_bucket(trace, bucket_of, lambda step: step.tokens)
 
 
 def per_bucket_oracle(traces: Mapping[str, Sequence[StepTrace]], bucket_of: Callable[[int], int],
