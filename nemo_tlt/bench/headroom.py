@@ -11,7 +11,7 @@ rows' last tokens into a smaller bucket, and a bucket of the crowded head holds 
 three steps whose tokens differ by the arm (traced: 668 against 1027 tokens at 128+ rows).
 The sum of the fastest arm's seconds per bucket took, in each bucket, the arm that did
 least work there: 0.90-0.95x the best fixed arm on the long-tail workloads where pricing
-the same work at each arm's throughput gives 0.97-0.99x. It is still a minimum over noisy
+the same work at each arm's throughput gives 0.96-0.99x. It is still a minimum over noisy
 per-bucket throughputs (one round), so it leans optimistic.
 """
 from __future__ import annotations
@@ -44,7 +44,9 @@ def per_bucket_oracle(traces: Mapping[str, Sequence[StepTrace]], bucket_of: Call
     """{"oracle_steps_s", "best_fixed", "best_fixed_steps_s", "oracle_vs_best_fixed",
     "best_per_bucket": {bucket: arm}} over the given fixed-arm traces (arm name -> trace):
     the ``reference`` arm's tokens in each bucket (default: the arm with the least step
-    seconds, the best fixed arm) at the fastest arm's tokens per second there."""
+    seconds, the best fixed arm) at the fastest arm's tokens per second there.
+    "best_fixed" names the reference, whether or not it is the fastest arm throughout; a
+    bucket where it made no tokens (or no arm measured any time) keeps its own seconds."""
     if not traces:
         raise ValueError("per_bucket_oracle: no fixed-arm traces given")
     if reference is not None and reference not in traces:
@@ -57,9 +59,12 @@ def per_bucket_oracle(traces: Mapping[str, Sequence[StepTrace]], bucket_of: Call
     def throughput(arm: str, b: int) -> float:
         return tokens[arm][b] / seconds[arm][b] if seconds[arm].get(b, 0.0) > 0.0 else 0.0
 
-    # Only arms that decoded in a bucket compete there; the work priced is the best fixed arm's.
-    best_per_bucket = {b: max(traces, key=lambda a: (throughput(a, b), a == best)) for b in seconds[best]}
-    oracle = sum(tokens[best][b] / throughput(a, b) if tokens[best][b] > 0 else seconds[best][b]
+    # Only arms that decoded in a bucket compete there; the work priced is the reference's.
+    best_per_bucket = {}
+    for b in sorted(seconds[best]):
+        fastest = max(traces, key=lambda a: (throughput(a, b), a == best))
+        best_per_bucket[b] = fastest if tokens[best][b] > 0 and throughput(fastest, b) > 0 else best
+    oracle = sum(tokens[best][b] / throughput(a, b) if a != best else seconds[best][b]
                  for b, a in best_per_bucket.items())
     return {"oracle_steps_s": oracle, "best_fixed": best, "best_fixed_steps_s": totals[best],
             "oracle_vs_best_fixed": oracle / totals[best] if totals[best] > 0 else 1.0,

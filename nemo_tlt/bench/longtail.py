@@ -39,7 +39,6 @@ from nemo_tlt.demo.assets import AssetConfig, default_cache_dir, load_assets, pr
 from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.bench.common import format_table, machine_info
 from nemo_tlt.bench.headroom import bucket_seconds, per_bucket_oracle
-from nemo_tlt.bench.interval import bootstrap_interval
 from nemo_tlt.bench.timeline import plot_rollout_timeline
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
@@ -178,17 +177,27 @@ def median_ratios(rounds: dict[str, list], key: str, adaptive: str, idx: np.ndar
 
 
 def ratio_intervals(rounds: dict[str, list], key: str, adaptive: str, seed: int) -> dict[str, list[float]]:
-    """The 90% bootstrap interval of each of :func:`median_ratios`' figures, resampling whole
-    rounds (the best fixed arm chosen anew in each resample, as the figure chooses it)."""
-    n = len(next(iter(rounds.values())))
-    names = [k for k in median_ratios(rounds, key, adaptive) if k != "best_fixed"]
+    """The 90% percentile bootstrap interval (``scipy.stats.bootstrap``, 2000 resamples) of
+    each of :func:`median_ratios`' figures, resampling whole rounds (the methods of a round
+    stay together; the best fixed arm is chosen anew in each resample, as the figure chooses it)."""
+    from scipy.stats import bootstrap
+
+    rounds_idx = np.arange(len(next(iter(rounds.values()))))
+    figures = {k: v for k, v in median_ratios(rounds, key, adaptive).items() if k != "best_fixed"}
+    if len(rounds_idx) < 2:  # one round: nothing to resample
+        return {k: [v, v] for k, v in figures.items()}
     rng = np.random.default_rng(seed)
-    return {k: list(bootstrap_interval(lambda idx, k=k: median_ratios(rounds, key, adaptive, idx)[k], n,
-                                       np.random.default_rng(rng.integers(2**32)))) for k in names}
+    out = {}
+    for k in figures:
+        res = bootstrap((rounds_idx,), lambda idx, k=k: median_ratios(rounds, key, adaptive, idx)[k],
+                        vectorized=False, n_resamples=2000, confidence_level=0.9, method="percentile", rng=rng)
+        out[k] = [float(res.confidence_interval.low), float(res.confidence_interval.high)]
+    return out
 
 
 def _controlled(rounds: dict[str, list]) -> str:
-    """The fixed arm the control repeats: the first one run."""
+    """The fixed arm the control repeats: the first arm of ``--arms`` (run_rounds adds the
+    methods in that order, and the control runs ``args.arm_shapes[0]``)."""
     return next(n for n in rounds if n.startswith("longtail_fixed_"))
 
 
@@ -326,6 +335,7 @@ def compare(args, target, drafter, reqs: list[Request], warm_up_reqs: list[Reque
                "noise": per_round["noise"], "headroom": headroom, "timeline_png": str(png),
                # The same ratios on CPU time (one thread: the work each method did), which
                # other processes taking the cores inflate far less than wall time.
+               "control_of": _controlled(rounds),  # the fixed arm the control repeats
                "ratios_cpu": median_ratios(rounds, "cpu_s", "longtail_adaptive"),
                "ratios_cpu_interval": ratio_intervals(rounds, "cpu_s", "longtail_adaptive", args.seed),
                **({} if warm is None else {

@@ -14,12 +14,13 @@ Contract
   noise. A rank's update work costs ``u0 + u1 x its tokens``, fitted on ``update_work_s``
   (each rank's seconds of log-probs, gradients and step, averaged over ranks: the same
   work in both modes, wherever it ran) on a rank's mean tokens. After the rollout the
-  update phase lasts as long as the rank with the most tokens (its gradients are
-  awaited). With ``policy.pipelined_update`` TLT's update work runs in its rollout's
-  tail (the baseline's never does): each group's share of it (by tokens) can run on the
-  workers whose decoding has ended once its last row finished, what is left when the
-  slowest worker ends runs on all of them inside the rollout phase, and the update
-  phase keeps only the combining and the optimizer step (its mean). Records from
+  update phase lasts as long as the rank with the most tokens takes (its gradients are
+  awaited), less the log-prob phase (timed apart). With ``policy.pipelined_update``
+  TLT's update phase keeps only the combining and the optimizer step (its mean over the
+  other folds), and the rest of the work runs in its rollout's tail (the baseline's never
+  does): each group's share of it (by tokens) can run on the workers whose decoding has
+  ended once its last row finished, and what is left when the slowest worker ends runs
+  on all of them inside the rollout phase. Records from
   before ``update_work_s`` fit ``u0 + u1 x the step's tokens`` on the update phase of
   both modes, as before. Log-prob, weight sync, ``other`` and the gap between the
   slowest worker's generation and ``rollout_s`` (less that tail) are per-mode means.
@@ -34,7 +35,9 @@ Contract
   running rows only a worker's longest response and token sum matter, so this loses
   nothing the rollout model uses. Each worker is simulated by ``simulate_replica`` (with SD
   at <= the config's ``threshold_on`` running rows, one arm whose accepted length is
-  measured, epsilon 0); ``rollout_s`` is the slowest worker plus the fitted gap.
+  measured, epsilon 0); ``rollout_s`` is the slowest worker plus the fitted gap (plus, for
+  a pipelined TLT, the update work left after it). Rollout tensor parallelism (several
+  ranks per replica) is refused: rows and generation times are taken per worker.
 * No circularity: the records are split into folds: ``folds="pairs"`` (the default)
   one fold per pair, ``folds="steps"`` (and always with one pair) even and odd steps,
   which asks the cost model to carry over to steps of other response lengths. Every
@@ -60,7 +63,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
-from nemo_tlt.plan.simulator import SimConfig, finish_times, pipelined_overlap, simulate_replica
+from nemo_tlt.plan.simulator import SimConfig, finish_times, group_work, pipelined_overlap, simulate_replica
 from nemo_tlt.speculative.tree_shape import TreeShape
 
 MODES = ("tlt", "baseline")
@@ -118,7 +121,7 @@ class StepRecord:
     mode: str
     step: int
     fold: int
-    lengths: tuple[tuple[int, ...], ...]   # per worker, whole groups in order when rebuilt from resp_lens
+    lengths: tuple[tuple[int, ...], ...]   # per worker (from resp_lens: whole groups, in order)
     gen_s: tuple[float, ...]
     accept: float
     tokens: int
@@ -136,6 +139,10 @@ def read_layout(run_dir: Path) -> RunLayout:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: expected the resolved config of a `nemo-tlt train` run")
     cfg = load_config(path)
+    if cfg.rollout.tensor_parallel != 1:
+        raise ValueError(f"{path}: rollout.tensor_parallel={cfg.rollout.tensor_parallel}; calibration models one "
+                         f"rollout replica per worker (rollout.tensor_parallel=1): its rows and generation times "
+                         f"are per worker")
     workers, prompts, group = cfg.workers.num_workers, cfg.grpo.prompts_per_step, cfg.grpo.group_size
     # whole prompt groups per worker, p % workers == rank (as nemo_tlt.rl.run.shard_prompts)
     rows = tuple(len(range(r, prompts, workers)) * group for r in range(workers))
@@ -147,16 +154,17 @@ def read_layout(run_dir: Path) -> RunLayout:
     return RunLayout(rows, threshold, max(shapes, key=lambda s: s.depth), group, bool(cfg.policy.pipelined_update))
 
 
-def lengths_by_worker(rows: tuple[int, ...], group: int, resp_lens: list[int]) -> tuple[tuple[int, ...], ...] | None:
+def lengths_by_worker(rows: tuple[int, ...], group: int, resp_lens: list[int]) -> tuple[tuple[int, ...], ...]:
     """Each worker's response lengths, group by group, from a record's per-sequence
-    ``resp_lens`` (sequence id p x group + g; prompt p on worker p % workers); None when
-    they do not fit the layout (a record written before records kept them has none)."""
+    ``resp_lens`` (sequence id p x group + g; prompt p on worker p % workers, as
+    ``nemo_tlt.rl.rollout_replicas`` shards them). ValueError if they are not the layout's."""
     workers, prompts = len(rows), sum(rows) // group
-    if len(resp_lens) != prompts * group:
-        return None
-    out = tuple(tuple(resp_lens[p * group + g] for p in range(w, prompts, workers) for g in range(group))
-                for w in range(workers))
-    return out if tuple(map(len, out)) == rows else None
+    if not (isinstance(resp_lens, list) and len(resp_lens) == prompts * group
+            and all(isinstance(n, int) and n >= 0 for n in resp_lens)):
+        raise ValueError(f"resp_lens must hold {prompts} x {group} lengths >= 0 (config.yaml's "
+                         f"grpo.prompts_per_step x grpo.group_size), got {resp_lens!r:.200}")
+    return tuple(tuple(resp_lens[p * group + g] for p in range(w, prompts, workers) for g in range(group))
+                 for w in range(workers))
 
 
 def worker_lengths(rows: tuple[int, ...], longest: int, plain_steps: int, tokens: int) -> tuple[tuple[int, ...], ...]:
@@ -189,20 +197,39 @@ def read_records(run_dir: Path, layout: RunLayout, by_pair: bool = True) -> tupl
         raise FileNotFoundError(f"{run_dir}: no pair<k>/ folders; expected a `--compare-baseline` run folder")
     out = []
     for k in pairs:
-        runs = {m: _read_jsonl(run_dir / f"pair{k}" / m / "metrics.jsonl") for m in MODES}
-        base_by_step = {r["step"]: r for r in runs["baseline"]}
+        paths = {m: run_dir / f"pair{k}" / m / "metrics.jsonl" for m in MODES}
+        runs = {m: _read_jsonl(path) for m, path in paths.items()}
+        # the workload of each step, from the baseline's record (the rollouts are identical)
+        lengths = {r.get("step"): _checked(paths["baseline"], r, _lengths, layout) for r in runs["baseline"][1:]}
         for mode, recs in runs.items():
             for r in recs[1:]:
-                base = base_by_step[r["step"]]
-                fold = k if by_pair and len(pairs) > 1 else r["step"] % 2
-                phases = {p: float(r[f"{p}_s"]) for p in PHASES}
-                lengths = (lengths_by_worker(layout.rows, layout.group, base.get("resp_lens", []))
-                           or worker_lengths(layout.rows, base["resp_len_max"], base["plain_steps"], base["tokens"]))
-                work = r.get("update_work_s")
-                out.append(StepRecord(k, mode, r["step"], fold, lengths,
-                                      tuple(float(x) for x in r["rollout_gen_s"]), float(r["mean_accept_len"]),
-                                      int(r["tokens"]), phases, None if work is None else float(work)))
+                out.append(_checked(paths[mode], r, _record, k, mode, lengths, by_pair and len(pairs) > 1))
     return out, len(pairs)
+
+
+def _checked(path: Path, r: dict[str, Any], read, *args):
+    """``read(r, *args)``, its errors reworded to name the file, the step and the field."""
+    try:
+        return read(r, *args)
+    except (KeyError, TypeError, ValueError) as e:
+        what = f"no field {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"{path} step {r.get('step')!r}: {what} (expected the records of "
+                         f"`nemo-tlt train --compare-baseline`)") from None
+
+
+def _lengths(base: dict[str, Any], layout: RunLayout) -> tuple[tuple[int, ...], ...]:
+    if "resp_lens" in base:
+        return lengths_by_worker(layout.rows, layout.group, base["resp_lens"])
+    return worker_lengths(layout.rows, base["resp_len_max"], base["plain_steps"], base["tokens"])
+
+
+def _record(r: dict[str, Any], pair: int, mode: str, lengths: dict, by_pair: bool) -> StepRecord:
+    if r["step"] not in lengths:
+        raise ValueError("the baseline run of this pair has no record of this step")
+    work = r.get("update_work_s")
+    return StepRecord(pair, mode, r["step"], pair if by_pair else r["step"] % 2, lengths[r["step"]],
+                      tuple(float(x) for x in r["rollout_gen_s"]), float(r["mean_accept_len"]), int(r["tokens"]),
+                      {p: float(r[f"{p}_s"]) for p in PHASES}, None if work is None else float(work))
 
 
 def _sim_config(layout: RunLayout, lengths: tuple[int, ...], mode: str, accept: float) -> SimConfig:
@@ -212,7 +239,8 @@ def _sim_config(layout: RunLayout, lengths: tuple[int, ...], mode: str, accept: 
 
 
 def worker_seconds(costs: LinearCosts, layout: RunLayout, lengths: tuple[int, ...], mode: str, accept: float) -> float:
-    return worker_run(costs, layout, lengths, mode, accept)[0]
+    cfg = _sim_config(layout, lengths, mode, accept)
+    return simulate_replica(np.asarray(lengths), 0, costs, cfg, 1.0, np.random.default_rng(0))[0]
 
 
 def worker_run(costs: LinearCosts, layout: RunLayout, lengths: tuple[int, ...], mode: str,
@@ -229,9 +257,7 @@ def pipelined_tail(runs: list[tuple[float, np.ndarray]], lengths: tuple[tuple[in
     """Seconds of the update's work (``work_s`` per rank, spread over the ranks) left when the
     slowest worker's rollout ends, if each group's share (by its tokens) can run on the
     workers already done once its last row finished (the simulator's ``pipelined_overlap``)."""
-    total = sum(map(sum, lengths))
-    groups = [(float(np.max(done[g:g + group])), work_s * sum(ls[g:g + group]) / total)
-              for (_, done), ls in zip(runs, lengths) for g in range(0, len(ls), group)]
+    groups = group_work([np.asarray(ls) for ls in lengths], [done for _, done in runs], group, work_s)
     return work_s - pipelined_overlap(groups, [s for s, _ in runs], work_s)
 
 
@@ -296,9 +322,16 @@ def _piped(layout: RunLayout, mode: str, per_rank: bool) -> bool:
     return layout.pipelined and mode == "tlt" and per_rank
 
 
-def _tail(rec: StepRecord, costs: LinearCosts, layout: RunLayout, accept: float, update: tuple[float, float]) -> float:
-    runs = [worker_run(costs, layout, ls, rec.mode, accept) for ls in rec.lengths]
-    return pipelined_tail(runs, rec.lengths, layout.group, update[0] + update[1] * float(np.mean(rec.rank_tokens())))
+def _tail(rec: StepRecord, runs: list[tuple[float, np.ndarray]], layout: RunLayout, update: tuple[float, float],
+          after_s: float) -> float:
+    """The pipelined update's work left after the slowest worker: a rank's work less what
+    runs after the meet in any case (``after_s``: combining the groups, the optimizer step)."""
+    work = update[0] + update[1] * float(np.mean(rec.rank_tokens()))
+    return pipelined_tail(runs, rec.lengths, layout.group, max(0.0, work - after_s))
+
+
+def _runs(rec: StepRecord, costs: LinearCosts, layout: RunLayout, accept: float) -> list[tuple[float, np.ndarray]]:
+    return [worker_run(costs, layout, ls, rec.mode, accept) for ls in rec.lengths]
 
 
 def fit_fold(train: list[StepRecord], layout: RunLayout) -> FoldFit:
@@ -313,25 +346,30 @@ def fit_fold(train: list[StepRecord], layout: RunLayout) -> FoldFit:
     for m in MODES:
         recs = [r for r in train if r.mode == m]
         fixed[m] = {p: float(np.mean([r.phases[p] for r in recs])) for p in ("logprob", "weight_sync", "other")}
-        # a pipelined rollout phase also holds the update work left after the slowest worker's decode
-        tails = ([_tail(r, rollout[m], layout, accept.get(r.step, r.accept), update) for r in recs]
-                 if _piped(layout, m, per_rank) else [0.0] * len(recs))
-        fixed[m]["rollout_gap"] = float(np.mean([r.phases["rollout"] - max(r.gen_s) - t for r, t in zip(recs, tails)]))
+        tails = [0.0] * len(recs)
         if _piped(layout, m, per_rank):  # what is left for the update phase: combining the groups, the step
             fixed[m]["update"] = float(np.mean([r.phases["update"] for r in recs]))
+            # a pipelined rollout phase also holds the update work left after the slowest worker's decode
+            tails = [_tail(r, _runs(r, rollout[m], layout, accept.get(r.step, r.accept)), layout, update,
+                           fixed[m]["update"]) for r in recs]
+        fixed[m]["rollout_gap"] = float(np.mean([r.phases["rollout"] - max(r.gen_s) - t for r, t in zip(recs, tails)]))
     return FoldFit(rollout, update, fixed, accept, float(np.mean([r.accept for r in tlt])), per_rank)
 
 
 def predict(rec: StepRecord, fit: FoldFit, layout: RunLayout) -> dict[str, float]:
     """Predicted phase seconds of one step record from costs fitted on other folds."""
     acc = fit.accept.get(rec.step, fit.accept_mean)
-    gen = max(worker_seconds(fit.rollout[rec.mode], layout, ls, rec.mode, acc) for ls in rec.lengths)
+    runs = _runs(rec, fit.rollout[rec.mode], layout, acc)
+    gen = max(s for s, _ in runs)
     fx = fit.fixed[rec.mode]
     u0, u1 = fit.update
     if _piped(layout, rec.mode, fit.per_rank):
-        tail, update = _tail(rec, fit.rollout[rec.mode], layout, acc, fit.update), fx["update"]
-    else:  # after the rollout, as long as the rank with the most tokens takes (its gradients are awaited)
-        tail, update = 0.0, u0 + u1 * (max(rec.rank_tokens()) if fit.per_rank else rec.tokens)
+        tail, update = _tail(rec, runs, layout, fit.update, fx["update"]), fx["update"]
+    elif fit.per_rank:  # after the rollout, as long as the rank with the most tokens takes (its gradients
+        # are awaited); its log-probs are a phase of their own, so they leave the update phase
+        tail, update = 0.0, max(0.0, u0 + u1 * max(rec.rank_tokens()) - fx["logprob"])
+    else:
+        tail, update = 0.0, u0 + u1 * rec.tokens
     out = {"rollout": gen + fx["rollout_gap"] + tail, "logprob": fx["logprob"], "update": update,
            "weight_sync": fx["weight_sync"], "other": fx["other"]}
     out["step"] = sum(out.values())

@@ -168,10 +168,12 @@ def simulate_replica(lengths: np.ndarray, prompt_len: int, costs: RolloutCosts, 
 
 def finish_times(lengths: np.ndarray, trace: list[tuple[float, float, int, str]]) -> np.ndarray:
     """When each row of ``simulate_replica``'s rollout finished (in the order of ``lengths``):
-    its trace holds, after the prefill, one stretch per distinct length in increasing order,
-    ending when the rows of that length finish."""
-    ends = {int(n): start + seconds for n, (start, seconds, _, _) in zip(np.unique(lengths), trace[1:])}
-    return np.array([ends[int(n)] for n in lengths])
+    its trace holds, after the prefill, one stretch per distinct length > 0 in increasing
+    order, ending when the rows of that length finish; a row of length 0 ends with the prefill."""
+    lengths = np.asarray(lengths)
+    prefill_end = trace[0][0] + trace[0][1]
+    ends = {int(n): start + seconds for n, (start, seconds, _, _) in zip(np.unique(lengths[lengths > 0]), trace[1:])}
+    return np.array([ends[int(n)] if n > 0 else prefill_end for n in lengths])
 
 
 def pipelined_overlap(group_done: list[tuple[float, float]], replica_end: list[float], work_s: float,
@@ -232,15 +234,24 @@ def simulate(costs: RolloutCosts, fixed: FixedCosts, cfg: SimConfig) -> list[Ste
 
 
 def _overlap(shares: list[np.ndarray], runs: list, ends: list[float], work_s: float, cfg: SimConfig) -> float:
-    tokens = sum(float(np.sum(sh)) + cfg.prompt_len * len(sh) for sh in shares)
-    groups = []
-    for share, (_, trace) in zip(shares, runs):
-        done = finish_times(share, trace)
-        for g in range(0, len(share), cfg.group_size):
-            rows = slice(g, g + cfg.group_size)
-            group_tokens = float(np.sum(share[rows])) + cfg.prompt_len * len(share[rows])
-            groups.append((float(np.max(done[rows])), work_s * group_tokens / tokens))
+    done = [finish_times(share, trace) for share, (_, trace) in zip(shares, runs)]
+    groups = group_work(shares, done, cfg.group_size, work_s, cfg.prompt_len)
     return pipelined_overlap(groups, ends, work_s, cfg.update_share)
+
+
+def group_work(lengths: list[np.ndarray], done: list[np.ndarray], group_size: int, work_s: float,
+               prompt_len: int = 0) -> list[tuple[float, float]]:
+    """(when the group's last row finished, its share of ``work_s`` by its tokens, prompts
+    included) for every ``group_size`` consecutive rows of every replica: the
+    ``group_done`` of :func:`pipelined_overlap`. ``done``: each replica's row finish times."""
+    tokens = sum(float(np.sum(ls)) + prompt_len * len(ls) for ls in lengths)
+    out = []
+    for ls, ends in zip(lengths, done):
+        for g in range(0, len(ls), group_size):
+            rows = slice(g, g + group_size)
+            share = (float(np.sum(ls[rows])) + prompt_len * len(ls[rows])) / tokens if tokens > 0 else 0.0
+            out.append((float(np.max(ends[rows])), work_s * share))
+    return out
 
 
 def summarize(tlt: list[StepResult], base: list[StepResult]) -> dict[str, float]:

@@ -141,6 +141,7 @@ def test_longtail_warm_keeps_one_policy_across_rounds_and_reports_both(tiny, mon
         cpu["longtail_adaptive_warm"] / cpu["longtail_plain"])
     assert payload["ratios_cpu"]["adaptive_vs_best_fixed"] == pytest.approx(
         cpu["longtail_adaptive"] / cpu[payload["ratios_cpu"]["best_fixed"]])
+    assert payload["control_of"] == "longtail_fixed_2_1_2"
     assert payload["ratios_warm_cpu"]["control"] == pytest.approx(cpu["longtail_control"] / cpu["longtail_fixed_2_1_2"])
     for key in ("ratios_cpu", "ratios_warm_cpu"):
         spans = payload[f"{key}_interval"]

@@ -70,3 +70,13 @@ def test_a_reference_arm_fixes_the_work_priced_and_must_be_one_of_the_traces():
     assert h["oracle_steps_s"] == pytest.approx(1.3) and h["best_per_bucket"] == {1: "plain", 0: "plain"}
     with pytest.raises(ValueError, match="reference 'other' is not one of the traces"):
         per_bucket_oracle(traces, bucket_of, reference="other")
+
+
+def test_buckets_without_tokens_or_time_keep_the_references_seconds_in_bucket_order():
+    traces = {"a": _trace((8, 1.0, 8), (1, 0.5, 0)),   # no tokens with one row
+              "b": _trace((8, 0.5, 8), (1, 0.1, 1))}
+    h = per_bucket_oracle(traces, bucket_of, reference="a")
+    assert list(h["best_per_bucket"]) == [0, 1] and h["best_per_bucket"] == {0: "a", 1: "b"}
+    assert h["oracle_steps_s"] == pytest.approx(0.5 + 0.5)  # a's 0.5 s without tokens, 8 tokens at b's 16/s
+    untimed = {"a": _trace((8, 0.0, 8)), "b": _trace((8, 0.0, 8))}  # a timer that read 0 for every step
+    assert per_bucket_oracle(untimed, bucket_of)["oracle_steps_s"] == 0.0

@@ -117,7 +117,8 @@ def test_cli_writes_the_json(tmp_path, capsys):
 
 
 # ---- a run whose TLT update was pipelined into the rollout's tail ---------------------
-PIPE = dict(u0=0.03, u1=0.002, opt=0.02)   # update work per rank: u0 + u1 x its tokens; TLT's step after
+# a rank's group work: u0 + u1 x its tokens; then, in both modes, the step (after the meet in TLT)
+PIPE = dict(u0=0.03, u1=0.002, opt=0.02, logprob=0.0)
 
 
 def _finish(lengths: list[int], mode: str) -> tuple[float, list[float]]:
@@ -151,34 +152,35 @@ def _work_left(workers: list[list[int]], mode: str, work: float, dt: float = 1e-
     return [s for s, _ in runs], len(workers) * work - done
 
 
-def piped_record(step: int, mode: str) -> dict:
+def piped_record(step: int, mode: str, piped: bool = True) -> dict:
     l0, l1, q = STEPS[step]
     lens = [q + ACCEPT * (i % 3) for i in range(16)]  # groups differ, so which rows share a worker matters
     lens[0], lens[4] = l0, l1        # sequence p x 4 + g; prompt p on worker p % 2: ids 0-3, 8-11 on worker 0
     workers = [[lens[i] for i in (0, 1, 2, 3, 8, 9, 10, 11)], [lens[i] for i in (4, 5, 6, 7, 12, 13, 14, 15)]]
-    rank_work = [PIPE["u0"] + PIPE["u1"] * sum(w) for w in workers]
-    work = float(np.mean(rank_work))
+    group_work = [PIPE["u0"] + PIPE["u1"] * sum(w) for w in workers]
+    work = float(np.mean(group_work))
     fx = FIXED[mode]
-    if mode == "tlt":
+    if mode == "tlt" and piped:
         gen, left = _work_left(workers, mode, work)
         rollout, update = max(gen) + fx["gap"] + left / 2, PIPE["opt"]
-    else:
+    else:  # log-probs, then the update as long as the busiest rank's, then the step
         gen = [_finish(w, mode)[0] for w in workers]
-        rollout, update = max(gen) + fx["gap"], max(rank_work)
+        rollout, update = max(gen) + fx["gap"], max(group_work) + PIPE["opt"]
     r = {"step": step, "mode": mode, "resp_len_max": max(l0, l1), "tokens": sum(lens), "resp_lens": lens,
          "plain_steps": l0 + l1 if mode == "baseline" else 0, "mean_accept_len": float(ACCEPT) if mode == "tlt" else 0.0,
-         "rollout_gen_s": gen, "rollout_s": rollout, "logprob_s": 0.0, "update_s": update, "update_work_s": work,
-         "weight_sync_s": fx["weight_sync"], "other_s": fx["other"]}
+         "rollout_gen_s": gen, "rollout_s": rollout, "logprob_s": PIPE["logprob"], "update_s": update,
+         "update_work_s": PIPE["logprob"] + work + PIPE["opt"], "weight_sync_s": fx["weight_sync"],
+         "other_s": fx["other"]}
     r["step_s"] = sum(r[k] for k in ("rollout_s", "logprob_s", "update_s", "weight_sync_s", "other_s"))
     return r
 
 
-def write_piped_run(root: Path, pairs: int = 3) -> Path:
+def write_piped_run(root: Path, pairs: int = 3, piped: bool = True) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.yaml").write_text(CONFIG + "policy:\n  pipelined_update: true\n")
+    (root / "config.yaml").write_text(CONFIG + f"policy:\n  pipelined_update: {str(piped).lower()}\n")
     figures = []
     for k in range(1, pairs + 1):
-        recs = {m: [piped_record(s, m) for s in range(len(STEPS))] for m in ("tlt", "baseline")}
+        recs = {m: [piped_record(s, m, piped) for s in range(len(STEPS))] for m in ("tlt", "baseline")}
         for mode, rs in recs.items():
             (root / f"pair{k}" / mode).mkdir(parents=True)
             (root / f"pair{k}" / mode / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
@@ -190,9 +192,10 @@ def write_piped_run(root: Path, pairs: int = 3) -> Path:
 @pytest.mark.parametrize("folds", ["pairs", "steps"])
 def test_a_pipelined_run_is_predicted_from_the_update_work_and_when_groups_finish(tmp_path, folds):
     out = calibrate(write_piped_run(tmp_path), folds)
-    for fit in out["fits"].values():  # the update's work per rank, from update_work_s of both modes
+    for fit in out["fits"].values():  # the update's work per rank (the step's included), from update_work_s
         assert fit["update_tokens"] == "of a rank"
-        np.testing.assert_allclose([fit["update_s"], fit["update_per_token_s"]], [PIPE["u0"], PIPE["u1"]], rtol=1e-6)
+        np.testing.assert_allclose([fit["update_s"], fit["update_per_token_s"]], [PIPE["u0"] + PIPE["opt"], PIPE["u1"]],
+                                   rtol=1e-6)
         assert fit["fixed_s"]["tlt"]["update"] == pytest.approx(PIPE["opt"])
         assert fit["fixed_s"]["tlt"]["rollout_gap"] == pytest.approx(FIXED["tlt"]["gap"], abs=2e-4)
     for name, v in out["phases"].items():
@@ -202,10 +205,46 @@ def test_a_pipelined_run_is_predicted_from_the_update_work_and_when_groups_finis
     assert out["predicted_speedup"] == pytest.approx(out["measured_speedup"], rel=1e-3)
 
 
-def test_lengths_by_worker_follow_the_prompt_sharding_or_give_way():
+def test_lengths_by_worker_follow_the_prompt_sharding_or_are_refused():
     from nemo_tlt.plan.calibrate import lengths_by_worker
     lens = list(range(16))  # 4 prompts x group 4, 2 workers: prompts 0, 2 on worker 0
     assert lengths_by_worker((8, 8), 4, lens) == ((0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
     assert lengths_by_worker((12, 8), 4, list(range(20))) == (tuple(range(4)) + tuple(range(8, 12)) + tuple(range(16, 20)),
                                                             tuple(range(4, 8)) + tuple(range(12, 16)))
-    assert lengths_by_worker((8, 8), 4, lens[:12]) is None  # not this layout's sequences
+    with pytest.raises(ValueError, match="resp_lens must hold 4 x 4 lengths"):
+        lengths_by_worker((8, 8), 4, lens[:12])  # not this layout's sequences
+
+
+def test_a_synchronous_run_with_log_probs_counts_them_once(tmp_path, monkeypatch):
+    monkeypatch.setitem(PIPE, "logprob", 0.05)  # a separate log-prob pass: its own phase, inside update_work_s
+    out = calibrate(write_piped_run(tmp_path, piped=False), "steps")
+    for name, v in out["phases"].items():
+        assert v["predicted_s"] == pytest.approx(v["measured_s"], rel=1e-6, abs=1e-9), name
+    assert out["predicted_speedup"] == pytest.approx(out["measured_speedup"], rel=1e-6)
+
+
+def test_bad_records_and_layouts_are_refused_naming_the_file_and_field(tmp_path):
+    run = write_piped_run(tmp_path / "run", pairs=2)
+    path = run / "pair2" / "tlt" / "metrics.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    del recs[3]["rollout_gen_s"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(ValueError, match=r"pair2/tlt/metrics.jsonl step 3: no field 'rollout_gen_s'"):
+        calibrate(run)
+    run = write_piped_run(tmp_path / "short", pairs=2)
+    path = run / "pair1" / "baseline" / "metrics.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    recs[2]["resp_lens"] = recs[2]["resp_lens"][:12]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(ValueError, match=r"pair1/baseline/metrics.jsonl step 2: resp_lens must hold 4 x 4 lengths"):
+        calibrate(run)
+    run = write_piped_run(tmp_path / "tp", pairs=2)
+    (run / "config.yaml").write_text(CONFIG.replace("rollout:\n", "rollout:\n  tensor_parallel: 2\n"))
+    with pytest.raises(ValueError, match="rollout.tensor_parallel=2"):
+        calibrate(run)
+
+
+def test_a_row_of_length_zero_ends_with_the_prefill():
+    from nemo_tlt.plan.simulator import finish_times
+    trace = [(0.0, 0.5, 3, "prefill"), (0.5, 1.0, 2, ""), (1.5, 2.0, 1, "")]
+    np.testing.assert_allclose(finish_times(np.array([0, 3, 7, 3]), trace), [0.5, 1.5, 3.5, 1.5])
