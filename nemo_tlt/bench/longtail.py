@@ -186,13 +186,14 @@ def ratio_intervals(rounds: dict[str, list], key: str, adaptive: str, seed: int)
     figures = {k: v for k, v in median_ratios(rounds, key, adaptive).items() if k != "best_fixed"}
     if len(rounds_idx) < 2:  # one round: nothing to resample
         return {k: [v, v] for k, v in figures.items()}
-    rng = np.random.default_rng(seed)
-    out = {}
-    for k in figures:
-        res = bootstrap((rounds_idx,), lambda idx, k=k: median_ratios(rounds, key, adaptive, idx)[k],
-                        vectorized=False, n_resamples=2000, confidence_level=0.9, method="percentile", rng=rng)
-        out[k] = [float(res.confidence_interval.low), float(res.confidence_interval.high)]
-    return out
+
+    def statistic(idx: np.ndarray) -> np.ndarray:  # every figure from one resample
+        resampled = median_ratios(rounds, key, adaptive, idx)
+        return np.array([resampled[k] for k in figures])
+
+    ci = bootstrap((rounds_idx,), statistic, vectorized=False, n_resamples=2000, confidence_level=0.9,
+                   method="percentile", rng=np.random.default_rng(seed)).confidence_interval
+    return {k: [float(lo), float(hi)] for k, lo, hi in zip(figures, ci.low, ci.high)}
 
 
 def _controlled(rounds: dict[str, list]) -> str:
