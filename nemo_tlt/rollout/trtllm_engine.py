@@ -1,10 +1,10 @@
 """`TRTLLMRolloutEngine`: the `RolloutEngine` contract over TensorRT-LLM's LLM API.
 
 Written against the TensorRT-LLM source named by ``trtllm_config.TRTLLM_SOURCE``;
-NEVER RUN here (no GPU, TensorRT-LLM not installable): only the pure parts below
-(request/result conversion, validation, the weight-stream checks, the missing-package
-error, the schedule mapping in ``trtllm_schedule``) are tested, against a fake
-module. ``pytest -m trtllm`` on a GPU node runs the conformance suite on it.
+NEVER RUN here (no GPU, TensorRT-LLM not installable): it is tested against a stand-in
+``tensorrt_llm`` module (``tests/trtllm_standin.py``) that generates with the embedded torch
+engine, so the requests, sampling, draft-length schedule and refits it hands over decide
+what comes back. ``pytest -m trtllm`` on a GPU node runs the conformance suite on it.
 
 What runs where: TensorRT-LLM's PyTorch backend drafts with EAGLE-3 only, one-model
 (the drafter a submodule of the target). The drafter is the EAGLE-3 HF folder in

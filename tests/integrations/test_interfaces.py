@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from nemo_tlt.adaptive.config import SpecDecodingConfig
 from nemo_tlt.integrations.interface_facts import (KEYWORD_ONLY, NEMO_ALIGNER_GENERATE, NEMO_RL_GENERATION,
                                                    Method, Param, interface_deviations, output_deviations,
                                                    signature_deviations)
@@ -17,6 +18,7 @@ from nemo_tlt.integrations.nemo_rl import TLTGeneration
 from nemo_tlt.model.hf_io import save_hf_folder
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
+import trtllm_standin
 from test_nemo_face import aligner_yaml
 from tiny import tiny_target
 
@@ -66,6 +68,41 @@ def test_nemo_rl_adapter_selects_the_engine_from_the_tlt_block(tmp_path):
     trt = TLTBlock(backend="trtllm", target_dir=str(folder))
     with pytest.raises(ImportError, match=r"pip install nemo-tlt\[trtllm\]"):
         TLTGeneration.from_tlt_block(trt, SamplingParams(mode="rejection"), 0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "trtllm"])
+def test_nemo_rl_refit_changes_what_generate_returns_and_back(backend, tmp_path, monkeypatch):
+    """NeMo-RL's refit protocol as its GRPO loop drives it (``prepare_refit_info`` once, then per
+    step ``prepare_for_generation``, ``update_weights_from_collective``, ``generate``,
+    ``finish_generation``) reaches the engine: after a refit with another policy's weights
+    ``generate`` returns that policy's greedy output, and after one with the first weights the
+    first output again. ``trtllm``: the TensorRT-LLM engine over the stand-in module
+    (tests/trtllm_standin.py), built with ``load_format='dummy'`` as the adapter builds it."""
+    if backend == "trtllm":
+        trtllm_standin.install(monkeypatch)
+    first, second = tiny_target(seed=3), tiny_target(seed=9)
+    folder = save_hf_folder(first, tmp_path / "t")
+    sent: dict[str, dict[str, torch.Tensor]] = {}  # what the trainer's collective broadcast carries
+    tlt = TLTBlock(backend=backend, target_dir=str(folder), rollout=SpecDecodingConfig(sd_enabled=False))
+    gen = TLTGeneration.from_tlt_block(tlt, SamplingParams(mode="rejection", max_new_tokens=8), pad_token_id=0,
+                                       weight_source=lambda: iter(sent["weights"].items()))
+    gen.prepare_refit_info({n: (tuple(t.shape), t.dtype) for n, t in first.state_dict().items()})
+
+    def step(policy):
+        sent["weights"] = policy.state_dict()
+        assert gen.prepare_for_generation() and gen.update_weights_from_collective() == []
+        out = gen.generate(DATUM, greedy=True)
+        assert gen.finish_generation()
+        return {k: v.tolist() for k, v in out.items()}
+
+    def alone(policy):
+        out = TLTGeneration(TorchRolloutEngine(policy), SamplingParams(mode="rejection", max_new_tokens=8),
+                            pad_token_id=0).generate(DATUM, greedy=True)
+        return {k: v.tolist() for k, v in out.items()}
+
+    at_first, at_second, back = step(first), step(second), step(first)
+    assert at_first == alone(first) and at_second == alone(second)
+    assert at_second["output_ids"] != at_first["output_ids"] and back == at_first
 
 
 def test_aligner_backend_meets_gpt_generate_trtllm(tmp_path):

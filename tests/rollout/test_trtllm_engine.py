@@ -1,13 +1,15 @@
 """Our side of the TensorRT-LLM engine: config, conversion, strict weight streams, the
 missing-package error. TensorRT-LLM itself is never imported here: where the engine
-object is needed, ``FakeTensorRTLLM`` (a stand-in module defined below, not TensorRT-LLM)
-records what our code hands to the LLM API."""
+object is needed, ``tests/trtllm_standin.py`` (a stand-in module, not TensorRT-LLM) serves
+the folder with the torch engine, so the tokens, the draft-length schedule the workers
+hold (set by our worker extension) and the refitted weights show in what comes back."""
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import sys
-import types
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,16 +20,14 @@ from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.device import Placement
 from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.eagle3_hf import write_eagle3_hf
-from nemo_tlt.integrations.interface_facts import (TRTLLM_COMPLETION_FIELDS, TRTLLM_EAGLE3_FIELDS,
-                                                   TRTLLM_LOGPROB_FIELDS, TRTLLM_GENERATE, TRTLLM_LLM_FIELDS,
-                                                   TRTLLM_PERF_METRICS_FIELDS, TRTLLM_REQUEST_OUTPUT_FIELDS,
-                                                   TRTLLM_SAMPLING_FIELDS, TRTLLM_SPEC_METRICS_FIELDS,
-                                                   TRTLLM_WORKER_RPCS, refuse_unknown, signature_deviations)
-from nemo_tlt.model.hf_io import save_hf_folder
+from nemo_tlt.integrations.interface_facts import (TRTLLM_EAGLE3_FIELDS, TRTLLM_GENERATE, TRTLLM_LLM_FIELDS,
+                                                   TRTLLM_SAMPLING_FIELDS, signature_deviations)
+from nemo_tlt.model.hf_io import read_state_dict, save_hf_folder
 from nemo_tlt.rollout import trtllm_run
 from nemo_tlt.rollout.config import RolloutConfig
 from nemo_tlt.rollout.factory import build_rollout_engine, engine_tensor_parallel
 from nemo_tlt.rollout.protocol import Request
+from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.rollout.trtllm_config import TRTLLM_REQUIREMENT, WORKER_EXTENSION, TRTLLMEngineConfig
 from nemo_tlt.rollout.trtllm_run import TrainRunAsks, train_run_refusal, unsupported_settings
 from nemo_tlt.rollout.trtllm_stats import speculation_report
@@ -36,6 +36,7 @@ from nemo_tlt.rollout.trtllm_engine import (TRTLLMRolloutEngine, canonical_shape
                                             trtllm_capture_layers, weight_buckets)
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.speculative.tree_shape import TreeShape
+import trtllm_standin as standin
 from tiny import tiny_config, tiny_target
 
 
@@ -68,7 +69,7 @@ def test_train_run_refusals_name_each_setting(monkeypatch):
 
 
 def test_factory_builds_the_trtllm_engine_on_cuda_only(monkeypatch, tmp_path):
-    fake_tensorrt_llm(monkeypatch)
+    standin.install(monkeypatch)
     folder = save_hf_folder(tiny_target(num_layers=3), tmp_path / "t")
     with pytest.raises(ValueError, match="rollout.engine=trtllm runs on CUDA devices only"):
         build_rollout_engine(RolloutConfig(engine="trtllm"), str(folder), Placement.cpu())
@@ -160,8 +161,8 @@ def test_config_validation_and_llm_kwargs():
     assert TRTLLMEngineConfig(target_dir="t").speculative_kwargs() is None
 
 
-def _exported_drafter(cfg, folder, capture_layers=None) -> str:
-    drafter = Eagle3Drafter(Eagle3Config.from_target(cfg, capture_layers), generator=torch.Generator().manual_seed(0))
+def _exported_drafter(cfg, folder, capture_layers=None, seed=0) -> str:
+    drafter = Eagle3Drafter(Eagle3Config.from_target(cfg, capture_layers), generator=torch.Generator().manual_seed(seed))
     folder.mkdir()
     write_eagle3_hf(drafter, folder)
     return str(folder)
@@ -210,78 +211,25 @@ def test_trtllm_default_capture_layers_follow_its_rules():
         TRTLLMEngineConfig(target_dir="t", eagle3_layers_to_capture=(-1, 2))
 
 
-# ---- a stand-in module (NOT TensorRT-LLM) to check what our engine hands to the LLM API ----------
-# Strict per interface_facts: a keyword, RPC or generate argument TensorRT-LLM's own class does not
-# have is refused, so drift in our engine (or in the facts) shows here.
-RPCS = {**TRTLLM_WORKER_RPCS, "set_draft_len_schedule": 1}  # WorkerExtension's, plus our extension's
-
-
-class FakeLLM:
-    def __init__(self, **kwargs):
-        refuse_unknown("LLM", kwargs, TRTLLM_LLM_FIELDS)
-        self.kwargs, self.rpcs, self.calls = kwargs, [], []
-
-    def _collective_rpc(self, method, args):
-        if method not in RPCS or len(args) != RPCS[method]:
-            raise TypeError(f"no worker method {method}{args!r}")
-        self.rpcs.append((method, args))
-
-    # what each request reports about speculation: (avg_decoded_tokens_per_iter, decoding_iter) and, with
-    # return_perf_metrics, speculative_decoding's (accepted, drafted) draft tokens
-    SPECULATION = (1.5, 2, 1, 4)
-
-    def generate(self, inputs, sampling_params=None, use_tqdm=True):
-        self.calls.append((inputs, sampling_params))
-        assert all(p.get("logprobs") == 1 for p in sampling_params)  # one log-prob per generated token
-        avg, iters, accepted, drafted = self.SPECULATION
-        results = []
-        for params in sampling_params:
-            perf = None
-            if params.get("return_perf_metrics"):
-                spec = SimpleNamespace(acceptance_rate=accepted / drafted, total_accepted_draft_tokens=accepted,
-                                       total_draft_tokens=drafted)
-                refuse_unknown("SpeculativeDecodingMetrics", vars(spec), TRTLLM_SPEC_METRICS_FIELDS)
-                perf = SimpleNamespace(speculative_decoding=spec)
-                refuse_unknown("RequestPerfMetrics", vars(perf), TRTLLM_PERF_METRICS_FIELDS)
-            out = SimpleNamespace(token_ids=[5, 6], finish_reason="stop", logprobs=trtllm_logprobs([5, 6]),
-                                  request_perf_metrics=perf)
-            refuse_unknown("CompletionOutput", vars(out), TRTLLM_COMPLETION_FIELDS)
-            refuse_unknown("Logprob", vars(out.logprobs[0][5]), TRTLLM_LOGPROB_FIELDS)
-            result = SimpleNamespace(outputs=[out], decoding_iter=iters, avg_decoded_tokens_per_iter=avg)
-            refuse_unknown("RequestOutput", vars(result), TRTLLM_REQUEST_OUTPUT_FIELDS)
-            results.append(result)
-        return results
-
-
-def fake_sampling_params(**kw):
-    refuse_unknown("SamplingParams", kw, TRTLLM_SAMPLING_FIELDS)
-    return kw
-
-
-def fake_eagle3(**kw):
-    refuse_unknown("Eagle3DecodingConfig", kw, TRTLLM_EAGLE3_FIELDS)
-    return ("Eagle3DecodingConfig", kw)
-
-
-def fake_tensorrt_llm(monkeypatch):
-    mod = types.ModuleType("tensorrt_llm")
-    mod.LLM = FakeLLM
-    mod.SamplingParams = fake_sampling_params
-    llmapi = types.ModuleType("tensorrt_llm.llmapi")
-    llmapi.Eagle3DecodingConfig = fake_eagle3
-    mod.llmapi = llmapi
-    monkeypatch.setitem(sys.modules, "tensorrt_llm", mod)
-    monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi", llmapi)
-
-
+# ---- the engine against tests/trtllm_standin.py: a stand-in module (NOT TensorRT-LLM) that generates ----
+# from the request with the torch engine, drafts with the folder by the schedule the workers hold, refits
+# through update_weights; strict per interface_facts (a keyword its real class lacks is refused).
 def test_the_stand_ins_are_strict_and_match_the_facts():
-    assert signature_deviations(FakeLLM.generate.__get__(object()), TRTLLM_GENERATE) == []
+    assert signature_deviations(standin.LLM.generate.__get__(object()), TRTLLM_GENERATE) == []
     with pytest.raises(TypeError, match="speculative_model_path"):
-        fake_eagle3(max_draft_len=4, speculative_model_path="d")
+        standin.Eagle3DecodingConfig(max_draft_len=4, speculative_model_path="d")
     with pytest.raises(TypeError, match="max_new_tokens"):
-        fake_sampling_params(max_new_tokens=4)
+        standin.SamplingParams(max_new_tokens=4)
     with pytest.raises(TypeError, match="tokenizer_dir"):
-        FakeLLM(model="m", tokenizer_dir="t")
+        standin.LLM(model="m", tokenizer_dir="t")
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        standin.Eagle3DecodingConfig(max_draft_len=4, speculative_model="d", max_concurrency=8,
+                                     draft_len_schedule={8: 4})
+    assert standin.Eagle3DecodingConfig(max_draft_len=3, speculative_model="d",
+                                        max_concurrency=8).draft_len_schedule == {8: 3}
+    # upstream's greedy rule: top_k None or 1 and top_p None or 0, whatever the temperature
+    assert standin.SamplingParams(temperature=0.7)._greedy_decoding
+    assert not standin.SamplingParams(top_p=0.9)._greedy_decoding
     everything = TRTLLMEngineConfig(target_dir="t", drafter_dir="d", use_dynamic_tree=True, dynamic_tree_max_topk=4,
                                     max_concurrency=8, eagle3_layers_to_capture=(1, 2, 3))
     assert set(everything.speculative_kwargs()) <= TRTLLM_EAGLE3_FIELDS
@@ -290,40 +238,155 @@ def test_the_stand_ins_are_strict_and_match_the_facts():
         assert set(sampling_kwargs(sp, 2, 0)) <= TRTLLM_SAMPLING_FIELDS
 
 
-def test_engine_conversion_and_schedule_updates_against_a_fake_module(monkeypatch, tmp_path):
-    fake_tensorrt_llm(monkeypatch)
-    folder = save_hf_folder(tiny_target(num_layers=3), tmp_path / "t")
-    drafter_dir = _exported_drafter(tiny_config(num_layers=3), tmp_path / "d")
-    engine = TRTLLMRolloutEngine.from_hf_folder(folder, drafter_dir=drafter_dir, max_draft_len=4, max_batch_size=8,
-                                                eagle3_layers_to_capture=(0, 1, 2))
-    assert engine.llm.kwargs["speculative_config"][1]["speculative_model"] == drafter_dir
+@pytest.fixture
+def served(monkeypatch, tmp_path):
+    """The stand-in installed; a 3-layer tiny target folder and an exported EAGLE-3 drafter folder."""
+    standin.install(monkeypatch)
+    target = tiny_target(num_layers=3)
+    return SimpleNamespace(target=target, folder=save_hf_folder(target, tmp_path / "t"), tmp=tmp_path,
+                           drafter_dir=_exported_drafter(tiny_config(num_layers=3), tmp_path / "d"))
+
+
+def _speculating_engine(served, **kwargs) -> TRTLLMRolloutEngine:
+    return TRTLLMRolloutEngine.from_hf_folder(served.folder, drafter_dir=served.drafter_dir, max_draft_len=4,
+                                              max_batch_size=8, eagle3_layers_to_capture=(0, 1, 2), **kwargs)
+
+
+REQS = [Request([3, 4]), Request([5], seq_id=9), Request([7, 8, 9])]
+
+
+def _tokens(out) -> list[list[int]]:
+    return [r.tokens for r in out.results]
+
+
+def test_engine_returns_what_the_served_model_generates(served):
+    """Prompts, sampling and results cross the LLM API intact: the tokens, stop reasons and
+    log-probs are the served model's own (the torch engine on the same weights), plain or
+    speculating; a sampled rollout follows its seed."""
+    engine = _speculating_engine(served)
+    assert engine.llm.kwargs["speculative_config"].speculative_model == served.drafter_dir
     assert engine.model_config == tiny_config(num_layers=3)
-    out = engine.generate([Request([3, 4]), Request([5], seq_id=9)], SamplingParams(max_new_tokens=4),
-                          policy=FixedSDPolicy(TreeShape(2, 1, 2)))
-    assert [r.tokens for r in out.results] == [[5, 6, 2], [5, 6, 2]]
-    assert [r.logprobs[:2] for r in out.results] == [[-0.5, -1.5]] * 2  # EOS appended: NaN
-    assert out.stats.tokens_generated == 6
-    # per-request acceptance (1.5 tokens per iteration over 2 iterations, 1 of 4 drafts accepted per request)
-    assert out.stats.accept_lengths == [2, 1, 2, 1] and out.stats.mean_accept_len == 1.5
-    spec = engine.last_speculation
-    assert (spec.requests, spec.iterations, spec.accepted_draft_tokens, spec.draft_tokens) == (2, 4, 2, 8)
+    sp = SamplingParams(mode="greedy", max_new_tokens=12)
+    want = TorchRolloutEngine(served.target).generate(REQS, sp).results
+    for policy in (None, FixedSDPolicy(TreeShape(2, 1, 2))):
+        got = engine.generate(REQS, sp, policy=policy).results
+        assert [r.tokens for r in got] == [w.tokens for w in want]
+        assert [r.stop_reason for r in got] == [w.stop_reason for w in want]
+        for r, w in zip(got, want):
+            torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-5)
     prompts, params = engine.llm.calls[-1]
-    assert prompts == [[3, 4], [5]] and params[0]["max_tokens"] == 4 and params[0]["return_perf_metrics"]
-    assert engine.llm.rpcs == [("set_draft_len_schedule", ({8: 2},))]
-    engine.generate([Request([3])], SamplingParams(max_new_tokens=4), policy=FixedSDPolicy(TreeShape(2, 1, 2)))
-    assert len(engine.llm.rpcs) == 1  # unchanged schedule: not sent again
-    plain = engine.generate([Request([3])], SamplingParams(max_new_tokens=4))
-    assert engine.llm.rpcs[-1] == ("set_draft_len_schedule", ({},))
-    # speculation off: no acceptance reported (as the torch engine's plain steps), no perf metrics asked
-    assert plain.stats.accept_lengths == [] and engine.last_speculation is None
-    assert "return_perf_metrics" not in engine.llm.calls[-1][1][0]
+    assert prompts == [[3, 4], [5], [7, 8, 9]] and params[0].max_tokens == 12 and params[0].end_id == 2
+    sampled = SamplingParams(mode="rejection", temperature=1.5, max_new_tokens=12, stop_on_eos=False)
+    one, again = engine.generate(REQS, sampled), engine.generate(REQS, sampled)
+    other = engine.generate(REQS, replace(sampled, seed=1))
+    assert _tokens(one) == _tokens(again) != _tokens(other)
+    assert all(len(t) == 12 for t in _tokens(one)) and not any(r.stop_reason == "eos" for r in one.results)
+    for req, r in zip(REQS, one.results):  # drawn at temperature 1.5: the log-probs say so
+        seq = torch.tensor([list(req.prompt) + r.tokens])
+        with torch.no_grad():
+            logits = served.target(seq)[0, len(req.prompt) - 1: -1].float() / 1.5
+        want_lp = logits.log_softmax(-1).gather(-1, torch.tensor(r.tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r.logprobs), want_lp, rtol=0, atol=1e-4)
     with pytest.raises(ValueError, match="return_hidden"):
         engine.generate([Request([3])], SamplingParams(max_new_tokens=4), return_hidden=True)
+
+
+def _drafted_per_iteration(spec) -> float:
+    """Draft tokens per decode iteration of the rollout (each request's context iteration drafts none)."""
+    return spec.draft_tokens / (spec.iterations - spec.requests)
+
+
+def test_the_policys_schedule_sets_the_draft_length_and_a_dropped_drafter_stops_it(served):
+    """Each policy's draft_len_schedule reaches the workers and decides how many tokens each
+    iteration drafts (tokens unchanged: greedy SD is lossless); without a drafter nothing is
+    drafted, and a reloaded one drafts again."""
+    engine = _speculating_engine(served)
+    spec_config = standin.worker(engine).engine.model_engine.spec_config
+    reqs, sp = REQS[:2], SamplingParams(mode="greedy", max_new_tokens=10, stop_on_eos=False)
+    plain = _tokens(TorchRolloutEngine(served.target).generate(reqs, sp))
+    for depth in (2, 4, 2):
+        out = engine.generate(reqs, sp, policy=FixedSDPolicy(TreeShape(depth, 1, depth)))
+        spec = engine.last_speculation
+        assert _tokens(out) == plain and spec.requests == 2 and _drafted_per_iteration(spec) == depth
+        assert spec_config.draft_len_schedule == {8: depth}
+        assert len(out.stats.accept_lengths) == spec.iterations and sum(out.stats.accept_lengths) == 20
+        assert engine.llm.calls[-1][1][0].return_perf_metrics
+    sent = [args for method, args in engine.llm.rpcs if method == "set_draft_len_schedule"]
+    assert sent == [({8: 2},), ({8: 4},), ({8: 2},)]
+    engine.generate(reqs, sp, policy=FixedSDPolicy(TreeShape(2, 1, 2)))
+    assert len(engine.llm.rpcs) == 3  # unchanged schedule: not sent again
+    out = engine.generate(reqs, sp)  # no policy: speculation off
+    assert _tokens(out) == plain and spec_config.draft_len_schedule == {1: 0}
+    assert out.stats.accept_lengths == [] and engine.last_speculation is None
+    assert not engine.llm.calls[-1][1][0].return_perf_metrics
+    engine.load_drafter(None)
+    with pytest.raises(ValueError, match="no drafter is loaded"):
+        engine.generate(reqs, sp, policy=FixedSDPolicy(TreeShape(2, 1, 2)))
+    assert spec_config.draft_len_schedule == {1: 0}
+    other = _exported_drafter(tiny_config(num_layers=3), served.tmp / "other", seed=7)
+    drafter = standin.worker(engine).engine.model_engine.model.draft_model
+    written = read_state_dict(other)
+    assert not torch.equal(drafter.state_dict()["fc.weight"], written["fc.weight"])
+    engine.load_drafter(other)  # the unverified drafter refit: into the draft module by name
+    assert all(torch.equal(drafter.state_dict()[n], t) for n, t in written.items())
+    out = engine.generate(reqs, sp, policy=FixedSDPolicy(TreeShape(3, 1, 3)))
+    assert _tokens(out) == plain and _drafted_per_iteration(engine.last_speculation) == 3
     with pytest.raises(ValueError, match="not a torch|EAGLE-3 HF folder"):
         engine.load_drafter(torch.nn.Linear(1, 1))
-    other_layers = _exported_drafter(tiny_config(num_layers=3), tmp_path / "other", capture_layers=(1, 2))
     with pytest.raises(ValueError, match=r"trained on target layers \[1, 2\]"):
-        engine.load_drafter(other_layers)
+        engine.load_drafter(_exported_drafter(tiny_config(num_layers=3), served.tmp / "two", capture_layers=(1, 2)))
+
+
+def _perf(llm, prompts, max_tokens=8):
+    """What the LLM reports per request for a plain greedy call: (decoding_iter, draft tokens)."""
+    params = standin.SamplingParams(max_tokens=max_tokens, end_id=-1, detokenize=False, return_perf_metrics=True)
+    return [(o.decoding_iter, o.outputs[0].request_perf_metrics.speculative_decoding.total_draft_tokens)
+            for o in llm.generate(prompts, [params] * len(prompts))]
+
+
+def test_the_worker_extension_installs_the_schedule_by_batch_size(served):
+    """``TLTWorkerExtension.set_draft_len_schedule`` (called as the engine calls it, through
+    ``_collective_rpc``) decides speculation from the next iteration on, by the running batch
+    size: {1: 3} drafts 3 tokens per iteration for one request and none for two; {} none at all."""
+    engine = _speculating_engine(served)
+    ext = standin.worker(engine)
+    assert isinstance(ext, importlib.import_module(standin.WORKER_MODULE).TLTWorkerExtension)
+    engine.llm._collective_rpc("set_draft_len_schedule", ({1: 3},))
+    assert ext.engine.model_engine.spec_config.draft_len_schedule == {1: 3}
+    (iters, drafted), = _perf(engine.llm, [[3, 4]])
+    assert iters > 1 and drafted == 3 * (iters - 1)
+    assert [d for _, d in _perf(engine.llm, [[3, 4], [5, 6]])] == [0, 0]  # batch 2: above the largest key
+    ext.set_draft_len_schedule({2: 2, 1: 4})
+    assert list(ext.engine.model_engine.spec_config.draft_len_schedule.items()) == [(1, 4), (2, 2)]
+    assert all(drafted == 2 * (iters - 1) for iters, drafted in _perf(engine.llm, [[3, 4], [5, 6]]))
+    ext.set_draft_len_schedule({})
+    assert _perf(engine.llm, [[3, 4]]) == [(8, 0)]  # one token per iteration, nothing drafted
+    plain = TRTLLMRolloutEngine.from_hf_folder(served.folder, max_batch_size=8)
+    with pytest.raises(ValueError, match="built without a speculative_config"):
+        plain.llm._collective_rpc("set_draft_len_schedule", ({1: 3},))
+
+
+def test_policy_weights_refit_changes_the_tokens_and_back(served):
+    """load_policy_weights reaches the served model (update_weights buckets, then the finalising
+    call): other weights give their own model's tokens, the original weights the original tokens;
+    a stream refused before its first bucket changes nothing."""
+    engine = _speculating_engine(served)
+    sp = SamplingParams(mode="greedy", max_new_tokens=12)
+    before = _tokens(engine.generate(REQS, sp))
+    other = tiny_target(seed=5, num_layers=3)
+    want = _tokens(TorchRolloutEngine(other).generate(REQS, sp))
+    assert want != before
+    engine.load_policy_weights(other.state_dict())
+    assert _tokens(engine.generate(REQS, sp)) == want
+    refits = [args for method, args in engine.llm.rpcs if method == "update_weights"]
+    assert len(refits) == 2 and refits[-1] == (None,)  # one bucket (the tiny model), then the finalising call
+    assert standin.worker(engine).engine.prefix_cache_resets == 1
+    engine.load_policy_weights(iter(served.target.state_dict().items()))
+    assert _tokens(engine.generate(REQS, sp)) == before
+    name, tensor = next(iter(served.target.state_dict().items()))
+    with pytest.raises(ValueError, match="was given twice"):
+        engine.load_policy_weights([(name, other.state_dict()[name]), (name, tensor)])
+    assert _tokens(engine.generate(REQS, sp)) == before
 
 
 def _request_output(avg, iters, counters=None):

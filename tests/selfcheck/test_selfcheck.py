@@ -1,10 +1,13 @@
 """``nemo-tlt selfcheck``: refuses ``--gpu`` without CUDA and ``--trtllm`` without TensorRT-LLM (exit 2,
 nothing written); every ``--gpu`` check runs on the CPU at toy sizes (``--cpu-dry-run``), writing one
-JSON; ``--trtllm``'s plan and JSON structure are checked with stand-in checks (it never ran)."""
+JSON; ``--trtllm``'s checks run on the stand-in TensorRT-LLM module (tests/trtllm_standin.py; it never
+ran on TensorRT-LLM itself)."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ import torch
 from nemo_tlt.selfcheck import cli
 from nemo_tlt.selfcheck import trtllm_check as tc
 from nemo_tlt.selfcheck.cli import main
+import trtllm_standin
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: --gpu would run")
@@ -26,7 +30,7 @@ def test_unknown_check_is_refused_by_name(tmp_path, capsys):
     assert "['warp']" in capsys.readouterr().out
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(180)
 def test_cpu_dry_run_passes_every_check_and_says_it_is_not_a_gpu_run(tmp_path):
     out = tmp_path / "selfcheck.json"
     assert main(["--cpu-dry-run", "--out", str(out)]) == 0
@@ -61,19 +65,46 @@ def test_trtllm_plan_names_its_checks_in_order(tmp_path):
     assert list(tc.trtllm_plan(tmp_path, None)) == TRTLLM_CHECKS
 
 
+PASSING_PYTEST = "....s\n=========== 4 passed, 1 skipped in 3.10s ===========\n"
+
+
+def cache_untrained_eagle3(cache: Path) -> None:
+    """An untrained EAGLE-3 drafter for the shipped demo target, where `prepare_eagle3_drafter`
+    looks for the trained one (training it takes about 105 CPU minutes): the checks take it
+    for the trained drafter."""
+    from nemo_tlt.demo.assets import AssetConfig, prepare_assets
+    from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
+    from nemo_tlt.drafter.io import save_drafter
+    from nemo_tlt.model.hf_io import read_config
+
+    config = AssetConfig()
+    target = read_config(prepare_assets(config, cache, progress=False).target_dir)
+    drafter = Eagle3Drafter(Eagle3Config.from_target(target, config.eagle3_capture_layers,
+                                                     ttt_steps=config.eagle3_ttt_steps),
+                            generator=torch.Generator().manual_seed(0))
+    save_drafter(drafter, tc.cached_eagle3_dir(cache))
+
+
 @pytest.fixture
-def trtllm_here(monkeypatch):
-    """--trtllm as if TensorRT-LLM and a GPU were present, each check a stand-in (the JSON's structure)."""
+def trtllm_here(monkeypatch, tmp_path):
+    """--trtllm as if TensorRT-LLM and a GPU were present: ``import tensorrt_llm`` finds the stand-in
+    module (tests/trtllm_standin.py, the torch engine behind TensorRT-LLM's LLM API) and every check's
+    own body runs, at toy sizes (4 prompts, 16 new tokens, batches 1 and 4), on the shipped demo target
+    with an untrained EAGLE-3 drafter in the cache. Replaced: the refusal (no CUDA here), the
+    environment's GPU and package fields, and the subprocess of pytest_trtllm (a passing summary)."""
+    from subprocess import CompletedProcess
+
+    trtllm_standin.install(monkeypatch)
     monkeypatch.setattr(cli, "trtllm_refusal", lambda: None)
     monkeypatch.setattr(cli, "environment", lambda device: {"device": str(device)})
     monkeypatch.setattr(tc, "trtllm_environment", lambda: {"tensorrt_llm": "stand-in"})
-
-    def acceptance():
-        raise AssertionError("mean accepted length 1.0 per verify step: speculation did not run")
-
-    checks = {name: (lambda name=name: {"ran": name}) for name in TRTLLM_CHECKS}
-    checks["trtllm_acceptance"] = acceptance
-    monkeypatch.setattr(tc, "trtllm_plan", lambda work, cache_dir: checks)
+    cache = tmp_path / "cache"
+    cache_untrained_eagle3(cache)
+    plan, run_pytest = tc.trtllm_plan, tc.pytest_trtllm
+    monkeypatch.setattr(tc, "trtllm_plan", lambda work, cache_dir: plan(work, str(cache), prompts=4, max_new=16,
+                                                                      batch_sizes=(1, 4)))
+    monkeypatch.setattr(tc, "pytest_trtllm", lambda: run_pytest(
+        run=lambda cmd, **kw: CompletedProcess(cmd, 0, PASSING_PYTEST, "")))
 
 
 def test_trtllm_mode_records_each_check_into_one_json(tmp_path, trtllm_here):
@@ -84,11 +115,32 @@ def test_trtllm_mode_records_each_check_into_one_json(tmp_path, trtllm_here):
     assert report["environment"]["device"] == "cuda:0" and "note" not in report and report["passed"] is False
     checks = report["checks"]
     assert list(checks) == ["eagle3_drafter", "trtllm_acceptance"]
-    assert checks["eagle3_drafter"] == {"status": "passed", "result": {"ran": "eagle3_drafter"},
-                                        "seconds": checks["eagle3_drafter"]["seconds"]}
+    drafter = checks["eagle3_drafter"]
+    assert drafter["status"] == "passed" and set(drafter) == {"status", "result", "seconds"}
+    assert drafter["result"]["capture_layers"] == [1, 7, 12] and drafter["result"]["trained_here_s"] is None
+    # the untrained drafter speculated (the stand-in drafted by the schedule) but hardly any draft was accepted
     assert checks["trtllm_acceptance"]["status"] == "failed"
-    assert "speculation did not run" in checks["trtllm_acceptance"]["error"]
+    error = checks["trtllm_acceptance"]["error"]
+    assert "speculation did not run" in error
+    assert 1.0 <= float(re.search(r"mean accepted length (\S+) per verify step", error).group(1)) < 1.5
+    assert int(re.search(r"'draft_tokens': (\d+)", error).group(1)) > 0
     assert main(["--trtllm", "--out", str(out), "--only", "pytest_trtllm"]) == 0
+    assert json.loads(out.read_text())["checks"]["pytest_trtllm"]["result"]["summary"] == "4 passed, 1 skipped in 3.10s"
+
+
+def test_trtllm_checks_run_their_bodies_on_the_stand_in(tmp_path, trtllm_here):
+    """Identity: TensorRT-LLM greedy SD against its plain greedy (here also the torch engine's);
+    throughput: tokens/s with and without the drafter per batch size, the drafter speculating."""
+    out = tmp_path / "selfcheck.json"
+    assert main(["--trtllm", "--out", str(out), "--only", "trtllm_identity_greedy,trtllm_throughput"]) == 0
+    checks = json.loads(out.read_text())["checks"]
+    identity = checks["trtllm_identity_greedy"]["result"]
+    assert identity == {"sequences": 4, "identical_rate": 1.0, "all_identical": True, "draft_len": 4,
+                        "torch_engine_plain_identical_rate": 1.0}
+    rows = checks["trtllm_throughput"]["result"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 4]
+    assert all(set(r) == {"batch", "plain_tokens_per_s", "sd_tokens_per_s", "sd_mean_accept_len", "sd_vs_plain"}
+               and r["sd_mean_accept_len"] >= 1 for r in rows)  # >= 1 token per iteration: the SD engine drafted
 
 
 def test_trtllm_mode_refuses_unknown_check_names(tmp_path, trtllm_here, capsys):
