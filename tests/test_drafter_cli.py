@@ -12,11 +12,16 @@ import nemo_tlt.first_drafter.run as run_module
 from nemo_tlt.cli import main as cli_main
 from nemo_tlt.convert import main as convert_main
 from nemo_tlt.demo.tokenizer import CharTokenizer
+from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.drafter.eagle3_hf import read_eagle3_hf
 from nemo_tlt.drafter.io import load_drafter
+from nemo_tlt.first_drafter.data import encode_prompts, read_prompts
 from nemo_tlt.model.hf_io import load_hf_folder, save_hf_folder
+from nemo_tlt.speculative.tree_shape import TreeShape
+from nemo_tlt.spot.checkpoint import CheckpointManager
 from tiny import tiny_target
 
+MAX_NEW_TOKENS, GEN_BATCH = 12, run_module.FirstDrafterConfig.gen_batch  # _args's, the CLI's default
 REPORT_KEYS = {"mean_accept_len", "tree", "type", "seed", "steps", "samples", "train_prompts", "eval_prompts",
                "time_s", "resumed_from_step", "sampling", "train_pairs"}
 
@@ -43,7 +48,7 @@ def prompts(tmp_path_factory):
 
 def _args(target_dir, prompts, out, *extra):
     return ["drafter", "train", "--target", str(target_dir), "--prompts", str(prompts), "--out", str(out),
-            "--max-new-tokens", "12", "--responses", "2", "--steps", "4", "--batch-size", "4",
+            "--max-new-tokens", str(MAX_NEW_TOKENS), "--responses", "2", "--steps", "4", "--batch-size", "4",
             "--checkpoint-every", "2", "--warmup-steps", "1", "--tree", "3_2_4", "--eval-fraction", "0.4",
             "--no-progress", *extra]
 
@@ -55,13 +60,33 @@ def test_end_to_end_report_and_drafter_folder(target_dir, prompts, tmp_path):
     assert REPORT_KEYS <= set(report), REPORT_KEYS - set(report)
     assert (report["type"], report["tree"], report["steps"], report["resumed_from_step"]) == ("eagle2", "3_2_4", 4, 0)
     assert (report["train_prompts"], report["eval_prompts"], report["samples"]) == (3, 2, 6)
-    assert 1.0 <= report["mean_accept_len"] <= 4.0  # tokens per verify step: 1 .. depth + 1
     target = load_hf_folder(target_dir)
     drafter = load_drafter(out, target)
     assert drafter.kind == "eagle"
-    # the folder's weights are the last checkpoint's (the trained drafter, not the initial one)
-    ckpt = torch.load(out / "checkpoints" / "step-00000004" / "extra_state.pt", weights_only=True)
-    assert ckpt["optimizer"]["state"], "no optimizer state: nothing was trained"
+    # the folder's weights are the last checkpoint's, tensor for tensor (the trained drafter)
+    with CheckpointManager(out / "checkpoints") as ckpt:
+        last = ckpt.load()
+    assert last.step == 4 and last.extra_state["optimizer"]["state"], "no optimizer state: nothing was trained"
+    weights = drafter.state_dict()
+    assert set(weights) == set(last.tensors)
+    differ = [k for k in weights if not torch.equal(weights[k], last.tensors[k])]
+    assert not differ, f"the folder's drafter is not the step-4 checkpoint's: {differ}"
+    # ... which is not the initial drafter, and accepts more than it, measured the same way (greedy SD
+    # with the report's tree) on the same prompts
+    untrained = EagleDrafter(EagleConfig.from_target(target.config),
+                             generator=torch.Generator().manual_seed(report["seed"]))
+    assert any(not torch.equal(v, weights[k]) for k, v in untrained.state_dict().items()), \
+        "the folder holds the initial drafter"
+    ids = encode_prompts(CharTokenizer(), read_prompts(str(prompts), "prompt"), target, str(target_dir))
+    shape = TreeShape.parse(report["tree"])
+
+    def accept_len(d, rows):
+        return run_module.measure(target, d, rows, shape, MAX_NEW_TOKENS, GEN_BATCH)["mean_accept_len"]
+
+    trained_len, untrained_len = accept_len(drafter, ids), accept_len(untrained, ids)
+    assert trained_len > untrained_len, (trained_len, untrained_len)
+    # the report's figure is the folder's drafter on the held-back prompts
+    assert report["mean_accept_len"] == accept_len(drafter, [ids[i] for i in report["eval_prompt_indices"]])
 
 
 def test_resume_continues_from_the_checkpoint(target_dir, prompts, tmp_path, monkeypatch):

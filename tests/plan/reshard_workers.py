@@ -1,5 +1,6 @@
-"""Gloo worker for tests/plan/test_reshard_plan.py: runs the real streaming reshard and
-reports what its ByteMeter saw on each rank."""
+"""Gloo worker for tests/plan/test_plan_reshard.py: runs the real streaming reshard and
+reports what its ByteMeter saw on each rank, and the bytes that crossed the process group
+(tests/wire_bytes.py: counted at torch.distributed's calls, not by the reshard's meter)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,14 +30,16 @@ class CountingMeter:
         self.current -= sum(t.numel() * t.element_size() for t in tensors)
 
 
-def stream_cases(ctx: RankContext, cases: list) -> list[tuple[int, int, int]]:
-    """For each (cfg, layout, rollout_tp, receivers): this rank's (meter peak, meter total, bytes received)."""
+def stream_cases(ctx: RankContext, cases: list) -> list[tuple[int, int, int, int, int]]:
+    """For each (cfg, layout, rollout_tp, receivers): this rank's (meter peak, meter total, meter bytes
+    received, bytes received on the wire, bytes sent on the wire)."""
     import torch.distributed as dist
 
     from megatron_patches.cpu_shims import cpu_shims
     from nemo_tlt.megatron.parallel import init_model_parallel
     from nemo_tlt.megatron.live import rank_coords
     from nemo_tlt.weights.reshard import ReshardPlan, megatron_shard_shapes, stream_reshard
+    from wire_bytes import WireBytes
 
     out = []
     with cpu_shims():
@@ -47,7 +50,8 @@ def stream_cases(ctx: RankContext, cases: list) -> list[tuple[int, int, int]]:
             init_model_parallel(layout.tp, layout.pp)
             shard = {k: torch.randn(s) for k, s in megatron_shard_shapes(cfg, layout)[rank_coords()].items()}
             meter = CountingMeter()
-            stream_reshard(shard, ReshardPlan(cfg, layout, rollout_tp, receivers, meter=meter))
+            with WireBytes() as wire:
+                stream_reshard(shard, ReshardPlan(cfg, layout, rollout_tp, receivers, meter=meter))
             dist.barrier()
-            out.append((meter.peak, meter.total, meter.received))
+            out.append((meter.peak, meter.total, meter.received, wire.received, wire.sent))
     return out

@@ -103,6 +103,32 @@ def bf16_update(ctx: RankContext, cfg: LMConfig, canonical: dict, policy: Policy
              "params_are_rounded_masters": bool(mains) and all(torch.equal(p, m.to(p.dtype))
                                                                for p, m in zip(shards, mains))}
     weights = trainer.canonical_state_dict()
+    masters = _canonical_masters(trainer, opts)
     everyone = _gather(local, ctx.world)
     parallel_state.destroy_model_parallel()
-    return {"stats": stats, "weights": weights, "ranks": everyone} if ctx.rank == 0 else None
+    return {"stats": stats, "weights": weights, "masters": masters, "ranks": everyone} if ctx.rank == 0 else None
+
+
+def _canonical_masters(trainer, opts) -> dict | None:
+    """The distributed optimizer's fp32 main params, gathered in canonical names on rank 0 (as
+    ``gather_canonical`` gathers the bf16 weights): the step as the optimizer took it, before the
+    rounding to bf16 hides a part of it."""
+    from nemo_tlt.megatron.live import local_shard, rank_coords
+    from nemo_tlt.weights.megatron_layout import megatron_to_canonical
+
+    main_of = {}
+    for o in opts:
+        for params, mains in [*zip(o.model_float16_groups, o.shard_fp32_from_float16_groups),
+                              *zip(o.model_fp32_groups, o.shard_fp32_groups)]:
+            for p, m in zip(params, mains, strict=True):
+                # data-parallel size 1: this rank's shard of each of its parameters is the whole parameter
+                assert m.numel() == p.numel(), (tuple(p.shape), m.numel())
+                main_of[p] = m.detach().float().reshape(p.shape).clone()
+    shard = local_shard(trainer.model)
+    named = dict(trainer.model.named_parameters())
+    assert set(named) <= set(shard) and len(main_of) == len(named), (sorted(named), len(main_of))
+    shard.update({name: main_of[p] for name, p in named.items()})
+    everything = _gather((rank_coords(), shard), dist.get_world_size())
+    if everything is None:
+        return None
+    return megatron_to_canonical(dict(everything), trainer.model_config, trainer.layout)
