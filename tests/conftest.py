@@ -12,6 +12,35 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tiny import tiny_config, tiny_target  # noqa: E402
 
 
+# What forked ranks and forked RL workers (tests/ranks.py, workers.start_method=fork) use
+# of megatron-core, imported once here so that each of them inherits it instead of importing
+# it again (about 3 s of CPU per rank on the 2-core machine).
+MEGATRON_MODULES = ("megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
+                    "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _megatron_imported_once():
+    import importlib
+    import warnings
+
+    if importlib.util.find_spec("megatron") is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
+            for name in MEGATRON_MODULES:
+                importlib.import_module(name)
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """(target, drafter) folders of the tiny RL assets (``tiny_rl.py``): built once per session
+    and shared by every loop, resume, SLURM and torchrun test; none of them writes into them."""
+    from tiny_rl import tiny_assets
+
+    return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets")
+
+
 @pytest.fixture
 def tiny_cfg():
     return tiny_config()

@@ -28,7 +28,7 @@ def _hf_folder(path, cfg: LMConfig, state: dict | None = None):
     return path
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(180)
 def test_hf_torch_dist_hf_round_trip_is_bit_exact_bf16(tmp_path):
     pytest.importorskip("megatron.core")
     cfg = LMConfig(family="qwen2", vocab_size=100, num_heads=4, num_kv_heads=2)
@@ -59,7 +59,7 @@ def _on_gpu_host(worker: str, seen: str, ctx, *args) -> None:
     getattr(convert_cli, worker)(ctx, *args)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(180)
 def test_torch_dist_round_trip_on_a_gpu_host(tmp_path, monkeypatch):
     """Conversion must not trip the CPU shims' refusal on a machine with a GPU: its gloo
     processes start with the GPU hidden. The GPU host is simulated in the parent and, through

@@ -61,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_tlt.bench.common import megatron_bench_refusal, write_summary
+from nemo_tlt.bench.common import add_start_method, megatron_bench_refusal, write_summary
 import torch.distributed as dist
 
 from nemo_tlt.bench.load import _DTYPES, _reset_peak, _status
@@ -87,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="weights dtype")
     p.add_argument("--trials", type=int, default=2, help="trials per method (the order alternates)")
+    add_start_method(p)
     p.add_argument("--timeout-s", type=float, default=900.0)
     return p
 
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     for method in _order(args.trials):
         with tempfile.TemporaryDirectory(prefix="bench_checkpoint_") as folder:
             runs.append((method, launch_local(_worker, 4, method, cfg, dtype, folder, timeout_s=args.timeout_s,
-                                              collective_timeout_s=args.timeout_s)))
+                                              collective_timeout_s=args.timeout_s, start_method=args.start_method)))
     summary = summarise(runs, cfg, dtype, params)
     return write_summary(summary, args.out, summary["within_target"])
 

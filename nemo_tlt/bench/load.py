@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from nemo_tlt.bench.common import megatron_bench_refusal, write_summary
+from nemo_tlt.bench.common import add_start_method, megatron_bench_refusal, write_summary
 import torch.distributed as dist
 
 from nemo_tlt.dist import RankContext, launch_local
@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="stored and weights dtype")
     p.add_argument("--trials", type=int, default=2, help="trials per method (the order alternates)")
+    add_start_method(p)
     p.add_argument("--timeout-s", type=float, default=1200.0)
     return p
 
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             if method == "whole":
                 _check_memory(4 * params)
             runs.append((method, launch_local(_worker, 4, method, folder, layout, dtype, timeout_s=args.timeout_s,
-                                              collective_timeout_s=args.timeout_s)))
+                                              collective_timeout_s=args.timeout_s, start_method=args.start_method)))
         summary = {**summarise(runs, cfg, dtype, params), "folder_write_s": round(write_s, 1)}
     finally:
         if temp is not None:

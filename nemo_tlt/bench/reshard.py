@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from nemo_tlt.bench.common import megatron_bench_refusal, write_summary
+from nemo_tlt.bench.common import add_start_method, megatron_bench_refusal, write_summary
 import torch.distributed as dist
 
 from nemo_tlt.dist import RankContext, launch_local
@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rollout-tps", default="1,2", help="comma-separated rollout TP sizes")
     p.add_argument("--receivers", choices=("first", "all"), default="first",
                    help="first: the first TP ranks receive; all: every rank does")
+    add_start_method(p)
     p.add_argument("--timeout-s", type=float, default=900.0)
     return p
 
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LMConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
                    num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads)
     layout = ParallelLayout(tp=2, pp=2)
-    per_rank = launch_local(_worker, 4, cfg, layout, rollout_tps, args.receivers, timeout_s=args.timeout_s)
+    per_rank = launch_local(_worker, 4, cfg, layout, rollout_tps, args.receivers, timeout_s=args.timeout_s,
+                            start_method=args.start_method)
     summary = _summarise(cfg, layout, per_rank, rollout_tps, args.receivers)
     return write_summary(summary, args.out, summary["bit_exact"] and summary["within_target"])
 

@@ -30,6 +30,7 @@ import torch
 
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.weights.layout import ParallelLayout
+from nemo_tlt.megatron.results_server import results_queue_dying_with_rank
 
 COMMON = "nemo_tlt"
 
@@ -136,7 +137,7 @@ def start_policy_save(state: dict, directory: str | os.PathLike, context) -> Pen
 
     os.makedirs(directory, exist_ok=True)
     _shutdown_write_results_queue()
-    filesystem_async._results_queue = _results_queue_dying_with_rank()
+    filesystem_async._results_queue = results_queue_dying_with_rank()
     try:
         with context():
             request = dist_checkpointing.save(state, str(directory), async_sharded_save=True)
@@ -146,25 +147,6 @@ def start_policy_save(state: dict, directory: str | os.PathLike, context) -> Pen
         _shutdown_write_results_queue()
         raise
     return PendingPolicySave(calls, context)
-
-
-def _die_with_parent() -> None:
-    """In the results-queue server: be killed when the rank that started it dies (Linux prctl)."""
-    import ctypes
-    import signal
-    import sys
-
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-
-
-def _results_queue_dying_with_rank():
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
-
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=_die_with_parent)
-    return manager.Queue()
 
 
 def _shutdown_write_results_queue() -> None:

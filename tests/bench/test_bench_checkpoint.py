@@ -133,11 +133,12 @@ def test_layer_state_bytes_counts_weights_and_three_fp32_values():
 # The kinds of method the command runs: a blocking save, an async one, and a save in flight
 # during work against the same work alone (the step pair; the update and touch pairs differ
 # only in the work, and rank_summary's arithmetic over all nine is tested above). Each method
-# starts four fresh ranks (megatron imported in each), so all nine took about 3 minutes of the
-# suite on two cores.
+# starts four ranks and a results server per save; the ranks are forked (--start-method fork),
+# so they do not import megatron-core again.
 SMOKE_METHODS = ("sharded", "async", "async_step", "step_alone")
 
 
+@pytest.mark.timeout(180)
 def test_bench_checkpoint_runs_every_kind_of_method_on_every_rank(tmp_path, monkeypatch):
     """The command on a tiny model (where the fixed cost of megatron's writer processes dwarfs
     the shard, so the target is not asserted), limited to ``SMOKE_METHODS``: each method
@@ -154,9 +155,11 @@ def test_bench_checkpoint_runs_every_kind_of_method_on_every_rank(tmp_path, monk
 
     out = tmp_path / "checkpoint.json"
     rc = bench.main(["--out", str(out), "--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2",
-                     "--ffn", "128", "--vocab", "300", "--trials", "1", "--timeout-s", "300"])
+                     "--ffn", "128", "--vocab", "300", "--trials", "1", "--timeout-s", "300",
+                     "--start-method", "fork"])
     report = json.loads(out.read_text())
-    assert rc in (0, 1) and report["order"] == list(SMOKE_METHODS)
+    # the exit status is the report's verdict (the tiny model's targets may go either way)
+    assert rc == (0 if report["within_target"] else 1) and report["order"] == list(SMOKE_METHODS)
     assert sorted(tuple(r["coords"]) for r in report["per_rank"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for rank in report["per_rank"]:
         live = rank["live_bytes"]

@@ -17,9 +17,11 @@ def test_bench_load_runs_every_method_and_is_bit_exact(tmp_path):
 
     out = tmp_path / "load.json"
     rc = main(["--out", str(out), "--hidden", "64", "--layers", "4", "--heads", "8", "--kv-heads", "4",
-               "--ffn", "96", "--vocab", "300", "--trials", "1", "--timeout-s", "300"])
+               "--ffn", "96", "--vocab", "300", "--trials", "1", "--timeout-s", "300",
+               "--start-method", "fork"])
     report = json.loads(out.read_text())
-    assert rc in (0, 1) and report["bit_exact"]
+    # the exit status is the report's verdict (the tiny model's memory target may go either way)
+    assert report["bit_exact"] and rc == (0 if report["within_target"] else 1)
     assert report["order"] == ["whole", "lazy", "control"]
     assert sorted(tuple(r["coords"]) for r in report["per_rank"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for rank in report["per_rank"]:

@@ -28,6 +28,13 @@ def tiny_assets() -> AssetConfig:
                        drafter_train=DrafterTrainConfig(steps=3, batch_size=4, warmup_steps=1))
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One asset cache for the module: the assets' folders are named by their configs, so the
+    tests that ask for the same assets train them once."""
+    return tmp_path_factory.mktemp("bench_rollout_cache")
+
+
 @pytest.fixture
 def tiny(monkeypatch, tmp_path):
     monkeypatch.setattr(rollout, "AssetConfig", tiny_assets)
@@ -35,10 +42,10 @@ def tiny(monkeypatch, tmp_path):
     return tmp_path
 
 
-def test_default_workload(tiny):
+def test_default_workload(tiny, cache):
     out = tiny / "r.json"
     assert rollout.main(["--out", str(out), "--num-prompts", "2", "--max-new-tokens", "12", "--shape", "3_2_4",
-                         "--cache-dir", str(tiny / "cache")]) == 0
+                         "--cache-dir", str(cache)]) == 0
     payload = json.loads(out.read_text())
     assert set(payload["results"]) == {"plain", "sd_greedy", "sd_rejection", "sd_coupled", "hf_generate",
                                        "hf_assisted", "plain_rejection", "plain_coupled"}
@@ -66,14 +73,14 @@ def assert_accept_len_matches_forward_counts(results: dict, num_prompts: int) ->
             assert r["mean_accept_len"] >= 1.0, name  # a verification keeps at least the target's own token
 
 
-def test_longtail_workload(tiny):
+def test_longtail_workload(tiny, cache):
     out = tiny / "lt.json"
     torch.set_num_threads(2)  # the conftest fixture sets 1 again after the test
     threads = 1  # differs from the current count, so --threads must act; 1 keeps the run cheap
     assert rollout.main(["--workload", "longtail", "--out", str(out), "--num-prompts", "3", "--group-size", "2",
                          "--max-new-tokens", "16", "--arms", "2_1_2,3_2_4", "--threshold-on", "3",
                          "--threshold-off", "4", "--bucket-edges", "2", "--threads", str(threads),
-                         "--cache-dir", str(tiny / "cache")]) == 0
+                         "--cache-dir", str(cache)]) == 0
     payload = json.loads(out.read_text())
     assert payload["machine"]["torch_threads"] == threads
     assert {"longtail_plain", "longtail_fixed_2_1_2", "longtail_fixed_3_2_4", "longtail_control",
@@ -85,12 +92,12 @@ def test_longtail_workload(tiny):
 
 
 @pytest.mark.parametrize("policy", ["learned", "threshold"])
-def test_longtail_untrained_drafter_size_seed_temperature_and_policy(tiny, policy):
+def test_longtail_untrained_drafter_size_seed_temperature_and_policy(tiny, cache, policy):
     out = tiny / f"lt_{policy}.json"
     assert rollout.main(["--workload", "longtail", "--out", str(out), "--num-prompts", "2", "--group-size", "3",
                          "--max-new-tokens", "12", "--arms", "2_1_2,3_2_4", "--drafter", "untrained",
                          "--policy", policy, "--seed", "7", "--temperature", "0.7", "--repeats", "3",
-                         "--cache-dir", str(tiny / "cache")]) == 0
+                         "--cache-dir", str(cache)]) == 0
     payload = json.loads(out.read_text())
     assert payload["outputs_identical"] is True
     cfg = payload["config"]
@@ -110,19 +117,19 @@ def test_longtail_untrained_drafter_size_seed_temperature_and_policy(tiny, polic
         trained = tiny / "lt_trained.json"
         assert rollout.main(["--workload", "longtail", "--out", str(trained), "--num-prompts", "2", "--group-size",
                              "3", "--max-new-tokens", "12", "--arms", "2_1_2,3_2_4", "--seed", "7", "--temperature",
-                             "0.7", "--repeats", "1", "--cache-dir", str(tiny / "cache")]) == 0
+                             "0.7", "--repeats", "1", "--cache-dir", str(cache)]) == 0
         accept = {n: r["mean_accept_len"] for n, r in json.loads(trained.read_text())["results"].items()}
         assert accept["longtail_fixed_2_1_2"] != payload["results"]["longtail_fixed_2_1_2"]["mean_accept_len"]
 
 
-def test_longtail_warm_keeps_one_policy_across_rounds_and_reports_both(tiny, monkeypatch):
+def test_longtail_warm_keeps_one_policy_across_rounds_and_reports_both(tiny, cache, monkeypatch):
     made = []
     make = longtail.make_adaptive
     monkeypatch.setattr(longtail, "make_adaptive", lambda args: made.append(make(args)) or made[-1])
     out = tiny / "warm.json"
     assert rollout.main(["--workload", "longtail", "--out", str(out), "--num-prompts", "2", "--group-size", "2",
                          "--max-new-tokens", "12", "--arms", "2_1_2,3_2_4", "--warm", "--warm-up", "2",
-                         "--repeats", "3", "--cache-dir", str(tiny / "cache")]) == 0
+                         "--repeats", "3", "--cache-dir", str(cache)]) == 0
     payload = json.loads(out.read_text())
     assert len(made) == 3 + 1  # a fresh policy per cold round, one kept for the warm rounds
     warm = made[0]  # made before the rounds; it decoded 2 warm-up rollouts and 3 rounds
@@ -191,7 +198,8 @@ def test_median_round_is_the_middle_wall_time():
                          ids=lambda o: o[0])
 def test_longtail_refuses_the_default_workloads_options(tiny, capsys, option):
     with pytest.raises(SystemExit) as exit_info:
-        rollout.main(["--workload", "longtail", "--out", str(tiny / "x.json"), *option])
+        rollout.main(["--workload", "longtail", "--out", str(tiny / "x.json"), "--cache-dir", str(tiny / "cache"),
+                      *option])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"{option[0]} is an option of the default workload" in err and "the longtail workload" in err
@@ -203,10 +211,10 @@ def test_bad_shape_is_refused(tiny):
         rollout.main(["--out", str(tiny / "x.json"), "--shape", "8_4"])
 
 
-def test_two_drafters_in_one_run_trained_with_the_same_budget(tiny):
+def test_two_drafters_in_one_run_trained_with_the_same_budget(tiny, cache):
     out = tiny / "r.json"
     assert rollout.main(["--out", str(out), "--num-prompts", "2", "--max-new-tokens", "12", "--shape", "3_2_4",
-                         "--cache-dir", str(tiny / "cache"), "--no-hf", "--drafters", "eagle2,eagle3",
+                         "--cache-dir", str(cache), "--no-hf", "--drafters", "eagle2,eagle3",
                          "--drafter-steps", "2"]) == 0
     payload = json.loads(out.read_text())
     assert set(payload["results"]) == {"plain", "plain_rejection", "plain_coupled",
@@ -218,19 +226,19 @@ def test_two_drafters_in_one_run_trained_with_the_same_budget(tiny):
     drafters = payload["config"]["drafters"]
     assert drafters["eagle2"].startswith("drafter-eagle-") and drafters["eagle3"].startswith("drafter-eagle3-")
     for d in ("eagle2", "eagle3"):  # both trained here for the same number of steps
-        saved = json.loads((tiny / "cache" / drafters[d] / "drafter.json").read_text())
+        saved = json.loads((cache / drafters[d] / "drafter.json").read_text())
         assert saved["kind"] == {"eagle2": "eagle", "eagle3": "eagle3"}[d]
     assert payload["config"]["drafter_train"]["steps"] == 2
 
 
-def test_eagle3_layers_choose_the_fused_layers_and_name_their_own_cache(tiny):
+def test_eagle3_layers_choose_the_fused_layers_and_name_their_own_cache(tiny, cache):
     out = tiny / "r3.json"
     args = ["--out", str(out), "--num-prompts", "2", "--max-new-tokens", "12", "--shape", "3_2_4", "--cache-dir",
-            str(tiny / "cache"), "--no-hf", "--drafters", "eagle3", "--drafter-steps", "2"]
+            str(cache), "--no-hf", "--drafters", "eagle3", "--drafter-steps", "2"]
     assert rollout.main(args + ["--eagle3-layers", "1,0,1"]) == 0
     config = json.loads(out.read_text())["config"]
     assert config["eagle3_capture_layers"] == [1, 0, 1]
-    saved = json.loads((tiny / "cache" / config["drafters"]["eagle3"] / "drafter.json").read_text())
+    saved = json.loads((cache / config["drafters"]["eagle3"] / "drafter.json").read_text())
     assert saved["capture_layers"] == [1, 0, 1]
     assert rollout.main(args) == 0  # the default layers: another drafter, not the cached one
     assert json.loads(out.read_text())["config"]["drafters"]["eagle3"] != config["drafters"]["eagle3"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_tlt.dist import RankContext, allreduce_flat, launch_local
+from nemo_tlt.dist import RankContext, allreduce_flat
+from ranks import launch_forked
 
 
 def _reduce(ctx: RankContext, op: str) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -16,10 +17,10 @@ def _reduce(ctx: RankContext, op: str) -> tuple[list[torch.Tensor], torch.Tensor
 
 @pytest.mark.timeout(120)
 def test_sum_and_average_over_two_ranks():
-    (a, b), flat = launch_local(_reduce, 2, "sum", timeout_s=90)[1]
+    (a, b), flat = launch_forked(_reduce, 2, "sum", timeout_s=90)[1]
     assert torch.equal(a, torch.full((2, 2), 3.0)) and torch.equal(b, torch.full((3,), 30.0, dtype=torch.bfloat16))
     assert flat.dtype == torch.float32 and flat.numel() == 7
-    (a, b), _ = launch_local(_reduce, 2, "avg", timeout_s=90)[0]
+    (a, b), _ = launch_forked(_reduce, 2, "avg", timeout_s=90)[0]
     assert torch.equal(a, torch.full((2, 2), 1.5)) and torch.equal(b, torch.full((3,), 15.0, dtype=torch.bfloat16))
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from nemo_tlt.dist.torchrun import TorchrunEnvError, TorchrunTask, launch_torchrun, torchrun_rendezvous
 from nemo_tlt.rl.workers import launch_mode, process_rank
 from nemo_tlt.train import main
-from rl.test_loop_e2e import tiny_assets, tiny_overrides
+from tiny_rl import tiny_overrides
 from slurm.compare import assert_same_runs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,12 +91,7 @@ def test_each_launch_rendezvouses_again_in_the_agents_store_under_its_own_keys()
     assert agent.check(["coordinator/state"]) is False  # nothing unprefixed in the agent's store
 
 
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets")
-
-
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(180)
 def test_torchrun_equals_the_spawn_launcher(tiny_models, tmp_path):
     """torchrun --standalone binds its rendezvous to port 0 (the OS picks a free one), so
     concurrent tests cannot collide."""

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from mcore_workers import Case, session  # noqa: E402
 
-from nemo_tlt.dist import launch_local  # noqa: E402
+from ranks import launch_forked  # noqa: E402
 from nemo_tlt.model.config import LMConfig, RopeScaling  # noqa: E402
 from nemo_tlt.model.lm import DecoderLM  # noqa: E402
 from nemo_tlt.weights.layout import ParallelLayout  # noqa: E402
@@ -51,7 +51,7 @@ def _tokens(case: Case) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def results():
-    return launch_local(session, 4, CASES, TOKENS, timeout_s=400)[0]
+    return launch_forked(session, 4, CASES, TOKENS, timeout_s=120)[0]
 
 
 def _decoder(case: Case, canonical: dict) -> DecoderLM:
@@ -60,7 +60,7 @@ def _decoder(case: Case, canonical: dict) -> DecoderLM:
     return model.eval()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_reference_lm_logits_equal_megatron(results, case):
     res = results[case.name]
@@ -71,7 +71,7 @@ def test_reference_lm_logits_equal_megatron(results, case):
     torch.testing.assert_close(ref, mega[..., :VOCAB], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_hf_transformers_logits_equal_megatron(results, case):
     transformers = pytest.importorskip("transformers")
@@ -90,7 +90,7 @@ def test_hf_transformers_logits_equal_megatron(results, case):
     torch.testing.assert_close(ref, res["logits"][..., :VOCAB], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_canonical_back_to_megatron_is_bit_exact(results, case):
     res = results[case.name]
@@ -110,7 +110,7 @@ def test_canonical_back_to_megatron_is_bit_exact(results, case):
                 assert torch.equal(mine, tensor), (coords, name)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_hidden_capture_equals_reference_hidden(results, case):
     res = results[case.name]
@@ -121,7 +121,7 @@ def test_hidden_capture_equals_reference_hidden(results, case):
     torch.testing.assert_close(res["hidden"][0], ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_layer_capture_equals_reference_layer_outputs_on_the_stage_holding_each(results, case):
     """LayerCapture sees exactly the layers of its stage (global 0-based indices, uneven
@@ -143,7 +143,7 @@ def test_layer_capture_equals_reference_layer_outputs_on_the_stage_holding_each(
             torch.testing.assert_close(hidden, want[i], rtol=1e-5, atol=1e-5, msg=f"{(stage, tp_rank)} layer {i}")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_streaming_reshard_bit_exact(results, case):
     res = results[case.name]

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_tlt.dist import launch_local
+from ranks import launch_forked
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.model.tensor_parallel import TensorParallel
 from nemo_tlt.model.tp_layout import rollout_slice
@@ -62,7 +62,7 @@ def _compare(ctx) -> dict:
 
 @pytest.mark.timeout(180)
 def test_tp2_logits_equal_the_whole_model():
-    ranks = launch_local(_compare, 2, timeout_s=150)
+    ranks = launch_forked(_compare, 2, timeout_s=120)
     for name, kw in CASES.items():
         vocab = kw["vocab_size"]
         for rank in ranks:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from megatron_backend_workers import PolicyCase, session  # noqa: E402
 
-from nemo_tlt.dist import launch_local  # noqa: E402
+from ranks import launch_forked  # noqa: E402
 from nemo_tlt.weights.rollout import rollout_slice  # noqa: E402
 from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from nemo_tlt.model.config import LMConfig  # noqa: E402
@@ -111,8 +111,8 @@ CASES = CASES_1 + CASES_2
 
 @pytest.fixture(scope="module")
 def results():
-    out = launch_local(session, 1, CASES_1, timeout_s=120)[0]
-    out.update(launch_local(session, 2, CASES_2, timeout_s=150)[0])
+    out = launch_forked(session, 1, CASES_1, timeout_s=120)[0]
+    out.update(launch_forked(session, 2, CASES_2, timeout_s=120)[0])
     return out
 
 
@@ -153,7 +153,7 @@ def assert_same_step(got: dict, want: dict, grads: dict, lr: float, tol: float =
     assert ill_total <= total // 1000  # a handful of weights, so the check above still means something
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_logprobs_and_update_match_policy_trainer(results, case):
     res = results[case.name]
@@ -179,7 +179,7 @@ def test_logprobs_and_update_match_policy_trainer(results, case):
             assert torch.equal(value, canonical[name]), name
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_data_parallel_grad_norm_and_loss_shares_match_the_full_batch(results):
     """DP=2, each replica on its half: the grad norm (taken after the data-parallel reduce,
     before clipping) is the full batch's on every replica, and the replicas' loss shares sum
@@ -195,7 +195,7 @@ def test_data_parallel_grad_norm_and_loss_shares_match_the_full_batch(results):
         assert sum(r["stats"][key] for r in ranks) == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_on_policy_second_step_matches_policy_trainer(results, case):
     """A second step with logp_old=None (old log-probs from the loss forward itself)
@@ -216,7 +216,7 @@ def test_on_policy_second_step_matches_policy_trainer(results, case):
     assert moved > 20 * 5e-5
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", CASES_2, ids=[c.name for c in CASES_2])
 def test_canonical_weights_at_rollout_tp_send_each_rank_its_slices_only(results, case):
     """``canonical_weights(rollout_tp=2)`` on 2 ranks: rank r gets exactly the rollout TP rank r
@@ -229,7 +229,7 @@ def test_canonical_weights_at_rollout_tp_send_each_rank_its_slices_only(results,
         assert sum(t.numel() for t in slices.values()) < 0.6 * sum(t.numel() for t in whole.values())
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_updated_canonical_weights_load_into_decoder_lm(results, case):
     updated = _reference(case)["weights"]
@@ -242,7 +242,7 @@ def test_updated_canonical_weights_load_into_decoder_lm(results, case):
         torch.testing.assert_close(mega.eval()(ids), ref.eval()(ids), rtol=0, atol=1e-4)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_hidden_capture_during_logprobs_equals_the_torch_backend_on_every_rank(results, case):
     """Every rank (every stage: broadcast from the last one under PP) gets every sequence of
@@ -258,7 +258,7 @@ def test_hidden_capture_during_logprobs_equals_the_torch_backend_on_every_rank(r
             torch.testing.assert_close(hidden, torch_hidden[i][1], rtol=0, atol=2e-5)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_megatron_drafter_data_equals_the_torch_engines_harvest(results):
     """The acceptance test of drafter data "for free": on a rollout of the torch engine, the
     megatron backend (TP=2) hands on_hidden the same features the engine harvested with
@@ -274,7 +274,7 @@ def test_megatron_drafter_data_equals_the_torch_engines_harvest(results):
             torch.testing.assert_close(hidden[:-1], engine.float(), rtol=0, atol=5e-5)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", [c for c in CASES if c.capture_layers], ids=lambda c: c.name)
 def test_eagle3_features_of_the_update_forward_equal_the_torch_backend_on_every_rank(results, case):
     """With an EAGLE-3 drafter's capture_layers the update forward hands on_hidden, on every
@@ -296,7 +296,7 @@ def test_eagle3_features_of_the_update_forward_equal_the_torch_backend_on_every_
                 torch.testing.assert_close(features[:-1], engine, rtol=0, atol=5e-5, msg=f"{rank['coords']} {i}")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_capture_layers_outside_the_model_are_refused_before_any_collective():
     """Validated first: no process group is needed to see the error (a collective would hang here)."""
     policy = MegatronPolicy.__new__(MegatronPolicy)
@@ -308,7 +308,7 @@ def test_capture_layers_outside_the_model_are_refused_before_any_collective():
         policy.update(batch, adv, None, None, 10, on_hidden=lambda *a: None, capture_layers=(0, -1))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_model_parallel_ranks_train_together(results):
     """Model-parallel ranks train on one batch; the optimizer state differs per rank whenever there
     are several (split over TP x PP, and over data-parallel replicas by the distributed optimizer)."""
@@ -320,7 +320,7 @@ def test_model_parallel_ranks_train_together(results):
             assert "step" in rank["opt_state_keys"] and "optimizer" in rank["opt_state_keys"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_replicated_norms_stay_identical_across_tp(results):
     ranks = results["tp2"]["ranks"]
     assert sorted(r["coords"][1] for r in ranks) == [0, 1]

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from megatron_backend_workers import session  # noqa: E402
 from test_megatron_backend import LLAMA, OPTIM, QWEN_TIED, _case, _policy, _reference, assert_same_step  # noqa: E402
 
-from nemo_tlt.dist import launch_local  # noqa: E402
+from ranks import launch_forked  # noqa: E402
 from nemo_tlt.policy.megatron_backend import MegatronPolicy  # noqa: E402
 
 # Qwen2 with tied embeddings: the embedding's gradient is summed over the first and last stage
@@ -47,12 +47,12 @@ MCORE_RECOMPUTE = {"none": None, "full": "full", "selective": "selective"}
 
 @pytest.fixture(scope="module")
 def results():
-    out = launch_local(session, 8, [CASE_3D], timeout_s=400)[0]
-    out.update(launch_local(session, 2, CASES_TP2, timeout_s=300)[0])
+    out = launch_forked(session, 8, [CASE_3D], timeout_s=120)[0]
+    out.update(launch_forked(session, 2, CASES_TP2, timeout_s=120)[0])
     return out
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_loss_grad_norm_and_updated_weights_match_the_torch_backend(results, case):
     want = _reference(case)

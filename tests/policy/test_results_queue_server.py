@@ -1,5 +1,5 @@
 """The results-queue server of an asynchronous sharded save dies with the rank that started it
-(``policy_checkpoint._results_queue_dying_with_rank``): a rank killed between the start of the
+(``nemo_tlt.megatron.results_server``): a rank killed between the start of the
 save and its finalize must not leave the server behind, orphaned and holding its stdout."""
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR
 
 
 def _start_server_then_hang(pids) -> None:
-    from nemo_tlt.megatron.policy_checkpoint import _results_queue_dying_with_rank
+    from nemo_tlt.megatron.results_server import results_queue_dying_with_rank
 
-    queue = _results_queue_dying_with_rank()
+    queue = results_queue_dying_with_rank()
     pids.put(queue._manager._process.pid)
     time.sleep(60)
 

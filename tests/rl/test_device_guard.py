@@ -2,7 +2,9 @@
 loop, the rollout engine (plain and SD), the drafter harvest and training, or the policy
 backend creates without the rank's configured device lands on ``meta`` and fails where it
 meets a real tensor. This is what a GPU run would catch as a device mismatch. Run in
-fp32 and in bf16 (``model.dtype``), so one bf16 RL step runs in CI too."""
+fp32 and in bf16 (``model.dtype``), so one bf16 RL step runs in CI too. A tensor made with an
+explicit ``device="cpu"`` passes here (the configured device is the CPU): tests/test_device_lint.py
+catches those in the source."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,9 +17,9 @@ from nemo_tlt.rl.loop import RLWorker
 from nemo_tlt.rl.run import RunSpec, prepare_run_dir
 from nemo_tlt.rl.workers import launch
 
-from .test_loop_e2e import tiny_assets, tiny_overrides
+from tiny_rl import tiny_overrides
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(180)
 DEMO = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
 
 
@@ -35,11 +37,6 @@ def steps_on_meta(spec, comm, stop, on_step):
         if worker.drafter is not None:
             worker.drafter.close()
         worker.ckpt.close()
-
-
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets_meta")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -18,10 +18,10 @@ from nemo_tlt.rl.loop import RLWorker
 from nemo_tlt.rl.run import RunSpec, prepare_run_dir
 from nemo_tlt.rl.workers import launch
 
-from .test_loop_e2e import tiny_assets, tiny_overrides
+from tiny_rl import tiny_overrides
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(180)
 DEMO = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
 
 
@@ -37,11 +37,6 @@ def first_step_harvest(spec, comm, stop, on_step):
     finally:
         worker.drafter.close()
         worker.ckpt.close()
-
-
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets_harvest")
 
 
 def _harvest(tmp_path: Path, target: Path, drafter: Path, name: str, extra: list[str]) -> dict:

@@ -13,7 +13,7 @@ from nemo_tlt.config import load_config
 from nemo_tlt.rl.loggers import LoggerConfig, MlflowConfig, WandbConfig, check_available
 from nemo_tlt.rl.report import MetricsWriter, read_metrics, record_scalars
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(180)
 
 
 def _records() -> list[dict]:

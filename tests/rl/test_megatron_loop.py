@@ -14,15 +14,10 @@ from nemo_tlt.config import load_config
 from nemo_tlt.train import main
 from nemo_tlt.spot.checkpoint import CheckpointManager
 
-from .test_loop_e2e import tiny_assets, tiny_overrides
+from tiny_rl import tiny_overrides
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets_mcore")
+pytestmark = pytest.mark.timeout(180)
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -63,10 +58,10 @@ def _policy_at(run: Path, step: int) -> dict[str, torch.Tensor]:
     sharded = run / "checkpoints" / "sharded" / f"step-{step:08d}" / "policy"
     if sharded.is_dir():  # a megatron run on several workers: every rank wrote its shard
         from nemo_tlt.convert import _load_worker
-        from nemo_tlt.dist import launch_local
+        from ranks import launch_forked
 
         (run / f"policy-{step}").mkdir()
-        launch_local(_load_worker, 1, str(sharded), None, None, str(run / f"policy-{step}"), timeout_s=120)
+        launch_forked(_load_worker, 1, str(sharded), None, None, str(run / f"policy-{step}"), timeout_s=120)
         return {f"policy/{k}": v for k, v in load_file(str(run / f"policy-{step}" / "model.safetensors")).items()}
     manager = CheckpointManager(run / "checkpoints")
     try:

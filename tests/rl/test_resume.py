@@ -16,9 +16,9 @@ from nemo_tlt.rl.run import RunSpec, prepare_run_dir
 from nemo_tlt.rl.workers import launch
 from nemo_tlt.spot.checkpoint import CheckpointManager
 
-from .test_loop_e2e import tiny_assets, tiny_overrides
+from tiny_rl import tiny_overrides
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(180)
 STEPS = 3
 
 
@@ -57,11 +57,6 @@ def _flatten(tree, prefix: str = "") -> dict:
     if isinstance(tree, dict):
         return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}/").items()}
     return {prefix[:-1]: tree}
-
-
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets")
 
 
 MEGATRON_TP2 = ("policy.backend=megatron", "policy.tensor_parallel=2", "policy.pipelined_update=false",

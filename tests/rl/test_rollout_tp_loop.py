@@ -14,17 +14,12 @@ import torch
 
 from nemo_tlt.train import main
 
-from .test_loop_e2e import tiny_assets, tiny_overrides
+from tiny_rl import tiny_overrides
 from .test_megatron_loop import _policy_at
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(180)
 DEMO = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
 NOT_PIPELINED = ["policy.pipelined_update=false", "policy.micro_batch_tokens=0"]
-
-
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets_rollout_tp")
 
 
 def _metrics(run: Path, split: str | None = None) -> list[dict]:

@@ -25,11 +25,11 @@ from nemo_tlt.rl.loop import run_rank
 from nemo_tlt.rl.run import RunSpec, prepare_run_dir
 from nemo_tlt.rl.workers import launch
 
-from .test_loop_e2e import tiny_assets, tiny_overrides
+from tiny_rl import tiny_overrides
 from .test_resume import _sharded_latest
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(180)
 STEPS = 3
 MEGATRON = ("policy.backend=megatron", "policy.pipelined_update=false", "policy.micro_batch_tokens=0")
 
@@ -40,11 +40,6 @@ def _spec(run_dir, target, drafter, workers: int, tp: int = 2, resume: bool = Fa
     spec = RunSpec(cfg, "tlt", str(run_dir / "tlt"), str(target), str(drafter))
     prepare_run_dir(spec)
     return spec
-
-
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets")
 
 
 def _weights(tensors: dict) -> dict:

@@ -10,15 +10,10 @@ import pytest
 
 from nemo_tlt.train import main
 
-from .test_loop_e2e import tiny_assets, tiny_overrides
+from tiny_rl import tiny_overrides
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(180)
 DEMO = str(Path(__file__).resolve().parents[2] / "conf" / "demo.yaml")
-
-
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    return tiny_assets(tmp_path_factory.getbasetemp() / "tlt_tiny_assets_validation")
 
 
 def test_validation_records_and_curve(tiny_models, tmp_path):

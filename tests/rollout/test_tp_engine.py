@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from nemo_tlt.demo.shipped_assets import SHIPPED_DIR
 from nemo_tlt.demo.tokenizer import CharTokenizer
-from nemo_tlt.dist import launch_local
+from ranks import launch_forked
 from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.io import load_drafter
 from nemo_tlt.drafter.medusa import MedusaConfig, MedusaDrafter
@@ -132,11 +132,11 @@ def ranks(tmp_path_factory):
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     folder = tmp_path_factory.mktemp("hf") / "llama"
     model.save_pretrained(folder)
-    return launch_local(_worker, 2, str(folder), str(SHIPPED_DIR / "target"), str(SHIPPED_DIR / "drafter"),
+    return launch_forked(_worker, 2, str(folder), str(SHIPPED_DIR / "target"), str(SHIPPED_DIR / "drafter"),
                         timeout_s=240)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_from_hf_folder_reads_only_this_ranks_slices(ranks):
     full_numel = ranks[0]["loading"]["full_numel"]
     norms = (2 * 2 + 1) * 32
@@ -147,7 +147,7 @@ def test_from_hf_folder_reads_only_this_ranks_slices(ranks):
     assert ranks[0]["loading"]["numel"] < full_numel * 0.6
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_policy_weights_whole_or_sliced_give_the_same_model(ranks):
     for r in ranks:
         assert r["loading"]["weights_new"] and r["loading"]["weights_same"]
@@ -155,14 +155,14 @@ def test_policy_weights_whole_or_sliced_give_the_same_model(ranks):
         assert "(3, 3)" in r["loading"]["wrong_shape"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_the_factory_passes_tp_and_refuses_trtllm_with_tp(ranks):
     for r in ranks:
         assert r["loading"]["factory"] == (True, torch.bfloat16, torch.float32, True, True)
         assert "rollout.tensor_parallel > 1 with rollout.engine=trtllm is not built" in r["loading"]["trtllm"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_tp2_greedy_equals_tp1_plain_and_sd(ranks):
     d0, d1 = ranks[0]["decoding"], ranks[1]["decoding"]
     assert d0["sd_steps"] > 0 and d0["accept"] > 1.5  # the trained drafter speculated
@@ -171,7 +171,7 @@ def test_tp2_greedy_equals_tp1_plain_and_sd(ranks):
         assert d["plain"] == d0["plain"] and d["sd"] == d0["plain"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_tp2_coupled_sd_equals_tp2_coupled_plain(ranks):
     d0, d1 = ranks[0]["decoding"], ranks[1]["decoding"]
     assert d0["coupled_sd_steps"] > 0
@@ -179,7 +179,7 @@ def test_tp2_coupled_sd_equals_tp2_coupled_plain(ranks):
     assert d0["coupled_plain"] != d0["plain"]  # sampling did sample
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_the_sd_choice_is_tp_rank_0s_and_divergence_raises(ranks):
     d0, d1 = ranks[0]["decoding"], ranks[1]["decoding"]
     assert d0["lead"] == d1["lead"] == [t[:SHORT.max_new_tokens] for t in d0["plain"]]
@@ -188,7 +188,7 @@ def test_the_sd_choice_is_tp_rank_0s_and_divergence_raises(ranks):
         assert "TP ranks [1]" in d["tampered"] and "diverged" in d["tampered"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_eagle3_and_medusa_draft_in_lockstep(ranks):
     d0, d1 = ranks[0]["decoding"], ranks[1]["decoding"]
     for name in ("eagle3", "medusa"):
@@ -196,7 +196,7 @@ def test_eagle3_and_medusa_draft_in_lockstep(ranks):
         assert d0[name] == d1[name] == [t[:SHORT.max_new_tokens] for t in d0["plain"]]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_a_half_loaded_rank_stops_every_rank(ranks):
     assert "half-written" in ranks[1]["decoding"]["half_loaded"]
     assert "TP ranks [1]" in ranks[0]["decoding"]["half_loaded"]
