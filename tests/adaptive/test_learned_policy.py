@@ -1,11 +1,13 @@
 """The learned SD policy: plain decoding or a tree per step from step costs shared across
 batch sizes, collapse fallback with back-off probes, discount on a new drafter, state
-that travels."""
+that travels. Simulated step times are jittered (+-10 %, seeded) wherever the claim holds
+with that; the tests kept on exact times say why (one known weakness is a strict xfail)."""
 from __future__ import annotations
 
 import json
 import math
 
+import numpy as np
 import pytest
 
 from nemo_tlt.adaptive.learned_policy import LearnedSDConfig, LearnedSDPolicy
@@ -13,14 +15,22 @@ from nemo_tlt.adaptive.sd_policy import SpecPolicy
 from nemo_tlt.speculative.tree_shape import TreeShape
 
 CHAIN, TREE = TreeShape(4, 1, 4), TreeShape(6, 2, 12)
+JITTER = 0.1  # a measured step takes its mean time x uniform(1 - JITTER, 1 + JITTER)
+
+
+def jitter(rng: np.random.Generator) -> float:
+    return float(rng.uniform(1.0 - JITTER, 1.0 + JITTER))
 
 
 class Sim:
     """Step costs of a machine where SD pays below ~10 rows and plain above: plain
-    t = 0.01 + 0.001 r; a tree t = 0.02 + c r and keeps `accept` tokens a row."""
+    t = 0.01 + 0.001 r; a tree t = 0.02 + c r and keeps `accept` tokens a row. `cost` is
+    a step's mean time; what the policy observes is off by up to `jitter` (a Generator seeded
+    by `seed`)."""
 
-    def __init__(self, accept: dict = None):
+    def __init__(self, accept: dict = None, seed: int = 0, jitter: float = JITTER):
         self.accept = {None: 1.0, CHAIN: 4.0, TREE: 4.5} if accept is None else accept
+        self.rng, self.jitter = np.random.default_rng(seed), jitter
 
     def cost(self, shape, r: int) -> float:
         slope = {None: 0.001, CHAIN: 0.006, TREE: 0.009}[shape]
@@ -29,9 +39,12 @@ class Sim:
     def rate(self, shape, r: int) -> float:
         return self.accept[shape] * r / self.cost(shape, r)
 
+    def measured(self, shape, r: int) -> float:
+        return self.cost(shape, r) * float(self.rng.uniform(1.0 - self.jitter, 1.0 + self.jitter))
+
     def step(self, policy, r: int):
         shape = policy.choose(r)
-        policy.observe(r, shape, round(self.accept[shape] * r), self.cost(shape, r))
+        policy.observe(r, shape, round(self.accept[shape] * r), self.measured(shape, r))
         return shape
 
     def rollout(self, policy, start: int = 256) -> list:
@@ -49,7 +62,8 @@ def oracle(sim: Sim, r: int):
 
 
 def test_learns_plain_for_the_crowded_head_and_sd_for_the_tail():
-    sim, p = Sim(), policy()
+    # Exact step times: with jitter this does not hold yet (the xfail test below).
+    sim, p = Sim(jitter=0.0), policy()
     for _ in range(6):
         steps = sim.rollout(p)
     head = [s for r, s in steps if r >= 48]
@@ -62,16 +76,45 @@ def test_learns_plain_for_the_crowded_head_and_sd_for_the_tail():
     assert spent <= 1.05 * best
 
 
-@pytest.mark.parametrize("accept", [None, {None: 1.0, CHAIN: 6.0, TREE: 4.0}], ids=["plain_head", "sd_pays"])
-def test_a_fresh_policy_pays_little_in_its_first_rollout(accept):
+@pytest.mark.parametrize("accept, jitter", [(None, 0.0), ({None: 1.0, CHAIN: 6.0, TREE: 4.0}, JITTER)],
+                         ids=["plain_head", "sd_pays"])
+def test_a_fresh_policy_pays_little_in_its_first_rollout(accept, jitter):
     # The cold case (an RL run's first step): what every step teaches is shared across
     # batch sizes, so exploration is a short start-up and a few probes, not every
     # choice in every bucket (per-bucket tables paid 1.13x here on the sd_pays machine).
-    sim, p = Sim(accept), policy()
+    # The plain_head machine with exact step times only: with jitter see the xfail test below.
+    sim, p = Sim(accept, jitter=jitter), policy()
     steps = sim.rollout(p)
     spent = sum(sim.cost(s, r) / (sim.accept[s] * r) for r, s in steps)
     best = sum(sim.cost(oracle(sim, r), r) / (sim.accept[oracle(sim, r)] * r) for r, s in steps)
     assert spent <= 1.08 * best
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "found with jittered step times (issue 37): on the plain_head machine with step times off by "
+    "+-3 % or more, about half the seeds never run a tree again after the start-up profile"))
+def test_learns_sd_for_the_tail_whatever_the_jitter():
+    """The claims of the two tests above with step times off by up to +-10 %, on six seeds.
+    Today seeds 0, 2 and 5 never speculate in the tail (1.62x the per-step oracle's cost in
+    the sixth rollout, 1.63x in the first; still none after 30 rollouts). The chain's probe
+    in the head is a knife-edge (its optimistic bound a few % above plain's estimate at
+    ~120 rows) that jitter can tip; unprobed there, the trees rest on their two start-up
+    steps at ~230 rows, moved to 1 row along the pooled power law, which puts the chain at
+    about half its true rate there, and the probe-cost gate (expected loss <= probe_cost x
+    the median step) then refuses every tail probe. Only drafter_updated (stale arms are
+    probed on back-off) unsticks it. Strict: once fixed this passes and the marker must go."""
+    for seed in range(6):
+        sim, p = Sim(seed=seed), policy()
+        first = sim.rollout(p)
+        for _ in range(5):
+            steps = sim.rollout(p)
+        head, tail = [s for r, s in steps if r >= 48], [s for r, s in steps if r <= 4]
+        assert head.count(None) >= 0.9 * len(head), seed
+        assert sum(s is not None for s in tail) >= 0.9 * len(tail), seed
+        for rollout, bound in ((first, 1.08), (steps, 1.05)):
+            spent = sum(sim.cost(s, r) / (sim.accept[s] * r) for r, s in rollout)
+            best = sum(sim.cost(oracle(sim, r), r) / (sim.accept[oracle(sim, r)] * r) for r, s in rollout)
+            assert spent <= bound * best, seed
 
 
 def test_a_threshold_free_start_is_not_stuck_plain_on_a_big_batch_when_sd_pays():
@@ -171,7 +214,7 @@ def test_state_round_trip_through_json_gives_identical_future_choices():
         Sim({None: 1.0, CHAIN: 1.0, TREE: 1.0}).step(a, 3)
     b = policy()
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
-    assert [s for _, s in sim.rollout(a)] == [s for _, s in sim.rollout(b)]
+    assert [s for _, s in Sim(seed=1).rollout(a)] == [s for _, s in Sim(seed=1).rollout(b)]  # the same timings
     assert a.state_dict() == b.state_dict()
 
 
@@ -257,6 +300,7 @@ def test_arms_pulled_at_different_batch_sizes_compare_at_the_batch_size_decided(
     # Steps cost 0.01 * r**0.3 for both arms; arm 2 keeps 3.3 tokens a row, arm 1 3.0.
     # Arm 1 only ran at 60 rows and arm 2 at 33 lately: by raw throughput arm 1 looks
     # better (more rows); moved to the same batch size, arm 2 wins.
+    # Exact step times: with +-10 % jitter the fitted exponent misses 0.3 +- 0.01 on some seeds.
     table = costs(3)
     for arm, acc in ((1, 3.0), (2, 3.3)):  # the fit: each arm at several batch sizes of the tail
         for r in (1, 2, 3, 5, 7, 9, 12, 15):
@@ -301,6 +345,7 @@ def test_a_plausible_arm_is_probed_where_it_has_not_been_measured():
     # Both trees ran in the head (48-64 rows), tree 2 a bit behind; plain far behind
     # everywhere. At 6 rows neither tree has steps near: tree 2 is probed there at
     # once (its estimate rests on no step near 6), plain is not (clearly worse).
+    # Exact step times: with +-10 % jitter tree 2 (5 % behind) can measure ahead at 6 rows.
     table = costs(3, probe_shortest=64, probe_longest=64)
     for r in (64, 56, 48):
         record_rate(table, r, 0, 1.0, 0.01 * r ** 0.5)
@@ -338,6 +383,8 @@ def test_the_drafter_catch_up_after_plain_steps_is_kept_out_of_the_estimates():
     # The first SD step after plain steps (or of a rollout) also runs the drafter over
     # the positions it has not seen: 10x slower here. Both trees pay it alike, so it must
     # not decide between them: the tree that happens to run first is not penalised.
+    # Exact step times: with +-10 % jitter the trees' estimates at 4 rows (moved along an
+    # exponent fitted on 4-6 rows) miss 5 % on about a third of seeds, however many rounds.
     p = policy(min_pulls=1)
     sim = Sim()
     for _ in range(3):
@@ -357,14 +404,14 @@ def test_a_tree_that_loses_to_plain_then_improves_is_adopted():
     step only catches the drafter up; the policy must still measure the tree, or a
     drafter improved by idle-time training is never picked up there."""
     p = LearnedSDPolicy(LearnedSDConfig(arms=(CHAIN,)))
-    rates = {None: 40.0, CHAIN: 30.0}
+    rates, rng = {None: 40.0, CHAIN: 30.0}, np.random.default_rng(0)
     late = []
     for step in range(300):
         if step == 20:
             rates[CHAIN] = 60.0   # the drafter got better (without collapsing before)
             p.drafter_updated()
         shape = p.choose(8)
-        p.observe(8, shape, 16, 16 / rates[shape])
+        p.observe(8, shape, 16, 16 / rates[shape] * jitter(rng))
         if step >= 200:
             late.append(shape)
     assert sum(s == CHAIN for s in late) >= 0.8 * len(late)
@@ -409,6 +456,7 @@ def test_a_probe_far_behind_goes_where_steps_are_cheap_not_to_the_crowded_head()
     # (b = 1), so a step at 64 rows costs 16 of one at 4. Each "rollout" has one step at
     # 64 rows and ten at 4. A probe of arm 0 in the head would lose 16x what one in the
     # tail loses: arm 0 is still probed, but only at 4 rows.
+    # Exact step times: with +-10 % jitter (as wide as the 10 % gap) the head is probed on some seeds.
     def run(probe_cost):
         table = costs(2, probe_cost=probe_cost)
         probes = {64: 0, 4: 0}
@@ -452,6 +500,8 @@ def test_the_first_step_of_a_rollout_probes_no_tree_while_a_tree_leads():
     def seconds(shape, r):
         return 0.63 * r ** 0.3 if shape == TREE else 0.4 * r ** 0.5 * (3.0 if shape is None else 1.0)
 
+    # Exact step times: with +-10 % jitter the second tree (4 % behind at 8 rows) sometimes
+    # leads there, and the first steps then run it as the best, not as a probe.
     def run(catch_up_aware):
         p = policy(min_pulls=1)
         if not catch_up_aware:
