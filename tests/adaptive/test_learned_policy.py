@@ -91,7 +91,7 @@ def test_a_fresh_policy_pays_little_in_its_first_rollout(accept, jitter):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "found with jittered step times (issue 37): on the plain_head machine with step times off by "
+    "found with jittered step times: on the plain_head machine with step times off by "
     "+-3 % or more, about half the seeds never run a tree again after the start-up profile"))
 def test_learns_sd_for_the_tail_whatever_the_jitter():
     """The claims of the two tests above with step times off by up to +-10 %, on six seeds.
