@@ -186,7 +186,8 @@ def _worker(ctx: RankContext, method: str, cfg: LMConfig, dtype: torch.dtype, fo
     return {"coords": list(policy.coords), "wall_s": wall, "rank_extra_bytes": peak,
             "children_bytes": children.peak, "children_private_bytes": children.private_peak,
             "samples": children.samples, "dropped": children.dropped,
-            "writers_end_s": writers_end_s(children.live), "policy_step": policy.step, "peak_extra_bytes": peak + children.peak, "written_bytes": written,
+            "writers_end_s": writers_end_s(children.live), "most_children": max((n for _, n in children.live), default=0),
+            "policy_step": policy.step, "peak_extra_bytes": peak + children.peak, "written_bytes": written,
             "view_bytes": views, "live": {k: _bytes(v) for k, v in own.items()}, **during}
 
 
@@ -278,6 +279,7 @@ def rank_summary(rows: dict[str, list[dict]], layer: int) -> dict:
         "writers_end_s": {m: [x["writers_end_s"] for x in rows[m]] for m in METHODS if m.startswith("async")},
         "policy_step": {m: rows[m][0]["policy_step"] for m in METHODS},  # updates taken by the end
         "samples": {m: _median(rows[m], "samples") for m in METHODS},
+        "most_children": {m: max(x["most_children"] for x in rows[m]) for m in METHODS},  # live at once
         "samples_dropped": {m: _median(rows[m], "dropped") for m in METHODS},
         "save_within_target": max(peak["sharded"], peak["async"]) <= budget,
         "in_flight_within_target": max(in_flight[k] for k in TARGET_WORK) <= budget,

@@ -90,7 +90,8 @@ def test_children_peak_counts_the_pages_a_parent_rewrites_while_two_descendants_
 def _row(peak: int, shard: int = 1000) -> dict:
     return {"coords": [0, 0], "written_bytes": shard, "live": {}, "view_bytes": 0, "peak_extra_bytes": peak,
             "rank_extra_bytes": peak, "children_bytes": 0, "children_private_bytes": 0, "wall_s": 1.0,
-            "update_end_s": 1.0, "writers_end_s": 2.0, "policy_step": 1, "samples": 10, "dropped": 0}
+            "update_end_s": 1.0, "writers_end_s": 2.0, "most_children": 4, "policy_step": 1, "samples": 10,
+            "dropped": 0}
 
 
 def test_the_write_in_flight_is_the_peak_during_an_update_minus_the_update_alone():
@@ -172,7 +173,11 @@ def test_bench_checkpoint_runs_every_kind_of_method_on_every_rank(tmp_path, monk
             assert peak[m] == parts[m]["rank_extra_bytes"] + parts[m]["children_bytes"]
         # the writers and the results server during the update or step; no descendant without a save
         for work, (during, alone) in in_flight.items():
-            assert parts[during]["children_bytes"] > 0 and parts[alone]["children_bytes"] == 0
+            # (the forked results server and writers add next to nothing of their own on this tiny
+            # model, so their presence is counted, not their bytes: the server and the forked
+            # writer live through the whole write, its 2 writers only while they write)
+            assert rank["most_children"][during] >= 2 and rank["most_children"][alone] == 0
+            assert parts[alone]["children_bytes"] == 0
             assert rank["update_end_s"][during][0] > 0 and rank["update_end_s"][alone][0] > 0
             assert rank["samples"][during] > 0
             assert rank["write_in_flight_extra_bytes"][work] == peak[during] - peak[alone]
