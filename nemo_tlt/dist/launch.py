@@ -260,8 +260,16 @@ def local_device_kind(kind: str, world_size: int, hide_cuda: bool, start_method:
     """The device kind local ranks 0..world_size-1 run with (``cpu`` or ``cuda``), checked
     in the launcher: a wrong ``workers.device`` fails before any rank starts. Ranks that
     ``start_method="fork"`` would start cannot use CUDA (a forked child of a process that
-    touched CUDA cannot initialise it): CUDA is probed through NVML then, without
-    initialising it here, and a fork launch that would compute on CUDA is refused."""
+    touched CUDA cannot initialise it), nor can they be hidden from a host's GPUs (a forked
+    child keeps the launcher's view of CUDA, whatever ``CUDA_VISIBLE_DEVICES`` says): CUDA is
+    probed through NVML then, without initialising it here, and a fork launch that would
+    compute on CUDA, or hide it, is refused."""
+    if start_method == "fork" and hide_cuda:
+        with _nvml_cuda_check():
+            if torch.cuda.is_available():
+                raise ValueError("start_method=fork cannot hide this host's GPUs from the ranks (a forked rank keeps "
+                                 "the launcher's view of CUDA, whatever CUDA_VISIBLE_DEVICES says); use "
+                                 "start_method=spawn")
     if start_method == "fork" and not hide_cuda and kind != "cpu":
         with _nvml_cuda_check():
             if kind == "cuda" or torch.cuda.is_available():

@@ -156,7 +156,7 @@ def test_bench_checkpoint_runs_every_kind_of_method_on_every_rank(tmp_path, monk
 
     out = tmp_path / "checkpoint.json"
     rc = bench.main(["--out", str(out), "--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2",
-                     "--ffn", "128", "--vocab", "300", "--trials", "1", "--timeout-s", "300",
+                     "--ffn", "128", "--vocab", "300", "--trials", "1", "--timeout-s", "150",
                      "--start-method", "fork"])
     report = json.loads(out.read_text())
     # the exit status is the report's verdict (the tiny model's targets may go either way)

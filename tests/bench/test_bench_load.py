@@ -17,7 +17,7 @@ def test_bench_load_runs_every_method_and_is_bit_exact(tmp_path):
 
     out = tmp_path / "load.json"
     rc = main(["--out", str(out), "--hidden", "64", "--layers", "4", "--heads", "8", "--kv-heads", "4",
-               "--ffn", "96", "--vocab", "300", "--trials", "1", "--timeout-s", "300",
+               "--ffn", "96", "--vocab", "300", "--trials", "1", "--timeout-s", "90",
                "--start-method", "fork"])
     report = json.loads(out.read_text())
     # the exit status is the report's verdict (the tiny model's memory target may go either way)

@@ -129,3 +129,17 @@ def test_forked_ranks_are_never_put_on_cuda_and_the_probe_does_not_initialise_it
     with pytest.raises(ValueError, match=r"start_method=fork cannot start workers\.device=cuda"):
         WorkersConfig(num_workers=2, start_method="fork", device="cuda")
     assert resolved_workers(WorkersConfig(num_workers=2, start_method="spawn", device="auto"), env={}).device == "cuda"
+
+
+def test_forked_ranks_cannot_hide_the_gpus_so_a_fork_launch_that_would_is_refused(host, monkeypatch):
+    """``hide_cuda`` works by the children's ``CUDA_VISIBLE_DEVICES``; a forked child keeps the
+    launcher's view of CUDA instead, so a CPU fork launch on a GPU host is refused (probed
+    through NVML) before any rank starts; on a host without CUDA it runs."""
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available",
+                        lambda: seen.append(__import__("os").environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")) or host.cuda)
+    with pytest.raises(ValueError, match="start_method=fork cannot hide this host's GPUs"):
+        launch_local(_never, 2, start_method="fork")
+    assert seen == ["1"] and not multiprocessing.active_children()
+    host.cuda = False
+    assert launch_local(lambda ctx: ctx.device, 2, start_method="fork", timeout_s=60) == [torch.device("cpu")] * 2

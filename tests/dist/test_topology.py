@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_tlt.dist import Comm, NodeTopology, RankContext, build_node_groups, gather_topology, launch_local
+from nemo_tlt.dist import Comm, NodeTopology, RankContext, build_node_groups, gather_topology
+from ranks import launch_forked
 
 
 def test_nodes_ranks_leaders_and_local_indices():
@@ -80,7 +81,7 @@ def _reduce_by_node(ctx: RankContext, rank_nodes: tuple[int, ...]) -> dict:
     ((0, 0, 0, 1), [True, True, True, False], [True, False, False, True]),  # node 1 alone: no node group
 ])
 def test_node_groups_all_reduce_equals_the_flat_sum_with_the_same_bits_everywhere(rank_nodes, node_groups, leaders):
-    out = launch_local(_reduce_by_node, 4, rank_nodes, timeout_s=100, start_method="fork")
+    out = launch_forked(_reduce_by_node, 4, rank_nodes, timeout_s=100)
     expected = sum(o["mine"] for o in out)
     for o in out:
         assert torch.equal(o["sum"], out[0]["sum"])

@@ -1,8 +1,7 @@
-"""Worker functions run inside gloo processes by the megatron tests (spawned by nemo_tlt.dist.launch_local).
+"""Worker functions run inside gloo processes by the megatron tests (forked by tests/ranks.py).
 
-Process start-up (importing megatron-core) dominates the cost of these tests on a
-small CPU machine, so one spawned world runs every case in sequence and returns
-small picklable results; the test process does the asserting.
+One world runs every case in sequence and returns small picklable results; the test
+process does the asserting.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Real megatron-core GPTModels at TP=2 x PP=2 (4 gloo processes on CPU) against our adapters.
 
-One spawned world runs every case (process start-up dominates the cost); the
-tests below assert on its results.
+One world (forked ranks) runs every case; the tests below assert on its results.
 """
 from __future__ import annotations
 

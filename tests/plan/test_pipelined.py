@@ -137,7 +137,7 @@ def test_equal_when_nothing_overlaps():
 
 def test_the_chosen_share_is_the_fastest_and_here_not_the_trivial_0():
     """Drafter training on: the idle time the update takes is the drafter's loss. On this
-    workload the best share lies inside (0.75): all the idle time (1) starves the drafter,
+    workload the best share is 0.75, strictly between 0 and 1: all the idle time (1) starves the drafter,
     none (0: the unpipelined step, never slower, the trivial answer) forgoes the overlap.
     The chosen share must beat every other candidate and the plain step, so choosing 0,
     the largest share or the slowest fails."""

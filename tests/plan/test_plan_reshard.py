@@ -32,7 +32,7 @@ def test_meta_plan_matches_real_stream_reshard_bytes():
     from ranks import launch_forked
     from reshard_workers import stream_cases
 
-    per_rank = launch_forked(stream_cases, WORLD, CASES, timeout_s=120)
+    per_rank = launch_forked(stream_cases, WORLD, CASES, timeout_s=90)
     for i, (cfg, layout, rtp, receivers) in enumerate(CASES):
         dp = WORLD // (layout.tp * layout.pp)
         plan = plan_stream_reshard(cfg, layout, dp, rtp, receivers, dtype_bytes=4)

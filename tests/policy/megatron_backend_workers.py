@@ -1,7 +1,6 @@
-"""Worker functions for tests/policy/test_megatron_backend.py, run inside gloo processes (launch_local).
+"""Worker functions for tests/policy/test_megatron_backend.py, run inside gloo processes (forked by tests/ranks.py).
 
-Importing megatron-core dominates these tests on a small CPU machine, so one spawned
-world runs several cases in sequence; each returns small picklable results to rank 0
+One world runs several cases in sequence; each returns small picklable results to rank 0
 and the test process does the asserting against the torch backend.
 """
 from __future__ import annotations

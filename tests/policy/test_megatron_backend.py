@@ -1,6 +1,6 @@
 """MegatronPolicy (real megatron-core, gloo, CPU) against the plain-PyTorch TorchPolicy.
 
-Two spawned worlds: one process at TP=1, and two processes running TP=2, PP=2
+Two worlds (forked ranks): one process at TP=1, and two processes running TP=2, PP=2
 (Qwen2-style, tied embeddings) and DP=2 (the batch split over replicas) in turn.
 Every case starts from the same canonical weights as a ``TorchPolicy`` reference
 on the whole batch, and must reproduce its log-probs, update stats (DP: the global

@@ -37,7 +37,7 @@ def ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen2")
     model.save_pretrained(folder, max_shard_size="100KB")
     policy = PolicyConfig(backend="megatron", tensor_parallel=2, pipeline_parallel=2, kl_coef=0.1)
-    return launch_forked(build_from_folder, 4, str(folder), policy, torch.bfloat16, timeout_s=300)[0]
+    return launch_forked(build_from_folder, 4, str(folder), policy, torch.bfloat16, timeout_s=90)[0]
 
 
 def test_every_rank_holds_todays_shard_in_its_model_and_reference(ranks):

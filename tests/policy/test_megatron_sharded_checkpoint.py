@@ -34,9 +34,9 @@ def test_checkpoint_at_four_ranks_resumes_at_two(tmp_path):
     batches = [_batch(11, n=6), _batch(12, n=6)]
     ckpt = str(tmp_path / "policy")
     whole = launch_forked(checkpoint_then_continue, 4, LLAMA, canonical, _policy(2), batches, ckpt,
-                         timeout_s=300)[0]
+                         timeout_s=150)[0]
     resumed = launch_forked(resume_and_continue, 2, LLAMA, canonical, _policy(2), batches, ckpt, None, _policy(1),
-                           timeout_s=300)[0]
+                           timeout_s=150)[0]
     assert resumed["loss"] == pytest.approx(whole["loss"], rel=1e-6)
     assert resumed["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-6)
     moved = 0.0
@@ -56,10 +56,10 @@ def test_kill_during_sharded_save_leaves_previous_checkpoint_loadable(tmp_path):
     root, reference = tmp_path / "ckpt", tmp_path / "step1.pt"
     with pytest.raises(Exception):
         launch_forked(save_then_die, 2, LLAMA, canonical, _policy(2), batches, str(root), str(reference),
-                     timeout_s=300)
+                     timeout_s=150)
     assert (root / ".step-00000002.partial-sharded").is_dir()  # the killed save's files, never committed
     assert not (root / "step-00000002").exists()
-    got = launch_forked(load_latest, 2, LLAMA, canonical, _policy(2), str(root), timeout_s=300)[0]
+    got = launch_forked(load_latest, 2, LLAMA, canonical, _policy(2), str(root), timeout_s=150)[0]
     assert got["step"] == 1 and got["policy_step"] == 1
     want = torch.load(reference)
     for name, tensor in want.items():
@@ -77,9 +77,9 @@ def test_async_save_holds_the_state_of_its_start_while_the_policy_steps_on(tmp_p
     batches = [_batch(31, n=6), _batch(32, n=6)]
     ckpt = str(tmp_path / "policy")
     whole = launch_forked(async_checkpoint_during_step, 4, LLAMA, canonical, _policy(2), batches, ckpt,
-                         timeout_s=300)[0]
+                         timeout_s=150)[0]
     assert whole["finished_by_step"]
-    resumed = launch_forked(resume_and_continue, 2, LLAMA, canonical, _policy(2), batches, ckpt, timeout_s=300)[0]
+    resumed = launch_forked(resume_and_continue, 2, LLAMA, canonical, _policy(2), batches, ckpt, timeout_s=150)[0]
     assert resumed["loss"] == pytest.approx(whole["loss"], rel=1e-6)
     assert resumed["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-6)
     for name, want in whole["canonical"].items():

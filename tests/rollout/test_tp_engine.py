@@ -133,7 +133,7 @@ def ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf") / "llama"
     model.save_pretrained(folder)
     return launch_forked(_worker, 2, str(folder), str(SHIPPED_DIR / "target"), str(SHIPPED_DIR / "drafter"),
-                        timeout_s=240)
+                        timeout_s=150)
 
 
 @pytest.mark.timeout(180)

@@ -11,6 +11,9 @@ import pytest
 from nemo_tlt.config import load_config
 from nemo_tlt.dist.slurm import expand_nodelist
 
+# the first test that asks for the cluster may install SLURM with apt-get and start it
+pytestmark = pytest.mark.timeout(300)
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((REPO / "slurm").glob("*.sbatch"))
 H100 = {"qwen2.5-32b_grpo.sbatch": 4, "llama3.3-70b_grpo.sbatch": 8}  # nodes of 8 H100

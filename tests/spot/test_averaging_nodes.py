@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_tlt.dist import NodeTopology, RankContext, build_node_groups, launch_local
+from nemo_tlt.dist import NodeTopology, RankContext, build_node_groups
+from ranks import launch_forked
 from nemo_tlt.spot.averaging import average_replicas
 
 from ._toys import H, toy_model
@@ -103,7 +104,7 @@ def _cross_node(log: list, topology: NodeTopology) -> list:
 ])
 def test_hierarchical_average_equals_the_flat_one_and_only_leaders_cross_nodes(rank_nodes, steps):
     topology = NodeTopology(rank_nodes)
-    out = launch_local(_average, 4, rank_nodes, steps, timeout_s=120, collective_timeout_s=60, start_method="fork")
+    out = launch_forked(_average, 4, rank_nodes, steps, timeout_s=90, collective_timeout_s=60)
     w = torch.tensor([o["samples"] for o in out])
     for key in ("params", "moments"):
         expected = sum(wr * o["before"][key] for wr, o in zip(w, out)) / w.sum()
@@ -144,7 +145,6 @@ def _flat_only(ctx: RankContext) -> tuple:
 
 @pytest.mark.timeout(120)
 def test_one_rank_per_node_keeps_the_single_all_reduce():
-    for made, log, stats in launch_local(_flat_only, 4, timeout_s=100, collective_timeout_s=60,
-                                            start_method="fork"):
+    for made, log, stats in launch_forked(_flat_only, 4, timeout_s=100, collective_timeout_s=60):
         assert made == [] and log == [("all_reduce", (0, 1, 2, 3))] * 2
         assert stats.nodes == 4 and not stats.hierarchical
