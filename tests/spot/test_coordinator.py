@@ -278,9 +278,8 @@ def test_request_counted_but_not_yet_stamped_does_not_block_a_shared_tcpstore():
     worker = WorkerCoordinator(store, 0, 2, prefix="t/stamp", timeout_s=30, clock=lambda: 123.0)
     worker.mark_idle()
     store.add("t/stamp/preempt/0", 1)           # counted; the stamp is not there yet
-    t0 = time.perf_counter()
+    # a check that waited for the stamp would end in the Store's timeout error, not True
     assert worker.preempt_requested()
-    assert time.perf_counter() - t0 < 5.0
     assert worker.preempt_requested_at == 123.0  # our own clock stands in for the stamp
     # And a stamped request still reports the requester's time.
     other = WorkerCoordinator(store, 1, 2, prefix="t/stamp", timeout_s=30, clock=lambda: 7.0)
