@@ -81,11 +81,7 @@ class WireBytes:
             if not self._depth:
                 self.calls[name] += 1
                 self._count(name, args, kwargs)
-            self._depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
+            return self._nested(fn, args, kwargs)
         return wrapper
 
     def _object_wrapper(self, name: str, fn: Callable) -> Callable:
@@ -96,12 +92,16 @@ class WireBytes:
                     raise AssertionError(f"torch.distributed.{name} carries a tensor: tensors must travel "
                                          "through the tensor calls, where they are counted")
             self.calls[name] += 1
-            self._depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
+            return self._nested(fn, args, kwargs)
         return wrapper
+
+    def _nested(self, fn: Callable, args: tuple, kwargs: dict):
+        """``fn(*args, **kwargs)`` with the calls it makes itself not counted again."""
+        self._depth += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._depth -= 1
 
     def __enter__(self) -> "WireBytes":
         for names, wrap in ((self.TENSOR_CALLS, self._tensor_wrapper), (self.OBJECT_CALLS, self._object_wrapper)):
