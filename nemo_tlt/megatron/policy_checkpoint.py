@@ -95,11 +95,8 @@ def layout_common(cfg: LMConfig, layout: ParallelLayout, dtype: torch.dtype, ste
 
 def save_policy_shards(state: dict, directory: str | os.PathLike) -> None:
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     os.makedirs(directory, exist_ok=True)
-    _shutdown_write_results_queue()
-    filesystem_async._results_queue = results_queue_dying_with_rank()
     try:
         dist_checkpointing.save(state, str(directory))
     finally:
@@ -156,12 +153,11 @@ def _shutdown_write_results_queue() -> None:
     """Stop the server process behind megatron-core's write-results queue.
 
     megatron-core 0.16.1's ``FileSystemWriterAsync`` (what a torch_dist save writes with,
-    synchronous saves included) would create a spawned ``multiprocessing.Manager`` for its
-    results queue on the first save and keep it for the life of the process, orphaned and
-    holding the rank's stdout open if the rank is killed (a test runner or CI job reading that
-    pipe would wait on it). Every save here installs its own server first
-    (``results_server``: forked, dying with the rank) and stops it with this once the save is
-    complete, so no server outlives its save."""
+    synchronous saves included) creates a spawned ``multiprocessing.Manager`` for its results
+    queue on the first save and keeps it for the life of the process. A rank that is killed or
+    terminated leaves that server behind, orphaned and holding the rank's stdout open (a test
+    runner or CI job reading that pipe would wait on it). So it lives for one save only; the
+    next save starts another (a process start per save, beside writing the shard)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     queue = getattr(filesystem_async, "_results_queue", None)

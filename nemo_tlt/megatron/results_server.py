@@ -1,13 +1,8 @@
-"""The server behind megatron-core's write-results queue: forked from the rank, dying with it.
+"""The server behind megatron-core's write-results queue, dying with the rank that starts it.
 
-megatron-core 0.16.1's ``FileSystemWriterAsync`` collects each writer's results through a
-``multiprocessing`` manager queue (``filesystem_async._results_queue``) and starts that
-manager with ``spawn`` on first use. A spawned server is a fresh interpreter that imports
-torch to unpickle the first results (about 2 s of CPU, and the memory of a torch import,
-per rank and save) and outlives a rank that is killed. The server here is forked from the
-rank instead: torch is already imported, so it serves at once. It only unpickles and holds
-write results (no torch operation, no CUDA call), as safe as megatron-core's own forked
-writers. The kernel kills it when the rank dies (Linux ``PR_SET_PDEATHSIG``).
+This module imports no torch and no megatron-core: the server is a spawned process that
+imports the module holding its initializer, and torch's import alone (about 1 s of CPU) would
+otherwise be paid again at every save of every rank.
 """
 from __future__ import annotations
 
@@ -26,8 +21,8 @@ def _die_with_parent() -> None:
 
 
 def results_queue_dying_with_rank():
-    """A ``multiprocessing`` queue served by a manager process forked from the caller, which the
-    kernel kills when the caller dies (Linux), so a rank killed mid-save leaves no server behind."""
-    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+    """A ``multiprocessing`` queue served by a spawned manager process that the kernel kills when
+    the calling process dies (Linux), so a rank killed mid-save leaves no server behind."""
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
     manager.start(initializer=_die_with_parent)
     return manager.Queue()
