@@ -2,6 +2,7 @@
 
     nemo-tlt prepare                      # the demo target, drafter and assistant (shipped, or trained and cached)
     nemo-tlt bench rollout --out F.json   # plain vs SD vs HF transformers
+    nemo-tlt bench rollout --engine vllm --out F.json   # vLLM EAGLE-3 vs vLLM plain
     nemo-tlt bench rollout --workload longtail --out F.json
     nemo-tlt bench drafter --out F.json
     nemo-tlt bench precision --out F.json # SD vs plain token identity and speed per dtype

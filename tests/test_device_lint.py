@@ -32,6 +32,7 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "model/kv_cache.py:KVCache.__init__": (1, "a parameter default; the engine passes its device"),
     "drafter/io.py:save_drafter": (1, "safetensors writes host tensors"),
     "drafter/eagle3_hf.py:write_eagle3_hf": (1, "safetensors writes host tensors"),
+    "rollout/vllm_engine.py:VLLMRolloutEngine._payload": (1, "safetensors writes host tensors (refit file)"),
     "rollout/torch_engine.py:TorchRolloutEngine._prefill": (2, "prompts laid out on the host, one copy over"),
     "policy/batching.py:micro_batches": (5, "batches laid out on the host, one copy to `device`"),
     "policy/fixed_point.py:FixedPointGrads.__init__": (1, "only when there are no tensors to take it from"),

@@ -7,6 +7,9 @@ Layout of ``nemo_tlt/demo/demo_assets/`` (written by ``nemo-tlt prepare --ship D
                         measured acceptance, and the versions that made them
     target/ assistant/  HF-format folders (config.json, model.safetensors, warm_start.json)
     drafter/            drafter.json + drafter.safetensors
+    drafter_eagle3/     an EAGLE-3 drafter of the target (drafter.json + drafter.safetensors),
+                        made by `nemo-tlt drafter train --type eagle3`; train.json holds the
+                        command, its settings and report, and the files' checksums
 
 Contract: a role's shipped folder is used only when its ``name`` equals the cache
 folder name the current code computes for the requested configuration (a hash of
@@ -86,3 +89,18 @@ def write_shipped(folders: dict[str, Path], out: str | os.PathLike, extra: dict[
         manifest = {"format": MANIFEST_FORMAT, "assets": assets, **extra}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return Path(out)
+
+
+EAGLE3_DIR = "drafter_eagle3"
+EAGLE3_RECORD = "train.json"
+
+
+def shipped_eagle3_drafter(root: Path = SHIPPED_DIR) -> Path:
+    """The shipped EAGLE-3 drafter folder of the demo target, checked against its record's
+    checksums (ValueError naming the file that is missing or differs)."""
+    folder = root / EAGLE3_DIR
+    record = folder / EAGLE3_RECORD
+    if not record.is_file():
+        raise ValueError(f"{record}: missing; reinstall nemo-tlt")
+    verify_folder(folder, json.loads(record.read_text())["files"])
+    return folder

@@ -16,10 +16,23 @@ SGLang and TensorRT-LLM's PyTorch backend load, followed from vLLM's
 * ``model.safetensors``: ``fc.weight`` [H, k*H], ``midlayer.{input_layernorm,
   hidden_norm, post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v}_proj.weight``
   [*, 2H], ``midlayer.self_attn.o_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``,
-  ``norm.weight``, ``lm_head.weight`` [draft_vocab_size, H], ``d2t`` (int64) and ``t2d``
-  (bool). No ``embed_tokens.weight``: the loaders take the target's embedding when
-  the checkpoint has none, as our drafter does. These are the drafter's own
-  state-dict names, so export is a rename-free write.
+  ``norm.weight``, ``lm_head.weight`` [draft_vocab_size, H], and, only when the draft
+  vocabulary is smaller than the target's (``draft_vocab_size < vocab_size``), ``d2t``
+  (int64 [draft_vocab_size], target id = draft id + d2t) and ``t2d`` (bool [vocab_size]).
+  A full-vocabulary drafter's maps are the identity and are not written; reading such
+  a folder back rebuilds them. No ``embed_tokens.weight``: the loaders take the
+  target's embedding when the checkpoint has none, as our drafter does. These are the
+  drafter's own state-dict names, so export is a rename-free write.
+
+  vLLM (0.32, ``Eagle3LlamaForCausalLM``) takes ``draft_vocab_size`` from config.json
+  (``vocab_size`` when absent) and creates its ``draft_id_to_target_id`` parameter
+  (int64, zeros) only when that differs from the target model's vocabulary size.
+  ``load_weights`` skips ``t2d`` always and loads ``d2t`` into
+  ``draft_id_to_target_id``; a ``d2t`` in a checkpoint whose draft vocabulary equals
+  the target's therefore fails the load ("There is no module or parameter named
+  'draft_id_to_target_id' in Eagle3LlamaForCausalLM"), while a smaller draft
+  vocabulary without ``d2t`` loads and keeps the zeros (the first draft_vocab_size
+  target ids), so the maps must be written exactly when the vocabulary is smaller.
 
 Serving engines choose the captured layers themselves, distinct and in ascending
 order (so a drafter capturing others is not exported): vLLM and SGLang read
@@ -57,8 +70,22 @@ def eagle3_hf_config(drafter: Eagle3Drafter, dtype: torch.dtype) -> dict:
     return hf
 
 
+def exported_capture_layers(folder: str | os.PathLike) -> tuple[int, ...]:
+    """The target layers the drafter of an EAGLE-3 HF ``folder`` reads, in its order, in our
+    0-based numbering (the config's ``eagle_aux_hidden_state_layer_ids`` minus one); a folder
+    without them is a ValueError naming its config."""
+    path = Path(folder) / "config.json"
+    try:
+        ids = json.loads(path.read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        return tuple(int(i) - 1 for i in ids)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not an EAGLE-3 HF config with eagle_config.eagle_aux_hidden_state_layer_ids "
+                         f"({err}); write one with `nemo-tlt convert --from drafter --to eagle3-hf`") from err
+
+
 def write_eagle3_hf(drafter: Eagle3Drafter, folder: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
     """Write `drafter` into the existing `folder`; float weights cast to `dtype` if given.
+    ``d2t`` / ``t2d`` are written only for a draft vocabulary smaller than the target's.
     A drafter whose capture layers are not distinct and ascending is refused: the
     serving engines capture a set of layers and hand them over in ascending order, so
     they would feed it other inputs than it was trained on."""
@@ -69,6 +96,9 @@ def write_eagle3_hf(drafter: Eagle3Drafter, folder: str | os.PathLike, dtype: to
                          "would feed it what it was trained on (train it with Eagle3Config.capture_layers "
                          f"{sorted(set(layers))} on a target of at least {len(layers)} layers)")
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    if not drafter.config.draft_vocab_size < drafter.config.layer.vocab_size:
+        # the identity maps of a full vocabulary: vLLM refuses a d2t it has no parameter for
+        del state["d2t"], state["t2d"]
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     folder = Path(folder)
@@ -108,11 +138,13 @@ def _capture_layers(hf: dict, cfg_path: Path, target_num_layers: int | None) -> 
 def read_eagle3_hf(folder: str | os.PathLike, target_num_layers: int | None = None) -> Eagle3Drafter:
     """An EAGLE-3 HF folder -> the drafter, every tensor name and shape checked; weights
     keep the file's dtype. A target embedding in the file is not read (ours is shared).
+    A full draft vocabulary needs no ``d2t`` / ``t2d`` maps (as `write_eagle3_hf` writes
+    it): the drafter's identity maps are used; folders that carry them (earlier exports)
+    read too. A smaller draft vocabulary without them is refused.
 
-    Folders as SafeAILab publishes them read too: weights in ``pytorch_model.bin``, no
-    ``eagle_config`` (the captured layers are then the serving engines' default for a
-    target of ``target_num_layers`` layers), and, for a full draft vocabulary, no
-    ``d2t`` / ``t2d`` maps (the identity)."""
+    Folders as SafeAILab publishes them read too: weights in ``pytorch_model.bin`` and
+    no ``eagle_config`` (the captured layers are then the serving engines' default for
+    a target of ``target_num_layers`` layers)."""
     folder = Path(folder)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():

@@ -56,7 +56,6 @@ refit at runtime is UNVERIFIED (no documented API; see `load_drafter`).
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -68,6 +67,7 @@ import torch
 
 from nemo_tlt.adaptive.sd_policy import SpecPolicy
 from nemo_tlt.drafter.base import Drafter
+from nemo_tlt.drafter.eagle3_hf import exported_capture_layers
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_config, read_state_dict
 from nemo_tlt.model.lm import canonical_shapes
@@ -99,11 +99,7 @@ def check_sampling(sampling: SamplingParams) -> None:
 
 
 def _refuse_coupled(sampling: SamplingParams) -> None:
-    if sampling.mode == "coupled":
-        raise ValueError("SamplingParams.mode='coupled' is not expressible with TensorRT-LLM: its sampler "
-                         "draws from a per-request random stream, not noise keyed by (seed, seq_id, position), "
-                         "so SD would not reproduce plain decoding's tokens; use 'greedy' or 'rejection' "
-                         "(the target distribution), or the torch engine for 'coupled'")
+    validate.refuse_coupled(sampling, "TensorRT-LLM", "a per-request random stream")
 
 
 def request_seed(seed: int, seq_id: int) -> int:
@@ -201,12 +197,7 @@ def check_drafter_layers(folder: str | os.PathLike, captured: tuple[int, ...]) -
     layers' states, in another order or of another width, and it drafts garbage:
     ValueError naming both."""
     path = Path(folder) / "config.json"
-    try:
-        ids = json.loads(path.read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path}: not an EAGLE-3 HF config with eagle_config.eagle_aux_hidden_state_layer_ids "
-                         f"({err}); write one with `nemo-tlt convert --from drafter --to eagle3-hf`") from err
-    layers = [int(i) - 1 for i in ids]  # HF numbering: the decoder layer whose input it is
+    layers = list(exported_capture_layers(folder))
     if len(set(layers)) != len(layers):
         raise ValueError(f"{path}: the drafter captures layers {layers} with repeats; TensorRT-LLM captures a set "
                          "of distinct layers (eagle3_layers_to_capture), so it cannot serve this drafter")

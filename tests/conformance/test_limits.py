@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from engines import MODES
+from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.speculative.sampling import SamplingParams
-from suite_helpers import make_drafter, requests
+from nemo_tlt.speculative.tree_shape import TreeShape
+from suite_helpers import DRAFTERS, make_drafter, requests
 
 
 @pytest.fixture
@@ -47,3 +49,14 @@ def test_a_drafter_module_is_refused_where_folders_are_loaded(make_engine, engin
         pytest.skip("loads drafter modules")
     with pytest.raises(ValueError, match=make_engine.spec.drafter_form):
         engine.load_drafter(make_drafter("eagle3", engine.model_config))
+
+
+def test_rejection_top_k_while_speculating_is_refused_where_not_declared(make_engine, engine):
+    if make_engine.spec.sd_top_k:
+        pytest.skip("samples with top-k while speculating")
+    engine.load_drafter(make_engine.first_drafter(DRAFTERS, engine.model_config))
+    sp = SamplingParams(mode="rejection", temperature=0.8, top_k=5, max_new_tokens=4)
+    with pytest.raises(ValueError, match="top_k"):
+        engine.generate(requests([3, 5]), sp, policy=FixedSDPolicy(TreeShape(4, 1, 4)))
+    with pytest.raises(ValueError, match="top_k"):  # the engine can speculate: plain decoding too (engines.py)
+        engine.generate(requests([3, 5]), sp)

@@ -4,10 +4,13 @@ A tiny-vocabulary target's joint distribution of the first three sampled tokens
 is computed exactly by enumeration; 12k SD rollouts are compared with it by a
 chi-square goodness-of-fit test, with a good (oracle) and a bad (adversarial)
 drafter. A deliberately broken acceptance rule in the torch engine (no residual
-update after a rejection) must be detected, which shows the test has teeth.
+update after a rejection) must be detected, which shows the test has teeth. An engine
+that declares no rejection top-k while it can speculate (``EngineSpec.sd_top_k``) samples
+without top-k here (temperature kept), the exact joint computed for the same sampling.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -32,20 +35,21 @@ SAMPLING = SamplingParams(mode="rejection", temperature=0.9, top_k=5, max_new_to
                           seed=123, stop_on_eos=False)
 
 
-def exact_joint(target) -> dict[tuple[int, ...], float]:
+def exact_joint(target, sampling: SamplingParams) -> dict[tuple[int, ...], float]:
     seqs = list(itertools.product(range(V), repeat=STEPS))
     ids = torch.tensor([PROMPT + s for s in seqs])
     with torch.no_grad():
-        logp = process_logits(target(ids)[:, len(PROMPT) - 1: -1], SAMPLING)
+        logp = process_logits(target(ids)[:, len(PROMPT) - 1: -1], sampling)
     picked = logp.gather(2, ids[:, len(PROMPT):, None]).squeeze(-1).sum(1).exp()
     return {s: float(p) for s, p in zip(seqs, picked)}
 
 
-def chi2_pvalue(engine: RolloutEngine, target, drafter, shape) -> tuple[float, GenerationStats]:
+def chi2_pvalue(engine: RolloutEngine, target, drafter, shape,
+                sampling: SamplingParams = SAMPLING) -> tuple[float, GenerationStats]:
     """The chi-square p-value of N rollouts against the exact joint, and their stats."""
-    joint = exact_joint(target)
+    joint = exact_joint(target, sampling)
     engine.load_drafter(drafter)
-    out = engine.generate([Request(PROMPT, seq_id=i) for i in range(N)], SAMPLING,
+    out = engine.generate([Request(PROMPT, seq_id=i) for i in range(N)], sampling,
                           policy=FixedSDPolicy(shape) if drafter is not None else None)
     counts: dict[tuple[int, ...], int] = {}
     for r in out.results:
@@ -77,23 +81,31 @@ def small_target(make_engine):
 
 
 @pytest.fixture(scope="module")
+def sampling(make_engine) -> SamplingParams:
+    """SAMPLING, without top-k where the engine declares none while it can speculate."""
+    return SAMPLING if make_engine.spec.sd_top_k else dataclasses.replace(SAMPLING, top_k=0)
+
+
+@pytest.fixture(scope="module")
 def small_dir(small_target, tmp_path_factory):
     return save_hf_folder(small_target, tmp_path_factory.mktemp("rejection") / "target")
 
 
-def test_plain_sampling_matches_exact(make_engine, small_dir, small_target):
-    assert chi2_pvalue(make_engine(small_dir), small_target, None, None)[0] > 1e-3
+def test_plain_sampling_matches_exact(make_engine, small_dir, small_target, sampling):
+    assert chi2_pvalue(make_engine(small_dir), small_target, None, None, sampling)[0] > 1e-3
 
 
 @pytest.mark.parametrize("kind", ["oracle", "adversarial", "eagle3"],
                          ids=["good_drafter", "bad_drafter", "eagle3_drafter"])
-def test_rejection_sd_matches_exact(make_engine, small_dir, small_target, kind):
+def test_rejection_sd_matches_exact(make_engine, small_dir, small_target, sampling, kind):
     engine = make_engine(small_dir)
     drafter = make_engine.drafter(kind, engine.model_config)
-    pvalue, stats = chi2_pvalue(engine, small_target, drafter, TreeShape(2, 2, 4))
+    pvalue, stats = chi2_pvalue(engine, small_target, drafter, TreeShape(2, 2, 4), sampling)
     assert pvalue > 1e-3
     if make_engine.spec.step_stats:
         assert stats.sd_steps > 0 and stats.mean_accept_len > 1.0, stats.mean_accept_len
+    elif make_engine.spec.accept_stats:  # speculation ran (and accepted drafts) without per-step stats
+        assert stats.accept_lengths and stats.mean_accept_len > 1.0, stats.mean_accept_len
 
 
 @pytest.mark.parametrize("adversarial", [False, True], ids=["good_drafter", "bad_drafter"])

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from nemo_tlt.convert import main
@@ -14,7 +15,7 @@ from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.eagle3_hf import read_eagle3_hf, write_eagle3_hf
 from nemo_tlt.drafter.io import load_drafter, save_drafter
-from tiny import tiny_config
+from tiny import tiny_config, tiny_target
 
 
 def _drafter() -> Eagle3Drafter:
@@ -59,6 +60,55 @@ def test_export_layout_and_bit_exact_read_back(tmp_path):
                  "--output", str(tmp_path / "d2")]) == 0
     again = load_drafter(tmp_path / "d2").state_dict()
     assert all(torch.equal(a[k], again[k]) for k in a)
+
+
+def _exported_keys(folder) -> set[str]:
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return set(f.keys())
+
+
+def _same_drafter(a: Eagle3Drafter, b: Eagle3Drafter) -> None:
+    """Identical config and state dict (names, order, dtypes, values), and identical outputs."""
+    assert b.config == a.config
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb) and all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+    target = tiny_target(seed=2, num_layers=8, num_heads=4, num_kv_heads=2)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 32, (2, 5), generator=g)
+    features = torch.randn(2, 5, a.feature_width, generator=g)
+    with torch.no_grad():
+        outs = [d.draft_logits(target, d(target, tokens, d.fuse(features))) for d in (a.eval(), b)]
+    assert torch.equal(*outs) and outs[0].shape == (2, 5, 32)
+
+
+def test_full_vocab_export_has_no_maps_and_reads_back_exactly(tmp_path):
+    """vLLM has no draft_id_to_target_id parameter for a full draft vocabulary and refuses a d2t."""
+    cfg = tiny_config(num_layers=8, num_heads=4, num_kv_heads=2)
+    drafter = Eagle3Drafter(Eagle3Config.from_target(cfg, ttt_steps=2), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() == 1:
+                p.normal_(1.0, 0.1)
+    assert drafter.full_vocab
+    (tmp_path / "hf").mkdir()
+    write_eagle3_hf(drafter, tmp_path / "hf")
+    keys = _exported_keys(tmp_path / "hf")
+    assert "d2t" not in keys and "t2d" not in keys and "lm_head.weight" in keys
+    assert keys == set(drafter.state_dict()) - {"d2t", "t2d"}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["draft_vocab_size"] == 32
+    _same_drafter(drafter, read_eagle3_hf(tmp_path / "hf"))
+
+
+def test_smaller_draft_vocab_export_writes_both_maps_and_reads_back_exactly(tmp_path):
+    drafter = _drafter()
+    (tmp_path / "hf").mkdir()
+    write_eagle3_hf(drafter, tmp_path / "hf")
+    assert _exported_keys(tmp_path / "hf") == set(drafter.state_dict()) and {"d2t", "t2d"} <= set(drafter.state_dict())
+    w = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert torch.equal(w["d2t"], drafter.d2t) and torch.equal(w["t2d"], drafter.t2d)
+    back = read_eagle3_hf(tmp_path / "hf")
+    assert (torch.arange(6) + back.d2t).tolist() == [1, 2, 7, 8, 20, 31]
+    _same_drafter(drafter, back)
 
 
 def test_bf16_export_reads_back_in_bf16(tmp_path):

