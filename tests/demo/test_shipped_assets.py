@@ -108,3 +108,16 @@ def test_rebuilt_assets_ship_and_are_found_again(tmp_path, monkeypatch):
     other = AssetConfig(**{**config.__dict__, "sft_examples": 17})
     assert shipped_folder("target", warm_start_name(other.target, other.task, other.sft, other.sft_examples),
                           out) is None
+
+
+def test_the_shipped_eagle3_drafter_is_checked_against_its_record(tmp_path):
+    from nemo_tlt.demo.shipped_assets import EAGLE3_DIR, shipped_eagle3_drafter
+    from nemo_tlt.drafter.io import load_drafter
+
+    folder = shipped_eagle3_drafter()
+    assert load_drafter(folder).kind == "eagle3"
+    shutil.copytree(SHIPPED_DIR / EAGLE3_DIR, tmp_path / EAGLE3_DIR)
+    damaged = tmp_path / EAGLE3_DIR / "drafter.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b"\0")
+    with pytest.raises(ValueError, match="drafter.safetensors"):
+        shipped_eagle3_drafter(tmp_path)
