@@ -174,3 +174,19 @@ def test_a_refused_stream_leaves_the_served_model(engine, prompts):
     with pytest.raises(ValueError, match="lm_head.weight"):
         engine.load_policy_weights(bad)
     assert [r.tokens for r in engine.generate(prompts[:2], GREEDY).results] == [r.tokens for r in before.results]
+
+
+def test_vllm_drafts_as_the_torch_engine_does_with_the_same_drafter(engine, drafters, prompts):
+    """The export is the drafter: vLLM's EAGLE-3 with the exported folder accepts what the
+    embedded engine accepts with the drafter read back from it (same chain depth, greedy).
+    Equal histograms were measured here; the bound leaves room for a kernel's rounding."""
+    from nemo_tlt.drafter.eagle3_hf import read_eagle3_hf
+    from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
+
+    engine.load_drafter(drafters[0])
+    ours = TorchRolloutEngine.from_hf_folder(TARGET)
+    ours.load_drafter(read_eagle3_hf(drafters[0]))
+    a, b = engine.generate(prompts, GREEDY, policy=CHAIN), ours.generate(prompts, GREEDY, policy=CHAIN)
+    assert [r.tokens for r in a.results] == [r.tokens for r in b.results]
+    print("vllm", a.stats.accept_histogram(), "torch", b.stats.accept_histogram())
+    assert abs(a.stats.mean_accept_len - b.stats.mean_accept_len) < 0.05
