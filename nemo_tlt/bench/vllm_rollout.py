@@ -4,8 +4,8 @@ One vLLM engine serves the demo target with the shipped EAGLE-3 demo drafter (ex
 the HF layout); the methods differ only in the draft-length schedule installed before each
 call: ``plain`` (0 everywhere), ``eagle3`` (a chain of ``--depth`` at every batch size) and
 ``plain_again`` (the control: the same work as ``plain``). Per batch size, the workload is
-``max(batch, --min-prompts)`` demo prompts decoded greedily in chunks of the batch size, to
-``--max-new-tokens`` (EOS ignored, so every method decodes the same number of tokens).
+``max(batch, --min-prompts)`` demo prompts decoded greedily in chunks of the batch size, to EOS
+or ``--max-new-tokens`` (greedy: every method decodes the same tokens, which is checked).
 Rounds alternate the methods' order; each method is warmed up once first. Reported per batch
 size: the medians of tokens/s, the speedup ``eagle3 / plain`` and the control
 ``plain_again / plain`` (median and range over rounds: the noise), vLLM's mean accepted length
@@ -80,7 +80,7 @@ def run_method(engine, reqs: list[Request], batch: int, sp: SamplingParams, poli
 
 
 def bench_batch(engine, reqs: list[Request], batch: int, args: argparse.Namespace) -> dict[str, Any]:
-    sp = SamplingParams(max_new_tokens=args.max_new_tokens, stop_on_eos=False)
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens)
     policies = {"plain": None, "eagle3": FixedSDPolicy(TreeShape(args.depth, 1, args.depth)), "plain_again": None}
     for name in METHODS:  # warm-up
         run_method(engine, reqs[:batch], batch, sp, policies[name])
