@@ -16,9 +16,16 @@ size under it).
 
 Drafting: EAGLE-3 only (vLLM's ``eagle3`` method: a chain of ``num_speculative_tokens``,
 no tree), from the folder in ``VLLMEngineConfig.drafter_dir``; `load_drafter` refits that
-drafter in place (a folder of the same layout, or an `Eagle3Drafter` module with the same
-shape and captured layers); None switches speculation off. A drafter cannot be added to an
-engine built without one.
+drafter in place from a folder holding the same tensors (names and shapes) and captured
+layers, refused with a ValueError before vLLM is touched otherwise (a torch module is refused:
+export it first); None switches speculation off. A drafter cannot be added to an engine built
+without one. A drafter folder whose ``lm_head`` equals the target's is refused at start-up:
+vLLM would serve it with the target's own head module, and a drafter refit would then write
+into the served policy.
+
+The SD policy is read between rollouts (``begin_rollout``, then the schedule it implies); its
+per-step ``choose`` / ``observe`` are not called (vLLM picks each step's draft length itself),
+so a learned policy does not learn from vLLM's steps.
 
 Lossless (the part of the contract kept; the conformance suite checks each here):
 
@@ -48,6 +55,7 @@ no hidden states (harvest drafter data from the policy: ``drafter.harvest_from=p
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 import importlib
 import os
 import time
@@ -158,6 +166,22 @@ def drafter_layers(folder: str | os.PathLike) -> tuple[int, ...]:
     return exported_capture_layers(folder)
 
 
+def _refuse_shared_head(drafter: dict[str, torch.Tensor], target_dir: str, drafter_dir: str) -> None:
+    """vLLM serves a drafter whose lm_head equals the target's with the target's own head module
+    (``_maybe_share_lm_head``); a drafter refit would then overwrite the policy's head."""
+    from safetensors import safe_open
+
+    head = drafter.get("lm_head.weight")
+    if head is None:
+        return
+    for path in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            if "lm_head.weight" in f.keys() and torch.equal(f.get_tensor("lm_head.weight").to(head.dtype), head):
+                raise ValueError(f"VLLMEngineConfig.drafter_dir={drafter_dir}: the drafter's lm_head equals the "
+                                 "target's, so vLLM would serve it with the target's own head and a drafter refit "
+                                 "would overwrite the policy; train the drafter (or its head) before serving it")
+
+
 @contextlib.contextmanager
 def _engine_core_in_process() -> Iterator[None]:
     key = "VLLM_ENABLE_V1_MULTIPROCESSING"
@@ -184,15 +208,20 @@ class VLLMRolloutEngine:
         self._model_config = read_config(config.target_dir)
         self._shapes = canonical_shapes(self._model_config)
         self._layers: tuple[int, ...] = ()
+        self._drafter_shapes: dict[str, tuple[int, ...]] = {}
         if config.drafter_dir is not None:
             self._layers = drafter_layers(config.drafter_dir)
+            built = read_state_dict(Path(config.drafter_dir))
+            self._drafter_shapes = {n: tuple(t.shape) for n, t in built.items()}
+            _refuse_shared_head(built, config.target_dir, config.drafter_dir)
         start = start_schedule(config.num_speculative_tokens, config.max_num_seqs)
         with _engine_core_in_process():
             self.llm = vllm.LLM(**config.llm_kwargs(self._model_config.max_position_embeddings),
                                 speculative_config=config.speculative_config(start))
         self._vllm = vllm
-        if self._on_cpu():  # rejection SD samples a wrong distribution without it (vllm_worker.py)
-            self.llm.collective_rpc("tlt_fix_cpu_kernels")
+        if self._on_cpu() and not all(self.llm.collective_rpc("tlt_fix_cpu_kernels")):
+            # rejection SD samples a wrong distribution without it (vllm_worker.py)
+            raise RuntimeError("vLLM's CPU expand_kernel stand-in could not be replaced on every worker")
         self._scheduler = self._find_scheduler()
         self._drafter_loaded = config.drafter_dir is not None
         self._failed_load: str | None = None
@@ -226,7 +255,8 @@ class VLLMRolloutEngine:
         complete load."""
         pairs = [p for bucket in weight_buckets(weights, self._shapes, 2**62) for p in bucket]
         try:
-            self.llm.collective_rpc("tlt_reload_policy", args=(self._payload(pairs),))
+            with self._payload(pairs) as payload:
+                self.llm.collective_rpc("tlt_reload_policy", args=(payload,))
         except BaseException as err:
             self._failed_load = f"vLLM's reload failed: {err}"
             raise
@@ -242,7 +272,8 @@ class VLLMRolloutEngine:
             raise ValueError("VLLMRolloutEngine.load_drafter: the engine was built without a drafter "
                              "(VLLMEngineConfig.drafter_dir is null); vLLM cannot add one at runtime")
         tensors = self._drafter_tensors(drafter)
-        self.llm.collective_rpc("tlt_reload_drafter", args=(self._payload(list(tensors.items())),))
+        with self._payload(list(tensors.items())) as payload:
+            self.llm.collective_rpc("tlt_reload_drafter", args=(payload,))
         self._drafter_loaded = True
 
     def _drafter_tensors(self, drafter: Drafter | str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -254,18 +285,29 @@ class VLLMRolloutEngine:
         if layers != self._layers:
             raise ValueError(f"VLLMRolloutEngine.load_drafter: {drafter} reads target layers {list(layers)}, the "
                              f"engine's drafter was built reading {list(self._layers)}")
-        return read_state_dict(Path(drafter))
+        tensors = read_state_dict(Path(drafter))
+        got = {n: tuple(t.shape) for n, t in tensors.items()}
+        if got != self._drafter_shapes:  # refused before vLLM's reload, which would leave a half-moved model
+            diff = sorted(set(got.items()) ^ set(self._drafter_shapes.items()))[:3]
+            raise ValueError(f"VLLMRolloutEngine.load_drafter: {drafter} holds other tensors than the drafter the "
+                             f"engine was built with ({self.config.drafter_dir}); first differences (name, shape): "
+                             f"{diff}")
+        return tensors
 
-    def _payload(self, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]] | str:
-        """By reference to an in-process worker; else a safetensors file each worker reads."""
+    @contextlib.contextmanager
+    def _payload(self, pairs: list[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]] | str]:
+        """By reference to an in-process worker; else a safetensors file each worker reads,
+        removed after the call."""
         if self.config.tensor_parallel_size == 1:
-            return pairs
+            yield pairs
+            return
         import tempfile
         from safetensors.torch import save_file
-        folder = tempfile.mkdtemp(prefix="nemo_tlt_refit_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        path = os.path.join(folder, "weights.safetensors")
-        save_file({n: t.detach().contiguous().cpu() for n, t in pairs}, path)
-        return path
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.TemporaryDirectory(prefix="nemo_tlt_refit_", dir=shm) as folder:
+            path = os.path.join(folder, "weights.safetensors")
+            save_file({n: t.detach().contiguous().cpu() for n, t in pairs}, path)
+            yield path
 
     # ---- generation ----
     def generate(self, requests: list[Request], sampling: SamplingParams, *, policy: SpecPolicy | None = None,
@@ -275,14 +317,8 @@ class VLLMRolloutEngine:
         if self._failed_load is not None:
             raise ValueError(f"generate: the last load_policy_weights failed ({self._failed_load}); "
                              "load complete weights first")
-        validate.validate_requests(requests, sampling, self._model_config)
+        validate.validate_requests(requests, sampling, self._served_config())
         refuse_coupled(sampling)
-        if return_hidden:
-            raise ValueError("generate: return_hidden is not available from vLLM's offline API; harvest drafter "
-                             "data from the policy's forward (drafter.harvest_from=policy)")
-        if policy is not None:
-            policy.begin_rollout()
-        speculating = self._install_schedule(policy)
         # not only while speculating: an engine built with a drafter samples every step (a
         # plain one too, and each call's prefill) through vLLM's rejection sampler
         if self.config.drafter_dir is not None and sampling.mode == "rejection" and sampling.top_k > 0 \
@@ -291,6 +327,12 @@ class VLLMRolloutEngine:
                              "a drafter: vLLM 0.32's rejection sampler, which samples every step of such an engine "
                              "(speculating or not), fails there on a step without draft tokens (top-k over an empty "
                              "batch); use top_k=0 (top_p works), an engine built without a drafter, or CUDA")
+        if return_hidden:
+            raise ValueError("generate: return_hidden is not available from vLLM's offline API; harvest drafter "
+                             "data from the policy's forward (drafter.harvest_from=policy)")
+        if policy is not None:
+            policy.begin_rollout()
+        speculating = self._install_schedule(policy)
         eos = self._model_config.eos_token_id
         params = [self._vllm.SamplingParams(**sampling_kwargs(sampling, eos, r.seq_id if r.seq_id is not None else i))
                   for i, r in enumerate(requests)]
@@ -321,6 +363,12 @@ class VLLMRolloutEngine:
             self._scheduler.dynamic_sd_lookup = dense_lookup(wanted, c.max_num_seqs, c.num_speculative_tokens)
         self.last_schedule = wanted
         return drafts
+
+    def _served_config(self) -> LMConfig:
+        """The model config with vLLM's context (``max_model_len``) as the context the requests must fit."""
+        ctx = min(self._model_config.max_position_embeddings,
+                  self.config.max_model_len or self._model_config.max_position_embeddings)
+        return replace(self._model_config, max_position_embeddings=ctx)
 
     def _on_cpu(self) -> bool:
         from vllm.platforms import current_platform

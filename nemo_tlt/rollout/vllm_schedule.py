@@ -64,9 +64,9 @@ def policy_schedule(policy: SpecPolicy | None, num_speculative_tokens: int, max_
 
 def start_schedule(num_speculative_tokens: int, max_num_seqs: int) -> Schedule:
     """The schedule vLLM is built with: every draft length 0..num_speculative_tokens on
-    some batch size (so that a CUDA-graph capture, which follows the start-up schedule,
-    covers each query length a later schedule can ask for), the full length above.
-    Replaced before the first rollout."""
+    some batch size (a CUDA-graph capture follows the start-up schedule; it then holds each
+    query length, though only up to the widest batch using it at start-up), the full length
+    above. Replaced before the first rollout."""
     lengths = list(range(num_speculative_tokens, -1, -1))[:max_num_seqs]
     lengths += [num_speculative_tokens] * (max_num_seqs - len(lengths))
     return ranges(lengths)

@@ -56,8 +56,9 @@ class TLTWorkerExtension:
     def tlt_reload_policy(self, weights: Weights) -> None:
         self.model_runner.reload_weights(weights_iterator=_pairs(weights))
 
-    def tlt_reload_drafter(self, weights: Weights) -> list[str]:
-        """Reload the EAGLE-3 proposer's weights; returns the parameter names it loaded."""
+    def tlt_reload_drafter(self, weights: Weights) -> None:
+        """Reload the EAGLE-3 proposer's weights (the engine checked names and shapes first, and
+        refused at start-up a drafter whose head vLLM would share with the target)."""
         from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
                                                                        initialize_layerwise_reload)
         runner = self.model_runner
@@ -66,9 +67,8 @@ class TLTWorkerExtension:
             raise ValueError("tlt_reload_drafter: this vLLM engine runs no EAGLE drafter")
         model = drafter.model
         initialize_layerwise_reload(model)
-        loaded = model.load_weights(_pairs(weights))
+        model.load_weights(_pairs(weights))
         finalize_layerwise_reload(model, runner.vllm_config.speculative_config.draft_model_config)
-        return sorted(loaded or ())
 
     def tlt_fix_cpu_kernels(self) -> bool:
         """Replace vLLM's broken CPU ``expand_kernel`` stand-in (module docstring) where it is the

@@ -190,3 +190,41 @@ def test_vllm_drafts_as_the_torch_engine_does_with_the_same_drafter(engine, draf
     assert [r.tokens for r in a.results] == [r.tokens for r in b.results]
     print("vllm", a.stats.accept_histogram(), "torch", b.stats.accept_histogram())
     assert abs(a.stats.mean_accept_len - b.stats.mean_accept_len) < 0.05
+
+
+def test_a_drafter_of_other_tensors_is_refused_before_vllm_is_touched(engine, drafters, prompts, tmp_path):
+    from safetensors.torch import load_file, save_file
+    import shutil
+
+    engine.load_drafter(drafters[0])
+    before = engine.generate(prompts[:2], GREEDY, policy=CHAIN)
+    bad = tmp_path / "bad"
+    shutil.copytree(drafters[0], bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    del tensors["norm.weight"]
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="norm.weight"):
+        engine.load_drafter(bad)
+    after = engine.generate(prompts[:2], GREEDY, policy=CHAIN)
+    assert [r.tokens for r in after.results] == [r.tokens for r in before.results]
+    assert after.stats.accept_lengths == before.stats.accept_lengths
+
+
+def test_a_drafter_sharing_the_targets_head_is_refused(drafters, tmp_path):
+    """A drafter whose lm_head equals the target's (a head started from the target's): vLLM would
+    serve it with the target's own head module, so a drafter refit would write into the policy."""
+    trained = load_drafter(shipped_eagle3_drafter())
+    drafter = Eagle3Drafter(trained.config)
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(read_state_dict(TARGET)["lm_head.weight"])
+    write_eagle3_hf(drafter, tmp_path)
+    with pytest.raises(ValueError, match="lm_head equals the target's"):
+        VLLMRolloutEngine.from_hf_folder(TARGET, drafter_dir=str(tmp_path), kv_cache_gib=0.05)
+
+
+def test_requests_must_fit_vllms_context():
+    engine = VLLMRolloutEngine.from_hf_folder(TARGET, max_num_seqs=4, max_model_len=128, kv_cache_gib=0.05,
+                                              dtype="float32")
+    with pytest.raises(ValueError, match="context of 128"):
+        engine.generate([Request((1, 5, 6))], SamplingParams(max_new_tokens=126))
+    assert len(engine.generate([Request((1, 5, 6))], SamplingParams(max_new_tokens=125)).results) == 1
