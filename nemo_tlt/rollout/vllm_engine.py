@@ -72,6 +72,7 @@ from nemo_tlt.drafter.eagle3_hf import exported_capture_layers
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_config, read_state_dict
 from nemo_tlt.model.lm import canonical_shapes
+from nemo_tlt.model.safetensors_folder import SafetensorsFolder
 from nemo_tlt.rollout import validate
 from nemo_tlt.rollout.protocol import FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
 from nemo_tlt.rollout.trtllm_engine import request_seed, weight_buckets
@@ -133,53 +134,30 @@ def completion_to_result(token_ids: Any, finish_reason: str | None, logprobs: An
     return RequestResult(tokens, "length", logprobs=lps)
 
 
-def accept_lengths(drafts: int, accepted_per_pos: list[int]) -> list[int]:
-    """Tokens per draft (accepted + the target's own), as a multiset, from vLLM's counters
-    over a call: ``drafts`` verify events, ``accepted_per_pos[i]`` of them accepting at
-    least i+1 draft tokens (non-increasing)."""
-    counts = [drafts] + list(accepted_per_pos) + [0]
-    if any(b > a for a, b in zip(counts, counts[1:])) or drafts < 0:
-        raise ValueError(f"vLLM's acceptance counters are inconsistent: {drafts} drafts, per position "
-                         f"{list(accepted_per_pos)}")
+def accept_lengths(histograms: Iterable[list[int] | None]) -> list[int]:
+    """Tokens per draft (accepted + the target's own), as a multiset, from vLLM's per-request
+    acceptance histograms (``CompletionOutput.spec_decode_metrics.histogram``: index j counts the
+    request's verify steps that accepted j draft tokens; None for a request that never drafted)."""
     out: list[int] = []
-    for j in range(len(counts) - 1):
-        out += [j + 1] * (counts[j] - counts[j + 1])
-    return out
-
-
-def histogram_counters(histograms: Iterable[list[int] | None]) -> tuple[int, list[int]]:
-    """`accept_lengths`' counters from vLLM's per-request acceptance histograms
-    (``CompletionOutput.spec_decode_metrics.histogram``: index j counts the request's verify
-    steps that accepted j draft tokens; None for a request that never drafted)."""
-    drafts, per_pos = 0, []
     for hist in histograms:
-        hist = list(hist or ())
-        per_pos += [0] * (len(hist) - 1 - len(per_pos))
-        drafts += sum(hist)
-        for i in range(len(hist) - 1):
-            per_pos[i] += sum(hist[i + 1:])
-    return drafts, per_pos
-
-
-def drafter_layers(folder: str | os.PathLike) -> tuple[int, ...]:
-    """The target layers an EAGLE-3 HF folder's drafter reads (our 0-based numbering)."""
-    return exported_capture_layers(folder)
+        for j, count in enumerate(hist or ()):
+            if count < 0:
+                raise ValueError(f"vLLM's acceptance histogram {list(hist)} has a negative count")
+            out += [j + 1] * count
+    return out
 
 
 def _refuse_shared_head(drafter: dict[str, torch.Tensor], target_dir: str, drafter_dir: str) -> None:
     """vLLM serves a drafter whose lm_head equals the target's with the target's own head module
     (``_maybe_share_lm_head``); a drafter refit would then overwrite the policy's head."""
-    from safetensors import safe_open
-
     head = drafter.get("lm_head.weight")
-    if head is None:
+    target = SafetensorsFolder(target_dir)
+    if head is None or "lm_head.weight" not in target.names():
         return
-    for path in sorted(Path(target_dir).glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            if "lm_head.weight" in f.keys() and torch.equal(f.get_tensor("lm_head.weight").to(head.dtype), head):
-                raise ValueError(f"VLLMEngineConfig.drafter_dir={drafter_dir}: the drafter's lm_head equals the "
-                                 "target's, so vLLM would serve it with the target's own head and a drafter refit "
-                                 "would overwrite the policy; train the drafter (or its head) before serving it")
+    if torch.equal(target.read("lm_head.weight", 0, 0, target.shape("lm_head.weight")[0], head.dtype), head):
+        raise ValueError(f"VLLMEngineConfig.drafter_dir={drafter_dir}: the drafter's lm_head equals the target's, so "
+                         "vLLM would serve it with the target's own head and a drafter refit would overwrite the "
+                         "policy; train the drafter (or its head) before serving it")
 
 
 @contextlib.contextmanager
@@ -210,7 +188,7 @@ class VLLMRolloutEngine:
         self._layers: tuple[int, ...] = ()
         self._drafter_shapes: dict[str, tuple[int, ...]] = {}
         if config.drafter_dir is not None:
-            self._layers = drafter_layers(config.drafter_dir)
+            self._layers = exported_capture_layers(config.drafter_dir)
             built = read_state_dict(Path(config.drafter_dir))
             self._drafter_shapes = {n: tuple(t.shape) for n, t in built.items()}
             _refuse_shared_head(built, config.target_dir, config.drafter_dir)
@@ -219,7 +197,9 @@ class VLLMRolloutEngine:
             self.llm = vllm.LLM(**config.llm_kwargs(self._model_config.max_position_embeddings),
                                 speculative_config=config.speculative_config(start))
         self._vllm = vllm
-        if self._on_cpu() and not all(self.llm.collective_rpc("tlt_fix_cpu_kernels")):
+        from vllm.platforms import current_platform
+        self._cpu = bool(current_platform.is_cpu())
+        if self._cpu and not all(self.llm.collective_rpc("tlt_fix_cpu_kernels")):
             # rejection SD samples a wrong distribution without it (vllm_worker.py)
             raise RuntimeError("vLLM's CPU expand_kernel stand-in could not be replaced on every worker")
         self._scheduler = self._find_scheduler()
@@ -281,7 +261,7 @@ class VLLMRolloutEngine:
             raise ValueError("VLLMRolloutEngine.load_drafter takes an EAGLE-3 HF folder, not a torch "
                              f"{type(drafter).__name__}: export it with `nemo-tlt convert --from drafter "
                              "--to eagle3-hf` (nemo_tlt.drafter.eagle3_hf.write_eagle3_hf) and pass the folder")
-        layers = drafter_layers(drafter)
+        layers = exported_capture_layers(drafter)
         if layers != self._layers:
             raise ValueError(f"VLLMRolloutEngine.load_drafter: {drafter} reads target layers {list(layers)}, the "
                              f"engine's drafter was built reading {list(self._layers)}")
@@ -322,7 +302,7 @@ class VLLMRolloutEngine:
         # not only while speculating: an engine built with a drafter samples every step (a
         # plain one too, and each call's prefill) through vLLM's rejection sampler
         if self.config.drafter_dir is not None and sampling.mode == "rejection" and sampling.top_k > 0 \
-                and self._on_cpu():
+                and self._cpu:
             raise ValueError(f"SamplingParams.top_k={sampling.top_k} on vLLM's CPU backend with an engine built with "
                              "a drafter: vLLM 0.32's rejection sampler, which samples every step of such an engine "
                              "(speculating or not), fails there on a step without draft tokens (top-k over an empty "
@@ -345,8 +325,8 @@ class VLLMRolloutEngine:
         stats = GenerationStats(tokens_generated=sum(len(r.tokens) for r in results))
         stats.wall_s = stats.time_other_s = wall
         if speculating:
-            stats.accept_lengths = accept_lengths(*histogram_counters(
-                getattr(o.outputs[0].spec_decode_metrics, "histogram", None) for o in outputs))
+            stats.accept_lengths = accept_lengths(getattr(o.outputs[0].spec_decode_metrics, "histogram", None)
+                                                  for o in outputs)
         if on_finish is not None:
             for i, result in enumerate(results):
                 on_finish(i, result)
@@ -369,7 +349,3 @@ class VLLMRolloutEngine:
         ctx = min(self._model_config.max_position_embeddings,
                   self.config.max_model_len or self._model_config.max_position_embeddings)
         return replace(self._model_config, max_position_embeddings=ctx)
-
-    def _on_cpu(self) -> bool:
-        from vllm.platforms import current_platform
-        return bool(current_platform.is_cpu())

@@ -56,11 +56,11 @@ def test_bad_schedules_are_refused_by_batch_size():
 
 
 def test_accept_lengths_rebuild_the_multiset():
-    # 5 drafts: accepted 0, 1, 1, 3, 4 draft tokens -> per position >=1: 4, >=2: 2, >=3: 2, >=4: 1
-    assert sorted(accept_lengths(5, [4, 2, 2, 1])) == [1, 2, 2, 4, 5]
-    assert accept_lengths(0, [0, 0]) == []
-    with pytest.raises(ValueError, match="inconsistent"):
-        accept_lengths(2, [3, 0])
+    # 5 drafts over two requests: accepted 0, 1, 1 draft tokens and 3, 4
+    assert sorted(accept_lengths([[1, 2, 0, 0, 0], [0, 0, 0, 1, 1]])) == [1, 2, 2, 4, 5]
+    assert accept_lengths([None, [0, 0]]) == []
+    with pytest.raises(ValueError, match="negative"):
+        accept_lengths([[2, -1]])
 
 
 def test_sampling_kwargs_make_valid_vllm_params():
