@@ -27,14 +27,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from nemo_tlt.checks import check_float, check_int
-from nemo_tlt.structured import load_structured
+from nemo_tlt.structured import load_structured, parse_override
 from nemo_tlt.device import DEVICES, DTYPES
 from nemo_tlt.imports import check_import_path, is_import_path
 from nemo_tlt.policy.config import PolicyConfig
-from nemo_tlt.rollout.config import RolloutConfig
+from nemo_tlt.rollout.config import ENGINES, RolloutConfig
 from nemo_tlt.speculative.sampling import MODES
 from nemo_tlt.speculative.tree_shape import TreeShape
 from nemo_tlt.spot.config import IdleDrafterConfig
@@ -339,6 +339,19 @@ class TLTConfig:
                              f"prompts (workers.num_workers={world} / rollout.tensor_parallel={rollout_tp} = "
                              f"{replicas} replicas); each replica takes whole groups")
 
+        if self.rollout.engine == "vllm":
+            self._check_vllm()
+
+    def _check_vllm(self) -> None:
+        """What vLLM cannot do, refused by the keys that ask for it (docs/vllm.md)."""
+        if self.grpo.acceptance == "coupled":
+            raise ValueError("grpo.acceptance=coupled with rollout.engine=vllm: vLLM draws each request's tokens "
+                             "from its own generator, so speculative and plain decoding cannot share the draws; use "
+                             "grpo.acceptance=rejection (the same distribution; runs are compared by reward curves)")
+        if self.drafter.train_on_idle and self.rollout.sd_enabled and self.drafter.harvest_from == "rollout":
+            raise ValueError("drafter.harvest_from=rollout with rollout.engine=vllm: vLLM returns no hidden states; "
+                             "use drafter.harvest_from=policy (the policy's own forward hands them over)")
+
     def baseline(self) -> "TLTConfig":
         """The same run without TLT: plain decoding, no drafter training."""
         return replace(self, rollout=replace(self.rollout, sd_enabled=False),
@@ -365,6 +378,41 @@ def plain_values(value: Any) -> Any:
     return value
 
 
+ENGINE_OVERRIDES = "engine_overrides"
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TLTConfig:
-    """defaults <- YAML file <- ``key=value`` overrides, typed and validated."""
-    return load_structured(TLTConfig, path, overrides)
+    """defaults <- YAML file <- the file's ``engine_overrides`` for the run's engine <-
+    ``key=value`` overrides, typed and validated (see `engine_overrides`)."""
+    return load_structured(TLTConfig, path, [*engine_overrides(path, overrides), *overrides],
+                           drop=(ENGINE_OVERRIDES,))
+
+
+def engine_overrides(path: str | Path | None, overrides: Sequence[str] = ()) -> list[str]:
+    """The overrides a YAML file gives for the rollout engine the run ends up with.
+
+    A file may hold ``engine_overrides: {<engine>: [key=value, ...]}``: what the run changes
+    when ``rollout.engine`` (the command line's, else the file's, else ``torch``) names that
+    engine, applied after the file and before the command line's overrides (which win). It is
+    how one config serves engines that cannot all do the same (vLLM: no coupled sampling,
+    no hidden states); the run's saved config holds the values applied."""
+    if path is None or not Path(path).is_file():
+        return []
+    loaded = OmegaConf.load(path)
+    block = loaded.get(ENGINE_OVERRIDES) if isinstance(loaded, DictConfig) else None
+    if block is None:
+        return []
+    where = f"{path}: {ENGINE_OVERRIDES}"
+    if not isinstance(block, DictConfig):
+        raise ValueError(f"{where} must be a mapping from engine name to a list of key=value overrides")
+    for engine, items in block.items():
+        if engine not in ENGINES:
+            raise ValueError(f"{where}.{engine}: not a rollout engine (one of {', '.join(ENGINES)})")
+        if not isinstance(items, ListConfig) or not all(isinstance(i, str) and "=" in i for i in items):
+            raise ValueError(f"{where}.{engine} must be a list of key=value strings, got {items!r}")
+    engine = OmegaConf.select(loaded, "rollout.engine", default=RolloutConfig.engine)
+    for item in overrides:
+        op, key, value = parse_override(item)
+        if key == "rollout.engine":
+            engine = RolloutConfig.engine if op == "~" else value
+    return list(block.get(engine, []))

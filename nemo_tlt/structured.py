@@ -65,7 +65,7 @@ def _override_error(item: str, key: str, message: str) -> ValueError:
     return ValueError(f"override {item!r}: config key '{key}': {message}")
 
 
-def _parse_override(item: str) -> tuple[str, str, str | None]:
+def parse_override(item: str) -> tuple[str, str, str | None]:
     """``(op, key, value)`` of one override: op is ``=`` (set), ``+`` (add), ``++`` (add or
     set) or ``~`` (remove; value None, or the value the key must hold)."""
     op = "++" if item.startswith("++") else item[0] if item[:1] in ("+", "~") else "="
@@ -99,7 +99,7 @@ def _walk(cfg: DictConfig, key: str, item: str) -> tuple[Any, str, bool, str]:
 
 
 def _apply_override(merged: DictConfig, defaults: DictConfig, item: str) -> DictConfig:
-    op, key, value = _parse_override(item)
+    op, key, value = parse_override(item)
     node, last, is_mapping, parent = _walk(merged, key, item)
     exists = "." not in last and last in node
     if op == "~":
@@ -126,9 +126,11 @@ def _apply_override(merged: DictConfig, defaults: DictConfig, item: str) -> Dict
     return OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}={value}"]))
 
 
-def load_structured(schema: type, path: str | Path | None = None, overrides: Sequence[str] = ()) -> Any:
+def load_structured(schema: type, path: str | Path | None = None, overrides: Sequence[str] = (),
+                    drop: Sequence[str] = ()) -> Any:
     """defaults of the dataclass ``schema`` <- YAML file <- overrides, typed and validated;
-    every error is a ValueError naming the file (or the override) and the key.
+    every error is a ValueError naming the file (or the override) and the key. ``drop``:
+    top-level keys of the file that are not config (read by the caller), left out.
 
     Overrides are read as Hydra / NeMo users type them, applied in order:
     ``key=value`` sets a key (unknown keys of a typed block are refused; under a mapping
@@ -153,6 +155,8 @@ def load_structured(schema: type, path: str | Path | None = None, overrides: Seq
         loaded = OmegaConf.load(p)
         if not isinstance(loaded, DictConfig):
             raise ValueError(f"{p}: the config must be a YAML mapping, got a {type(loaded).__name__}")
+        for key in drop:
+            loaded.pop(key, None)
         try:
             merged = OmegaConf.merge(merged, loaded)
         except OmegaConfBaseException as err:

@@ -15,7 +15,10 @@
   the machine's first (or last) slot. Run k of mode m writes ``<run_dir>/pair<k>/<m>/``
   (an absolute ``checkpoint.dir`` gets the same ``pair<k>/<m>`` subfolders).
   ``<run_dir>/report.json`` holds every run and the medians over pairs
-  (``nemo_tlt.rl.report.compare_pairs``); a per-pair table is printed.
+  (``nemo_tlt.rl.report.compare_pairs``); a per-pair table is printed, with the
+  TLT - baseline reward difference and its 95% interval, and, where the runs sampled
+  different tokens, the per-token figures and the report's ``sampling_note``; the reward
+  curves with their intervals go to ``<run_dir>/reward_curves.png``.
 * The PNG plots (every run) go to ``<run_dir>``. The run folder is printed at the end.
 * ``resume=true`` continues an interrupted run from its checkpoint and skips a run
   whose ``summary.json`` says it completed all ``steps``.
@@ -45,7 +48,7 @@ from nemo_tlt.rl.run import RunSpec, prepare_run_dir
 from nemo_tlt.rl.task import build_task
 from nemo_tlt.rl.validation import validation_prompts
 from nemo_tlt.rl.loggers import check_available
-from nemo_tlt.rl.plots import write_plots
+from nemo_tlt.rl.plots import plot_reward_curves, write_plots
 from nemo_tlt.rl.report import compare_pairs, format_pairs, read_validation, run_block
 from nemo_tlt.rl.workers import launch, process_rank, resolved_workers
 
@@ -119,7 +122,8 @@ def pair_orders(pairs: int) -> list[tuple[str, str]]:
 
 
 def resolve_models(config: TLTConfig) -> tuple[str, str]:
-    """(target_dir, drafter_dir): the configured folders, or the cached demo assets."""
+    """(target_dir, drafter_dir): the configured folders, or the cached demo assets (with
+    ``rollout.engine=vllm`` the shipped EAGLE-3 drafter of the demo target)."""
     if config.model.target_dir is not None:
         return config.model.target_dir, config.model.drafter_dir
     from nemo_tlt.demo.assets import AssetConfig, prepare_assets  # shipped, or trained once and cached
@@ -131,6 +135,9 @@ def resolve_models(config: TLTConfig) -> tuple[str, str]:
             or ArithTaskSource(**config.task.options).config != assets_config.task):
         log.warning("task differs from the task the demo warm start was trained on (%s)", assets_config.task)
     assets = prepare_assets(assets_config, config.model.cache_dir, progress=config.progress)
+    if config.rollout.engine == "vllm":  # vLLM serves EAGLE-3 drafters: the shipped one of the demo target
+        from nemo_tlt.demo.shipped_assets import shipped_eagle3_drafter
+        return str(assets.target_dir), str(shipped_eagle3_drafter())
     return str(assets.target_dir), str(assets.drafter_dir)
 
 
@@ -206,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         if refusal is not None:
             print(f"nemo-tlt train: error: {refusal}", file=sys.stderr)
             return 2
+    if config.rollout.engine == "vllm":
+        from nemo_tlt.rollout.vllm_config import missing_package_message, vllm_installed
+        if not vllm_installed():
+            print(f"nemo-tlt train: error: {missing_package_message('rollout.engine=vllm')}", file=sys.stderr)
+            return 2
     try:
         # The launcher (local, SLURM or torchrun) and the device kind are chosen here, once:
         # the runs and their config.yaml get what is used, never `auto`.
@@ -262,6 +274,8 @@ def _write_report(run_dir: Path, results: list[tuple[PlannedRun, dict[str, Any]]
         pairs = _completed_pairs(results)
         if pairs:
             report.update(compare_pairs(pairs))
+            curves = plot_reward_curves(report["reward_curves"], run_dir / "reward_curves.png")
+            report.setdefault("plots", {})["reward_curves"] = str(curves)
             _print_comparison(report)
     (run_dir / "report.json").write_text(json.dumps(report, indent=2))
 
@@ -291,6 +305,17 @@ def _print_comparison(report: dict[str, Any]) -> None:
     print(f"policy update after the rollout: TLT {report['tlt_update_s']:.2f} s of {report['tlt_update_work_s']:.2f} s "
           f"of update work per worker, baseline {report['baseline_update_s']:.2f} s of "
           f"{report['baseline_update_work_s']:.2f} s (policy.pipelined_update does the rest in the rollout's tail)")
+    if not report["rollouts_identical"]:
+        print(f"per response token (the runs sampled different lengths: TLT {report['tlt_mean_tokens']:.1f}, "
+              f"baseline {report['baseline_mean_tokens']:.1f} tokens/step): speedup "
+              f"{report['speedup_per_token']:.2f}x, control ratio {report['control_ratio_per_token']:.2f}")
+    diff = report["reward_curves"]["reward_difference"]
+    print(f"mean reward TLT - baseline over all steps, sequences pooled: {diff['mean']:+.4f}, 95% interval "
+          f"[{diff['low']:+.4f}, {diff['high']:+.4f}] ({'contains' if diff['interval_contains_zero'] else 'excludes'}"
+          f" 0; TLT {diff['tlt_mean']:.4f} over {diff['tlt_n']}, baseline {diff['baseline_mean']:.4f} over "
+          f"{diff['baseline_n']} sequences)")
+    if report["sampling_note"]:
+        print(f"NOTE: {report['sampling_note']}")
     if report["noisy"]:
         print(f"WARNING: {report['note']}")
 

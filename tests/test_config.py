@@ -88,7 +88,7 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
     ("checkpoint.keep_last=0", r"checkpoint\.keep_last"),
     ("drafter.nice=25", r"drafter\.nice must be in \[0, 19\]"),
     ("model.target_dir=/somewhere", r"model\.target_dir and model\.drafter_dir must be given together"),
-    ("rollout.engine=vllm", r"rollout\.engine must be one of torch"),
+    ("rollout.engine=sglang", r"rollout\.engine must be one of torch, trtllm, vllm"),
     ("model.dtype=float16", r"model\.dtype must be one of"),
     ("workers.device=tpu", r"workers\.device must be one of"),
 ])
@@ -173,3 +173,36 @@ def test_tilde_drops_a_mapping_entry_and_resets_a_typed_field_to_its_default():
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(DEMO, [override])
+
+
+def test_vllm_takes_the_files_engine_overrides_and_the_command_line_wins():
+    demo = load_config(DEMO)
+    assert (demo.grpo.acceptance, demo.drafter.harvest_from) == ("coupled", "rollout")
+    cfg = load_config(DEMO, ["rollout.engine=vllm"])
+    assert (cfg.grpo.acceptance, cfg.drafter.harvest_from) == ("rejection", "policy")
+    assert load_config(DEMO, ["rollout.engine=vllm", "grpo.acceptance=greedy"]).grpo.acceptance == "greedy"
+    assert load_config(DEMO, ["rollout.engine=vllm", "rollout.engine=torch"]).grpo.acceptance == "coupled"
+    assert "engine_overrides" not in cfg.to_dict()  # the run's config holds the values applied
+
+
+@pytest.mark.parametrize("override, message", [
+    ("grpo.acceptance=coupled", r"grpo\.acceptance=coupled with rollout\.engine=vllm"),
+    ("drafter.harvest_from=rollout", r"drafter\.harvest_from=rollout with rollout\.engine=vllm"),
+])
+def test_what_vllm_cannot_do_is_refused_by_its_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(DEMO, ["rollout.engine=vllm", override])
+    load_config(DEMO, ["rollout.engine=vllm", override, "rollout.sd_enabled=false", "drafter.train_on_idle=false",
+                       "grpo.acceptance=rejection"])  # the baseline asks for neither
+
+
+@pytest.mark.parametrize("block, message", [
+    ("engine_overrides: {sglang: [a=1]}", r"engine_overrides\.sglang: not a rollout engine"),
+    ("engine_overrides: {vllm: grpo.acceptance}", r"engine_overrides\.vllm must be a list of key=value"),
+    ("engine_overrides: [vllm]", r"engine_overrides must be a mapping"),
+])
+def test_bad_engine_overrides_name_the_file_and_key(tmp_path, block, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"steps: 2\n{block}\n")
+    with pytest.raises(ValueError, match=f"{path}: " + message):
+        load_config(path, ["rollout.engine=vllm"])

@@ -135,6 +135,28 @@ def test_noisy_control_is_reported(tmp_path, monkeypatch, capsys):
     assert "too noisy" in report["note"] and "too noisy" in capsys.readouterr().out
 
 
+def test_sampled_runs_report_per_token_figures_and_reward_intervals(tmp_path, monkeypatch, capsys):
+    """Runs that drew different tokens (rejection sampling): per-token figures, the
+    sampling note, the reward difference with its interval and the reward-curve plot."""
+    def sampled(spec, run_fn):
+        summary = FakeLaunch()(spec, run_fn)
+        for r in summary["records"]:
+            r.update(tokens=100 if spec.mode == "tlt" else 130, rollout_digest=f"{spec.mode}{r['step']}",
+                     update_s=1.0 if spec.mode == "tlt" else 1.3, rewards=[0.0, 1.0, 1.0, 0.0])
+        return summary
+
+    monkeypatch.setattr(train_cli, "launch", sampled)
+    assert main([*_args(tmp_path / "run"), "--compare-baseline", "--pairs", "1"]) == 0
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert not report["rollouts_identical"] and report["sampling_note"]
+    assert report["control_ratio_per_token"] == pytest.approx(1.0) and report["noisy"] is False
+    assert report["reward_curves"]["reward_difference"]["mean"] == 0.0
+    assert Path(report["plots"]["reward_curves"]).stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "per response token" in out and "control ratio 1.00" in out and "NOTE: the runs drew different" in out
+    assert "mean reward TLT - baseline over all steps" in out and "contains 0" in out
+
+
 def test_a_task_that_does_not_import_is_refused_before_any_worker_starts(tmp_path, capsys):
     rc = main([str(DEMO), f"run_dir={tmp_path}", "task.reward=no_such_module_for_tlt:score", "progress=false"])
     assert rc == 2

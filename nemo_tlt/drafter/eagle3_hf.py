@@ -83,12 +83,12 @@ def exported_capture_layers(folder: str | os.PathLike) -> tuple[int, ...]:
                          f"({err}); write one with `nemo-tlt convert --from drafter --to eagle3-hf`") from err
 
 
-def write_eagle3_hf(drafter: Eagle3Drafter, folder: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-    """Write `drafter` into the existing `folder`; float weights cast to `dtype` if given.
-    ``d2t`` / ``t2d`` are written only for a draft vocabulary smaller than the target's.
-    A drafter whose capture layers are not distinct and ascending is refused: the
-    serving engines capture a set of layers and hand them over in ascending order, so
-    they would feed it other inputs than it was trained on."""
+def eagle3_hf_state(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of `drafter`'s EAGLE-3 HF export, detached on the host (float ones cast to
+    `dtype` if given). ``d2t`` / ``t2d`` are kept only for a draft vocabulary smaller than the
+    target's. A drafter whose capture layers are not distinct and ascending is refused: the
+    serving engines capture a set of layers and hand them over in ascending order, so they
+    would feed it other inputs than it was trained on."""
     layers = list(drafter.capture_layers)
     if layers != sorted(set(layers)):
         raise ValueError(f"write_eagle3_hf: the drafter captures target layers {layers}; vLLM, SGLang and "
@@ -101,6 +101,12 @@ def write_eagle3_hf(drafter: Eagle3Drafter, folder: str | os.PathLike, dtype: to
         del state["d2t"], state["t2d"]
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    return state
+
+
+def write_eagle3_hf(drafter: Eagle3Drafter, folder: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+    """Write `drafter`'s export (`eagle3_hf_state`) into the existing `folder`."""
+    state = eagle3_hf_state(drafter, dtype)
     folder = Path(folder)
     (folder / "config.json").write_text(json.dumps(eagle3_hf_config(drafter, state["fc.weight"].dtype), indent=2))
     save_file(state, str(folder / "model.safetensors"))

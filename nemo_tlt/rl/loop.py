@@ -86,7 +86,6 @@ class RLWorker:
         self.replicas = RolloutReplicas(comm.rank, comm.world, cfg.rollout.tensor_parallel)
         self.share = training_share(comm.gather(self.policy.train_ranks), comm.rank, self.replicas.tp)
         self.engine_tp = rollout_tp_group(self.replicas)
-        self.engine = build_rollout_engine(cfg.rollout, spec.target_dir, placement, tp=self.engine_tp)
         self.sd_policy = self.drafter = None
         if spec.tlt:
             self.sd_policy = cfg.rollout.build_policy(np.random.default_rng([cfg.seed, comm.rank, 0xB4]))
@@ -95,6 +94,11 @@ class RLWorker:
             nodes = build_node_groups(gather_topology(comm), comm.rank, cfg.workers.timeout_s)
             self.drafter = IdleDrafter(cfg.drafter, spec.drafter_dir, view, comm.rank, cfg.seed, nodes,
                                        placement=placement)
+        # the requests of one rollout: this replica's whole groups
+        batch = -(-cfg.grpo.prompts_per_step // self.replicas.replicas) * cfg.grpo.group_size
+        self.engine = build_rollout_engine(cfg.rollout, spec.target_dir, placement, tp=self.engine_tp,
+                                           drafter=self.drafter.drafter if self.drafter else None, max_batch=batch)
+        if self.drafter is not None:
             self.engine.load_drafter(self.drafter.drafter)
         self.harvest_from = cfg.drafter.harvest_from if self.drafter and cfg.drafter.train_on_idle else None
         if self.harvest_from == "policy" and not self.policy.captures_hidden:
@@ -163,9 +167,18 @@ class RLWorker:
                                 boundary.reason(decision), step - 1, self.spec.checkpoint_dir)
         finally:
             close_all(bar, writer, self.ckpt, self.drafter)
+        self.close_engine()
         return {"mode": self.spec.mode, "status": status, "records": self.records, "next_step": step,
                 "wall_s": time.perf_counter() - t_run, "out_dir": self.spec.out_dir,
                 "checkpoint_dir": str(self.spec.checkpoint_dir)}
+
+    def close_engine(self) -> None:
+        """Release an engine that holds resources (``close``: vLLM's) once every rank is past
+        its last collective: vLLM's shutdown takes the process's default group down with it."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            self.comm.barrier()
+            close()
 
     def step(self, step: int, skip_drafter_round: bool = False) -> dict[str, Any]:
         comm, G = self.comm, self.cfg.grpo.group_size

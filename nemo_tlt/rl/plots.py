@@ -10,6 +10,9 @@ records' ``decode_segments``, and the pipelined update's pieces); rows name thei
 the run spanned several (``rank_nodes``); a resumed run's steps follow its predecessor's,
 with a mark where it took over (``process_runs``). Validation records, mixed in or given
 apart, make a validation curve (``validation_vs_step.png``). Plots read step records only.
+With ``--compare-baseline``, ``plot_reward_curves`` draws the report's ``reward_curves``
+(mean reward per step of each mode, pooled over its runs, with the shaded 95% interval;
+the TLT - baseline difference and its interval in the title): ``reward_curves.png``.
 """
 from __future__ import annotations
 
@@ -47,6 +50,33 @@ def plot_rewards(runs: dict[str, list[dict]], path: str | Path) -> Path:
     ax.set_ylabel("mean reward")
     ax.set_title("reward vs step")
     ax.legend()
+    return _save(fig, path)
+
+
+def plot_reward_curves(curves: dict, path: str | Path) -> Path:
+    """One line per mode of ``nemo_tlt.rl.report.reward_curves``' output with its shaded
+    95% interval; the title gives ``reward_difference`` when present."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    styles = {"tlt": dict(marker="o", lw=2.5, color="#4477aa"),
+              "baseline": dict(marker="x", ls="--", lw=1.5, color="#ee7733")}
+    for mode in ("tlt", "baseline"):
+        curve = curves.get(mode)
+        if not curve or not curve["steps"]:
+            continue
+        style = styles[mode]
+        ax.plot(curve["steps"], curve["mean"], label=f"{mode} (n={max(curve['n'])}/step)", **style)
+        ax.fill_between(curve["steps"], curve["low"], curve["high"], color=style["color"], alpha=0.2, lw=0)
+    ax.set_xlabel("RL step")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylabel("mean reward (95% interval)")
+    diff = curves.get("reward_difference")
+    title = "reward vs step, runs pooled"
+    if diff:
+        title += f"\nTLT - baseline {diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]"
+    ax.set_title(title, fontsize=9)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     return _save(fig, path)
 
 

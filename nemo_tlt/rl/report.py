@@ -25,10 +25,32 @@ Contract
   The step-time breakdown shows ``update_s``, the update after the rollout; with
   ``policy.pipelined_update`` the part done during the tail shows in the worker timeline
   (an "update" strip) and in ``update_work_s``.
+* Per pair also the mean response tokens per step of each run (``tlt_mean_tokens``,
+  ``baseline_mean_tokens``: the records' ``tokens``, steps after the first; NaN where a
+  record lacks them) and the per-token figures ``control_ratio_per_token`` (update work
+  per response token, baseline / TLT) and ``speedup_per_token`` (step seconds per
+  response token, baseline / TLT), each the raw ratio times TLT / baseline mean tokens:
+  on identical tokens exactly the raw ``control_ratio`` / ``speedup``. The report gives
+  their medians over pairs.
+* Sampled runs: where the runs drew different tokens (``rollouts_identical`` false, e.g.
+  ``grpo.acceptance: rejection``, where speculative and plain decoding sample the same
+  distribution but not the same draws) no work is identical across them; the noise
+  check then uses ``control_ratio_per_token`` (the closest control; ``control_ratio``
+  where records lack ``tokens``), ``noise_control`` names the figure it used, and
+  ``sampling_note`` says why rewards compare as curves with intervals and that
+  step-time figures also reflect the sampled lengths (None when the rollouts are
+  identical: the figures are then as with coupled sampling).
+* ``reward_curves`` (the function of that name; always given): per mode and step the
+  mean reward over every sequence of that step pooled over the mode's runs, with a 95%
+  interval (normal approximation, sequences taken as independent draws), and
+  ``reward_difference``: TLT minus baseline over all steps pooled, with its 95% (Welch,
+  normal approximation) interval and ``interval_contains_zero``; exactly 0 for
+  identical runs. Plot: ``nemo_tlt.rl.plots.plot_reward_curves``.
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +151,7 @@ def mean_after_first(values: list[float]) -> float:
 
 
 CONTROL_TOLERANCE = 0.1
+Z95 = 1.96  # the two-sided 95% quantile of the normal distribution
 
 
 def ratio(num: float, den: float) -> float:
@@ -146,9 +169,25 @@ def control_is_noisy(control_ratio: float, tolerance: float = CONTROL_TOLERANCE)
     return not (1.0 - tolerance <= control_ratio <= 1.0 + tolerance)
 
 
+def mean_tokens(recs: list[dict[str, Any]]) -> float:
+    """Mean response tokens per step (the records' ``tokens``) over the steps after the
+    first; NaN when any record lacks them."""
+    if not all("tokens" in r for r in recs):
+        return float("nan")
+    return mean_after_first([float(r["tokens"]) for r in recs])
+
+
+def per_token(raw_ratio: float, tlt_tokens: float, baseline_tokens: float) -> float:
+    """A baseline / TLT ratio of per-step figures turned into the ratio of the figures per
+    response token: ``raw_ratio * tlt_tokens / baseline_tokens``. Equal token means give
+    ``raw_ratio`` exactly; NaN where the baseline's tokens are unknown or not positive."""
+    return raw_ratio * ratio(tlt_tokens, baseline_tokens)
+
+
 def pair_figures(order: tuple[str, str], tlt: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dict:
     """One pair's figures from the step records of its TLT and baseline runs; `order`
-    is the order the two ran in, e.g. ("baseline", "tlt")."""
+    is the order the two ran in, e.g. ("baseline", "tlt"). Means are over the steps after
+    the first; per-token figures divide those means by the mean response tokens."""
     def mean(recs: list[dict[str, Any]], key: str) -> float:
         return mean_after_first([r[key] for r in recs])
 
@@ -159,31 +198,72 @@ def pair_figures(order: tuple[str, str], tlt: list[dict[str, Any]], baseline: li
     # does part of it inside the rollout, so its work (not its phase) is what compares
     key = "update_work_s" if all("update_work_s" in r for r in tlt + baseline) else "update_s"
     t_work, b_work = mean(tlt, key), mean(baseline, key)
+    t_tokens, b_tokens = mean_tokens(tlt), mean_tokens(baseline)
+    speedup, control = ratio(b_mean, t_mean), ratio(b_work, t_work)
     return {"order": list(order), "tlt_mean_step_s": t_mean, "baseline_mean_step_s": b_mean,
-            "speedup": ratio(b_mean, t_mean), "step_time_ratio": ratio(t_mean, b_mean),
+            "speedup": speedup, "step_time_ratio": ratio(t_mean, b_mean),
             "rollout_speedup": ratio(b_rollout, t_rollout), "baseline_rollout_share": ratio(b_rollout, b_mean),
             "tlt_update_s": t_update, "baseline_update_s": b_update, "tlt_update_work_s": t_work,
-            "baseline_update_work_s": b_work, "control_ratio": ratio(b_work, t_work)}
+            "baseline_update_work_s": b_work, "control_ratio": control,
+            "tlt_mean_tokens": t_tokens, "baseline_mean_tokens": b_tokens,
+            "control_ratio_per_token": per_token(control, t_tokens, b_tokens),
+            "speedup_per_token": per_token(speedup, t_tokens, b_tokens)}
 
 
-def summarize_pairs(pairs: list[dict[str, Any]], tolerance: float = CONTROL_TOLERANCE) -> dict[str, Any]:
-    """Medians over pairs of the per-pair figures (``pair_figures``), the noisy flag and its note."""
+PER_TOKEN_CONTROL = "control_ratio_per_token"
+
+
+def sampling_note(control_key: str) -> str:
+    """The report's ``sampling_note`` for runs that drew different tokens; `control_key`:
+    the figure the noise check read (``noise_control_key``)."""
+    return ("the runs drew different tokens (speculative and plain decoding sample the same distribution but not "
+            "the same draws, e.g. with grpo.acceptance: rejection; with coupled sampling this means the runs "
+            "diverged), so rewards are compared as curves with 95% intervals (reward_curves), not bitwise, and "
+            "step-time figures also reflect the sampled response lengths: the *_per_token figures normalise by "
+            f"response tokens, and the noise check uses {control_key}")
+
+
+def noise_control_key(pairs: list[dict[str, Any]], rollouts_identical: bool) -> str:
+    """The per-pair figure the noise check reads: ``control_ratio`` (identical work) when
+    the runs sampled identical tokens, else ``control_ratio_per_token`` (work per response
+    token, the closest control), unless a pair lacks it (records without ``tokens``)."""
+    if rollouts_identical:
+        return "control_ratio"
+    values = [p.get(PER_TOKEN_CONTROL, float("nan")) for p in pairs]
+    return PER_TOKEN_CONTROL if values and all(math.isfinite(v) for v in values) else "control_ratio"
+
+
+def summarize_pairs(pairs: list[dict[str, Any]], tolerance: float = CONTROL_TOLERANCE,
+                    rollouts_identical: bool = True) -> dict[str, Any]:
+    """Medians over pairs of the per-pair figures (``pair_figures``; a figure a pair lacks
+    counts as NaN), the noisy flag and its note. The noise check reads the figure
+    ``noise_control_key`` picks (named in ``noise_control``); ``sampling_note`` is the
+    function's sentence when the rollouts were not identical, else None."""
     def med(key: str) -> float:
-        return median_over_pairs([p[key] for p in pairs])
+        return median_over_pairs([p.get(key, float("nan")) for p in pairs])
 
-    control = med("control_ratio")
-    noisy = control_is_noisy(control, tolerance)
+    control_key = noise_control_key(pairs, rollouts_identical)
+    noise = med(control_key)
+    noisy = control_is_noisy(noise, tolerance)
     note = None
     if noisy:
-        note = (f"the machine was too noisy for the speedup to mean much: the policy update's work, the same in "
-                f"both runs, took {control:.2f}x as long in the baseline runs as in the TLT runs (median over "
-                f"{len(pairs)} pair(s); outside [{1 - tolerance:.2f}, {1 + tolerance:.2f}])")
+        work = ("the policy update's work, the same in both runs," if control_key == "control_ratio" else
+                "the policy update's work per response token (the runs sampled different tokens),")
+        note = (f"the machine was too noisy for the speedup to mean much: {work} took {noise:.2f}x as long in "
+                f"the baseline runs as in the TLT runs (median over {len(pairs)} pair(s); outside "
+                f"[{1 - tolerance:.2f}, {1 + tolerance:.2f}])")
+    control = med("control_ratio")
     return {"speedup": med("speedup"), "step_time_ratio": med("step_time_ratio"),
             "rollout_speedup": med("rollout_speedup"), "baseline_rollout_share": med("baseline_rollout_share"),
             # the phase split: update time left after the rollout, and the update's whole work
             "tlt_update_s": med("tlt_update_s"), "baseline_update_s": med("baseline_update_s"),
             "tlt_update_work_s": med("tlt_update_work_s"), "baseline_update_work_s": med("baseline_update_work_s"),
-            "control_ratio": control, "noisy": noisy, "note": note}
+            "control_ratio": control,
+            # per response token: what compares when the runs sampled different lengths
+            "tlt_mean_tokens": med("tlt_mean_tokens"), "baseline_mean_tokens": med("baseline_mean_tokens"),
+            "control_ratio_per_token": med(PER_TOKEN_CONTROL), "speedup_per_token": med("speedup_per_token"),
+            "noise_control": control_key, "noisy": noisy, "note": note,
+            "sampling_note": None if rollouts_identical else sampling_note(control_key)}
 
 
 def all_identical(values: list[Any]) -> bool:
@@ -199,24 +279,87 @@ def run_block(summary: dict[str, Any]) -> dict[str, Any]:
             "reward_mean": [r["reward_mean"] for r in recs],
             "rollout_s": [r["rollout_s"] for r in recs],
             "update_s": [r["update_s"] for r in recs],
+            "tokens": [r.get("tokens") for r in recs],
             "mean_accept_len": [r["mean_accept_len"] for r in recs],
             "drafter_samples": [r["drafter_samples"] for r in recs],
             "drafter_train_s": [r["drafter_train_s"] for r in recs]}
 
 
+def interval(values: np.ndarray) -> tuple[float, float, float]:
+    """(mean, low, high): the mean with its 95% normal-approximation interval,
+    mean -+ 1.96 * sd / sqrt(n) (sample sd, n - 1); NaN bounds for fewer than 2 values."""
+    n = len(values)
+    mean = float(np.mean(values)) if n else float("nan")
+    half = Z95 * float(np.std(values, ddof=1)) / math.sqrt(n) if n > 1 else float("nan")
+    return mean, mean - half, mean + half
+
+
+def pooled_rewards(runs: list[list[dict[str, Any]]]) -> dict[int, np.ndarray]:
+    """Per step: the rewards of every sequence of that step, over all `runs` (lists of
+    step records), in run order."""
+    out: dict[int, list[float]] = {}
+    for recs in runs:
+        for r in recs:
+            out.setdefault(int(r["step"]), []).extend(float(x) for x in r["rewards"])
+    return {step: np.asarray(out[step], dtype=float) for step in sorted(out)}
+
+
+def reward_curve(runs: list[list[dict[str, Any]]]) -> dict[str, list[float]]:
+    """One mode's curve: ``steps``, ``mean``, ``low``, ``high`` (95% interval) and ``n``
+    (sequences) per step, pooled over `runs` (``pooled_rewards``)."""
+    pooled = pooled_rewards(runs)
+    stats = [interval(v) for v in pooled.values()]
+    return {"steps": list(pooled), "mean": [m for m, _, _ in stats], "low": [lo for _, lo, _ in stats],
+            "high": [hi for _, _, hi in stats], "n": [len(v) for v in pooled.values()]}
+
+
+def reward_difference(tlt: np.ndarray, baseline: np.ndarray) -> dict[str, Any]:
+    """Mean reward TLT minus baseline over the given sequences, with its 95% interval
+    (Welch's standard error, normal approximation: diff -+ 1.96 * sqrt(s_t^2/n_t + s_b^2/n_b));
+    ``interval_contains_zero``: low <= 0 <= high (False where the interval is NaN)."""
+    t_mean, b_mean = (float(np.mean(v)) if len(v) else float("nan") for v in (tlt, baseline))
+    if len(tlt) > 1 and len(baseline) > 1:
+        se = math.sqrt(float(np.var(tlt, ddof=1)) / len(tlt) + float(np.var(baseline, ddof=1)) / len(baseline))
+    else:
+        se = float("nan")
+    diff = t_mean - b_mean
+    low, high = diff - Z95 * se, diff + Z95 * se
+    return {"mean": diff, "low": low, "high": high, "interval_contains_zero": bool(low <= 0.0 <= high),
+            "tlt_mean": t_mean, "baseline_mean": b_mean, "tlt_n": len(tlt), "baseline_n": len(baseline)}
+
+
+def reward_curves(runs_by_mode: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Reward curves with 95% intervals: per mode (each a list of runs' step records) a
+    ``reward_curve``, plus ``reward_difference`` (``tlt`` minus ``baseline``, all steps'
+    sequences pooled; present when both modes are given) and ``confidence`` (0.95).
+    Sequences count as independent draws (those of one prompt group are not quite), so
+    the intervals are a guide, not a test. Identical runs: the difference is exactly 0."""
+    out: dict[str, Any] = {"confidence": 0.95}
+    out.update({mode: reward_curve(runs) for mode, runs in runs_by_mode.items()})
+    if "tlt" in runs_by_mode and "baseline" in runs_by_mode:
+        def every(mode: str) -> np.ndarray:
+            return np.concatenate([np.zeros(0), *pooled_rewards(runs_by_mode[mode]).values()])
+        out["reward_difference"] = reward_difference(every("tlt"), every("baseline"))
+    return out
+
+
 def compare_pairs(pairs: list[tuple[tuple[str, str], dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
-    """report.json figures from completed pairs of (order, TLT summary, baseline summary)."""
+    """report.json figures from completed pairs of (order, TLT summary, baseline summary):
+    ``summarize_pairs`` over ``pair_figures``, identity across every run, ``reward_curves``."""
     per_pair = [pair_figures(order, t["records"], b["records"]) for order, t, b in pairs]
     runs = [s for _, t, b in pairs for s in (t, b)]
+    rollouts_identical = all_identical([[r["rollout_digest"] for r in s["records"]] for s in runs])
     return {
-        **summarize_pairs(per_pair),
+        **summarize_pairs(per_pair, rollouts_identical=rollouts_identical),
         "pairs": per_pair,
         "rewards_identical": all_identical([[r["rewards"] for r in s["records"]] for s in runs]),
-        "rollouts_identical": all_identical([[r["rollout_digest"] for r in s["records"]] for s in runs]),
+        "rollouts_identical": rollouts_identical,
         # the policy each run ends with (records without the digest: None)
         "final_policy_identical": all_identical([s["records"][-1].get("policy_digest") if s["records"] else None
                                                  for s in runs]),
         "steps_compared": min(len(s["records"]) for s in runs) if runs else 0,
+        "reward_curves": reward_curves({"tlt": [t["records"] for _, t, _ in pairs],
+                                        "baseline": [b["records"] for _, _, b in pairs]}),
     }
 
 

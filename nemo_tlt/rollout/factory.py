@@ -1,7 +1,10 @@
 """One factory from config to a rollout engine (the loop never names an engine class)."""
 from __future__ import annotations
 
+import tempfile
+
 from nemo_tlt.device import Placement
+from nemo_tlt.drafter.base import Drafter
 from nemo_tlt.model.tensor_parallel import TensorParallel
 from nemo_tlt.rollout.config import RolloutConfig
 from nemo_tlt.rollout.protocol import RolloutEngine
@@ -15,11 +18,15 @@ def engine_tensor_parallel(config: RolloutConfig) -> int:
 
 
 def build_rollout_engine(config: RolloutConfig, model_dir: str, placement: Placement = Placement(),
-                         tp: TensorParallel | None = None) -> RolloutEngine:
+                         tp: TensorParallel | None = None, *, drafter: Drafter | None = None,
+                         max_batch: int | None = None) -> RolloutEngine:
     """The engine ``config.engine`` serving the HF-format model in ``model_dir``, in
     ``placement``'s dtype on its device (the torch engine computes in ``rollout.compute_dtype``).
     ``tp`` (size > 1): this rank's place in its rollout replica's tensor-parallel group; the
-    torch engine then holds and reads only its slices (every rank of the group builds one)."""
+    torch engine then holds and reads only its slices (every rank of the group builds one).
+    ``drafter``: the drafter the engine will serve, for an engine that must be built with one
+    (vLLM; the others load it with ``load_drafter``). ``max_batch``: the most requests one
+    ``generate`` gets (vLLM's ``max_num_seqs`` unless ``rollout.vllm.max_num_seqs`` is set)."""
     if config.engine == "torch":
         from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
         return TorchRolloutEngine.from_hf_folder(model_dir, device=placement.device, dtype=placement.dtype,
@@ -29,6 +36,8 @@ def build_rollout_engine(config: RolloutConfig, model_dir: str, placement: Place
             raise ValueError("rollout.tensor_parallel > 1 with rollout.engine=trtllm is not built (TensorRT-LLM "
                              "places its own TP workers; the loop's replica ranks would have to hand it their GPUs)")
         return _trtllm_engine(model_dir, placement, engine_tensor_parallel(config))
+    if config.engine == "vllm":
+        return _vllm_engine(config, model_dir, placement, drafter, max_batch)
     raise ValueError(f"rollout.engine={config.engine!r} has no factory")  # RolloutConfig refuses it first
 
 
@@ -41,3 +50,31 @@ def _trtllm_engine(model_dir: str, placement: Placement, tensor_parallel: int) -
     from nemo_tlt.rollout.trtllm_config import TRTLLMEngineConfig
     from nemo_tlt.rollout.trtllm_engine import TRTLLMRolloutEngine  # lazy: optional package
     return TRTLLMRolloutEngine(TRTLLMEngineConfig(target_dir=model_dir, tensor_parallel_size=tensor_parallel))
+
+
+def _vllm_engine(config: RolloutConfig, model_dir: str, placement: Placement, drafter: Drafter | None,
+                 max_batch: int | None) -> RolloutEngine:
+    """vLLM in this process serving ``model_dir``, built with ``drafter`` (exported to a
+    temporary EAGLE-3 HF folder, which vLLM reads at start-up) when one is given; chains up to
+    the SD policy's deepest arm. On CUDA vLLM's in-process worker takes ``cuda:0`` of the
+    process: one GPU per rank, made visible as device 0 (written for CUDA, not run)."""
+    if placement.device.type == "cuda" and (placement.device.index or 0) != 0:
+        raise ValueError(f"rollout.engine=vllm: this rank is placed on {placement.device}, but vLLM's in-process "
+                         "worker uses cuda:0; give each rank one GPU (CUDA_VISIBLE_DEVICES) so that it is cuda:0")
+    from nemo_tlt.rollout.vllm_config import VLLMEngineConfig
+    from nemo_tlt.rollout.vllm_engine import VLLMRolloutEngine  # lazy: optional package
+    settings = config.vllm
+    kwargs = dict(target_dir=model_dir, num_speculative_tokens=config.max_draft_depth(),
+                  max_num_seqs=settings.max_num_seqs or max_batch or 256, kv_cache_gib=settings.kv_cache_gib,
+                  gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager,
+                  enable_sleep_mode=settings.enable_sleep_mode, dtype=str(placement.dtype).removeprefix("torch."))
+    if drafter is None:
+        return VLLMRolloutEngine(VLLMEngineConfig(**kwargs))
+    from nemo_tlt.drafter.eagle3 import Eagle3Drafter
+    from nemo_tlt.drafter.eagle3_hf import write_eagle3_hf
+    if not isinstance(drafter, Eagle3Drafter):
+        raise ValueError(f"rollout.engine=vllm serves EAGLE-3 drafters; the run's drafter is a {type(drafter).__name__} "
+                         "(model.drafter_dir: train one with `nemo-tlt drafter train --type eagle3`)")
+    with tempfile.TemporaryDirectory(prefix="nemo_tlt_vllm_drafter_") as folder:
+        write_eagle3_hf(drafter, folder)
+        return VLLMRolloutEngine(VLLMEngineConfig(**kwargs, drafter_dir=folder))

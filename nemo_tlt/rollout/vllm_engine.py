@@ -6,26 +6,23 @@ same code drives ``vllm`` (see docs/vllm.md for what has run where).
 How it runs: the engine core lives in the caller's process (vLLM's
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set while the ``LLM`` is built), and at
 ``tensor_parallel_size`` 1 so does the worker (``distributed_executor_backend="uni"``). That
-is what lets the engine (a) hand refit tensors to the worker by reference and (b) install
-a draft-length schedule before each rollout: it writes the scheduler's dense batch-size
-lookup (``Scheduler.dynamic_sd_lookup``, vLLM 0.32's own expansion of
-``num_speculative_tokens_per_batch_size``), the one private attribute touched; vLLM offers no
-public call to change it after start-up. The schedule therefore changes between `generate`
-calls, never inside one (vLLM picks the draft length of each step from the running batch
-size under it).
+is what lets the engine (a) hand refit tensors to the worker by reference and (b) drive
+vLLM one scheduler step at a time (``LLMEngine.add_request`` / ``step``, `vllm_steps`): the
+SD policy chooses before every step, as on the embedded engine, and its draft length is
+written into the scheduler's batch-size lookup (``Scheduler.dynamic_sd_lookup``, vLLM 0.32's
+expansion of ``num_speculative_tokens_per_batch_size``) for that step: the one private
+attribute touched, since vLLM offers no public call to change it after start-up. A
+request's result reaches ``on_finish`` the step it finishes.
 
-Drafting: EAGLE-3 only (vLLM's ``eagle3`` method: a chain of ``num_speculative_tokens``,
-no tree), from the folder in ``VLLMEngineConfig.drafter_dir``; `load_drafter` refits that
-drafter in place from a folder holding the same tensors (names and shapes) and captured
-layers, refused with a ValueError before vLLM is touched otherwise (a torch module is refused:
-export it first); None switches speculation off. A drafter cannot be added to an engine built
-without one. A drafter folder whose ``lm_head`` equals the target's is refused at start-up:
-vLLM would serve it with the target's own head module, and a drafter refit would then write
-into the served policy.
-
-The SD policy is read between rollouts (``begin_rollout``, then the schedule it implies); its
-per-step ``choose`` / ``observe`` are not called (vLLM picks each step's draft length itself),
-so a learned policy does not learn from vLLM's steps.
+Drafting: EAGLE-3 only (vLLM's ``eagle3`` method: a chain of up to ``num_speculative_tokens``,
+no tree; a policy's tree shape drafts a chain of its depth), from the folder in
+``VLLMEngineConfig.drafter_dir``; `load_drafter` refits that drafter in place from a folder
+holding the same tensors (names and shapes) and captured layers, or from an `Eagle3Drafter`
+of that shape (exported in memory, `eagle3_hf.eagle3_hf_state`), refused with a ValueError
+before vLLM is touched otherwise; None switches speculation off. A drafter cannot be added
+to an engine built without one. A drafter folder whose ``lm_head`` equals the target's is
+refused at start-up: vLLM would serve it with the target's own head module, and a drafter
+refit would then write into the served policy.
 
 Lossless (the part of the contract kept; the conformance suite checks each here):
 
@@ -44,12 +41,13 @@ the temperature / top-k / top-p transform that drew it; for greedy requests vLLM
 raw log-softmax (the contract's greedy definition). With SD they come from the verify
 forward.
 
-Stats: ``tokens_generated`` and ``wall_s`` are measured; while speculating, ``accept_lengths``
-are rebuilt exactly (as a multiset) from each request's acceptance histogram (vLLM's
-``per_request_spec_decode_metrics="summary"``: one per request-step that drafted). Not from
-``LLM.get_metrics``: those Prometheus counters are process-wide, and a second ``LLM`` built in
-the process unregisters the first one's. Forwards, SD/plain steps, the time split and ``trace`` are not
-reported (``UNAVAILABLE_STATS``). ``return_hidden`` is refused: vLLM's offline API returns
+Stats: per step (`vllm_steps`): the trace (running rows, the chain verified, tokens, seconds),
+SD and plain steps, forwards (one per engine step), ``prefill_s``, ``tokens_generated`` and
+``wall_s``; ``accept_lengths`` are rebuilt exactly (as a multiset) from each request's acceptance
+histogram (vLLM's ``per_request_spec_decode_metrics="summary"``: one per request-step that
+drafted). Not from ``LLM.get_metrics``: those Prometheus counters are process-wide, and a second
+``LLM`` built in the process unregisters the first one's. Drafter forwards and the
+draft/verify/plain time split are not reported (``UNAVAILABLE_STATS``). ``return_hidden`` is refused: vLLM's offline API returns
 no hidden states (harvest drafter data from the policy: ``drafter.harvest_from=policy``).
 """
 from __future__ import annotations
@@ -58,7 +56,6 @@ import contextlib
 from dataclasses import replace
 import importlib
 import os
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -68,7 +65,8 @@ import torch
 
 from nemo_tlt.adaptive.sd_policy import SpecPolicy
 from nemo_tlt.drafter.base import Drafter
-from nemo_tlt.drafter.eagle3_hf import exported_capture_layers
+from nemo_tlt.drafter.eagle3 import Eagle3Drafter
+from nemo_tlt.drafter.eagle3_hf import eagle3_hf_state, exported_capture_layers
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_config, read_state_dict
 from nemo_tlt.model.lm import canonical_shapes
@@ -77,11 +75,11 @@ from nemo_tlt.rollout import validate
 from nemo_tlt.rollout.protocol import FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
 from nemo_tlt.rollout.trtllm_engine import request_seed, weight_buckets
 from nemo_tlt.rollout.vllm_config import VLLM_PACKAGE, VLLMEngineConfig, missing_package_message
-from nemo_tlt.rollout.vllm_schedule import Schedule, dense_lookup, policy_schedule, start_schedule
+from nemo_tlt.rollout.vllm_schedule import start_schedule
+from nemo_tlt.rollout.vllm_steps import StepControl, run_steps
 from nemo_tlt.speculative.sampling import SamplingParams
 
-UNAVAILABLE_STATS = ("target_forwards", "prefill_forwards", "drafter_forwards", "plain_steps", "sd_steps",
-                     "time_draft_s", "time_verify_s", "time_plain_s", "prefill_s", "trace")
+UNAVAILABLE_STATS = ("drafter_forwards", "time_draft_s", "time_verify_s", "time_plain_s")
 
 
 def import_vllm() -> ModuleType:
@@ -187,10 +185,12 @@ class VLLMRolloutEngine:
         self._shapes = canonical_shapes(self._model_config)
         self._layers: tuple[int, ...] = ()
         self._drafter_shapes: dict[str, tuple[int, ...]] = {}
+        self._drafter_dtype: torch.dtype | None = None
         if config.drafter_dir is not None:
             self._layers = exported_capture_layers(config.drafter_dir)
             built = read_state_dict(Path(config.drafter_dir))
             self._drafter_shapes = {n: tuple(t.shape) for n, t in built.items()}
+            self._drafter_dtype = built["fc.weight"].dtype
             _refuse_shared_head(built, config.target_dir, config.drafter_dir)
         start = start_schedule(config.num_speculative_tokens, config.max_num_seqs)
         with _engine_core_in_process():
@@ -205,7 +205,18 @@ class VLLMRolloutEngine:
         self._scheduler = self._find_scheduler()
         self._drafter_loaded = config.drafter_dir is not None
         self._failed_load: str | None = None
-        self.last_schedule: Schedule = []
+        self._calls = 0
+        self._lookups: dict[int, list[int]] = {}
+        self._delta = importlib.import_module("vllm.sampling_params").RequestOutputKind.DELTA
+
+    def close(self) -> None:
+        """Shut vLLM's engine down (worker, KV cache, scheduler); the engine cannot generate
+        after. vLLM's shutdown also destroys the process's default ``torch.distributed`` group
+        (``cleanup_dist_env_and_memory``), the caller's where vLLM took an existing one as its
+        world: close it after the last collective (the RL loop does, behind a barrier)."""
+        if self._failed_load != "closed":
+            self.llm.llm_engine.engine_core.shutdown()
+            self._failed_load = "closed"
 
     @classmethod
     def from_hf_folder(cls, path: str | os.PathLike, **kwargs: Any) -> "VLLMRolloutEngine":
@@ -243,8 +254,9 @@ class VLLMRolloutEngine:
         self._failed_load = None
 
     def load_drafter(self, drafter: Drafter | str | os.PathLike | None) -> None:
-        """None: speculation off from the next rollout. An EAGLE-3 HF folder of the built
-        drafter's shape and captured layers: its weights reloaded in place, speculation on."""
+        """None: speculation off from the next rollout. An EAGLE-3 HF folder, or an
+        `Eagle3Drafter`, of the built drafter's tensors and captured layers: its weights
+        reloaded in place, speculation on."""
         if drafter is None:
             self._drafter_loaded = False
             return
@@ -258,18 +270,21 @@ class VLLMRolloutEngine:
 
     def _drafter_tensors(self, drafter: Drafter | str | os.PathLike) -> dict[str, torch.Tensor]:
         if isinstance(drafter, torch.nn.Module):
-            raise ValueError("VLLMRolloutEngine.load_drafter takes an EAGLE-3 HF folder, not a torch "
-                             f"{type(drafter).__name__}: export it with `nemo-tlt convert --from drafter "
-                             "--to eagle3-hf` (nemo_tlt.drafter.eagle3_hf.write_eagle3_hf) and pass the folder")
-        layers = exported_capture_layers(drafter)
+            if not isinstance(drafter, Eagle3Drafter):
+                raise ValueError(f"VLLMRolloutEngine.load_drafter: vLLM serves EAGLE-3 drafters; got a "
+                                 f"{type(drafter).__name__}")
+            name, layers = f"the {type(drafter).__name__}", tuple(drafter.capture_layers)
+            tensors = eagle3_hf_state(drafter, self._drafter_dtype)
+        else:
+            name, layers = str(drafter), exported_capture_layers(drafter)
+            tensors = read_state_dict(Path(drafter))
         if layers != self._layers:
-            raise ValueError(f"VLLMRolloutEngine.load_drafter: {drafter} reads target layers {list(layers)}, the "
+            raise ValueError(f"VLLMRolloutEngine.load_drafter: {name} reads target layers {list(layers)}, the "
                              f"engine's drafter was built reading {list(self._layers)}")
-        tensors = read_state_dict(Path(drafter))
         got = {n: tuple(t.shape) for n, t in tensors.items()}
         if got != self._drafter_shapes:  # refused before vLLM's reload, which would leave a half-moved model
             diff = sorted(set(got.items()) ^ set(self._drafter_shapes.items()))[:3]
-            raise ValueError(f"VLLMRolloutEngine.load_drafter: {drafter} holds other tensors than the drafter the "
+            raise ValueError(f"VLLMRolloutEngine.load_drafter: {name} holds other tensors than the drafter the "
                              f"engine was built with ({self.config.drafter_dir}); first differences (name, shape): "
                              f"{diff}")
         return tensors
@@ -293,7 +308,9 @@ class VLLMRolloutEngine:
     def generate(self, requests: list[Request], sampling: SamplingParams, *, policy: SpecPolicy | None = None,
                  return_hidden: bool = False, on_finish: FinishSink | None = None) -> GenerateOutput:
         """See `RolloutEngine.generate` and the module docstring (coupled and return_hidden are
-        refused; ``on_finish`` sees every request at the end: vLLM's offline call returns them together)."""
+        refused; ``on_finish`` gets each request the step it finishes)."""
+        if self._failed_load == "closed":
+            raise ValueError("generate: the engine was closed")
         if self._failed_load is not None:
             raise ValueError(f"generate: the last load_policy_weights failed ({self._failed_load}); "
                              "load complete weights first")
@@ -312,37 +329,40 @@ class VLLMRolloutEngine:
                              "data from the policy's forward (drafter.harvest_from=policy)")
         if policy is not None:
             policy.begin_rollout()
-        speculating = self._install_schedule(policy)
-        eos = self._model_config.eos_token_id
-        params = [self._vllm.SamplingParams(**sampling_kwargs(sampling, eos, r.seq_id if r.seq_id is not None else i))
-                  for i, r in enumerate(requests)]
-        prompts = [{"prompt_token_ids": list(r.prompt)} for r in requests]
-        t0 = time.perf_counter()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        results = [completion_to_result(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs,
-                                        sampling, eos) for o in outputs]
-        stats = GenerationStats(tokens_generated=sum(len(r.tokens) for r in results))
-        stats.wall_s = stats.time_other_s = wall
-        if speculating:
-            stats.accept_lengths = accept_lengths(getattr(o.outputs[0].spec_decode_metrics, "histogram", None)
-                                                  for o in outputs)
-        if on_finish is not None:
-            for i, result in enumerate(results):
-                on_finish(i, result)
+        eos, llm_engine = self._model_config.eos_token_id, self.llm.llm_engine
+        self._calls += 1
+        ids = [f"tlt-{self._calls}-{i}" for i in range(len(requests))]
+        for i, (rid, r) in enumerate(zip(ids, requests)):
+            kwargs = sampling_kwargs(sampling, eos, r.seq_id if r.seq_id is not None else i)
+            llm_engine.add_request(rid, {"prompt_token_ids": list(r.prompt)},
+                                   self._vllm.SamplingParams(**kwargs, output_kind=self._delta))
+        results: list[RequestResult | None] = [None] * len(requests)
+        histograms: list[list[int] | None] = [None] * len(requests)
+
+        def finish(i: int, tokens: list[int], reason: str | None, logprobs: list[Any], completion: Any
+                   ) -> RequestResult:
+            histograms[i] = getattr(completion.spec_decode_metrics, "histogram", None)
+            results[i] = completion_to_result(tokens, reason, logprobs, sampling, eos)
+            return results[i]
+
+        control = StepControl(policy, self.config.num_speculative_tokens, self._drafter_loaded,
+                              self._set_draft_len if self._scheduler is not None else None, self.config.max_num_seqs)
+        try:
+            stats = run_steps(llm_engine, ids, control, finish, on_finish or (lambda i, r: None))
+        finally:  # a failed step or sink leaves no request behind in vLLM
+            left = [rid for rid, r in zip(ids, results) if r is None]
+            if left:
+                llm_engine.abort_request(left)
+        stats.accept_lengths = accept_lengths(histograms) if stats.sd_steps else []
         return GenerateOutput(results, stats)
 
-    def _install_schedule(self, policy: SpecPolicy | None) -> bool:
-        """The policy's draft lengths written into vLLM's scheduler; whether any step may draft."""
-        c = self.config
-        wanted = policy_schedule(policy, c.num_speculative_tokens, c.max_num_seqs)
-        drafts = any(k for _, _, k in wanted)
-        if drafts and not self._drafter_loaded:
-            raise ValueError("generate: the policy asks for speculation but no drafter is loaded")
-        if self._scheduler is not None:
-            self._scheduler.dynamic_sd_lookup = dense_lookup(wanted, c.max_num_seqs, c.num_speculative_tokens)
-        self.last_schedule = wanted
-        return drafts
+    def _set_draft_len(self, k: int) -> None:
+        """Every batch size drafts ``k`` tokens in the next step (vLLM reads the lookup by the
+        step's batch size; one list per length, built once)."""
+        lookup = self._lookups.get(k)
+        if lookup is None:
+            lookup = self._lookups[k] = [k] * (self.config.max_num_seqs + 1)
+        self._scheduler.dynamic_sd_lookup = lookup
 
     def _served_config(self) -> LMConfig:
         """The model config with vLLM's context (``max_model_len``) as the context the requests must fit."""

@@ -37,7 +37,8 @@ MODES = ("greedy", "rejection", "coupled")
 class EngineSpec:
     """``open(model_dir, under_test)`` serves the folder, with no drafter loaded.
     ``drafter_form``: "module" (a torch `Drafter`) or "eagle3-hf" (the folder
-    `nemo-tlt convert --to eagle3-hf` writes). ``writes_as_it_streams``: a weight
+    `nemo-tlt convert --to eagle3-hf` writes); ``eagle3_modules``: an "eagle3-hf" engine that
+    also takes an `Eagle3Drafter` module (exported in memory), no other. ``writes_as_it_streams``: a weight
     stream refused midway has already written tensors (so `generate` must refuse);
     False for an engine that sends buckets (a stream refused inside the first wrote
     nothing). ``model_shape``: tiny-model fields the engine needs (overrides of
@@ -59,6 +60,7 @@ class EngineSpec:
     step_stats: bool = True
     drafter_kinds: tuple[str, ...] = DRAFTERS
     drafter_form: Literal["module", "eagle3-hf"] = "module"
+    eagle3_modules: bool = False
     writes_as_it_streams: bool = True
     model_shape: dict[str, Any] = field(default_factory=dict)
     why: str = ""
@@ -288,8 +290,8 @@ def _vllm_cpu_build() -> bool:
 VLLM_ENGINES = _VLLMEngines()
 VLLM = EngineSpec(
     "vllm", lambda model_dir, under_test: _open_with_eagle3(model_dir, under_test, VLLM_ENGINES),
-    modes=("greedy", "rejection"), hidden_states=False, step_stats=False, drafter_kinds=("eagle3",),
-    drafter_form="eagle3-hf", writes_as_it_streams=False, build_with_eagle3=VLLM_ENGINES,
+    modes=("greedy", "rejection"), hidden_states=False, drafter_kinds=("eagle3",),
+    drafter_form="eagle3-hf", eagle3_modules=True, writes_as_it_streams=False, build_with_eagle3=VLLM_ENGINES,
     # the engine refuses rejection top-k on vLLM's CPU backend only (vllm_engine.py; CUDA: not run)
     sd_top_k=not _vllm_cpu_build(),
     # vLLM's CPU attention takes head sizes of 32 and up; 3 layers: distinct captured layers

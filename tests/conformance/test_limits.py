@@ -47,6 +47,10 @@ def test_without_step_stats_none_are_made_up(make_engine, engine):
 def test_a_drafter_module_is_refused_where_folders_are_loaded(make_engine, engine):
     if make_engine.spec.drafter_form == "module":
         pytest.skip("loads drafter modules")
+    if make_engine.spec.eagle3_modules:  # an EAGLE-3 module is its export; any other kind is refused
+        with pytest.raises(ValueError, match="EAGLE-3"):
+            engine.load_drafter(make_drafter("eagle", engine.model_config))
+        return
     with pytest.raises(ValueError, match=make_engine.spec.drafter_form):
         engine.load_drafter(make_drafter("eagle3", engine.model_config))
 

@@ -1,6 +1,7 @@
 """The TLT-vs-baseline figures of report.json: per-pair ratios on the steps after the
-first, medians over pairs, the update-time control ratio and its noisy flag, and
-reward / rollout identity across every run of every pair."""
+first, medians over pairs, the update-time control ratio and its noisy flag,
+reward / rollout identity across every run of every pair, and for runs that sampled
+different tokens the per-token figures and the reward curves with intervals."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ import pytest
 from nemo_tlt.rl.plots import decode_strips, plot_worker_timeline, process_runs, resume_times, timeline_segments, \
     worker_labels
 from nemo_tlt.rl.report import compare_pairs, control_is_noisy, format_pairs, median_over_pairs, pair_figures, \
-    summarize_pairs
+    reward_curves, summarize_pairs
 
 
 def records(step_s, update_s=None, rollout_s=None, rewards=None, digest="d"):
@@ -93,6 +94,100 @@ def test_identity_covers_the_runs_of_later_pairs():
     other_tokens = summary(records([1.0, 1.0], digest="e"))
     out = compare_pairs([same, (("baseline", "tlt"), other_tokens, summary(records([1.0, 1.0])))])
     assert out["rewards_identical"] and not out["rollouts_identical"]
+
+
+# ---- sampled runs: per-token figures, reward curves with intervals ---------------------
+
+def tokened(step_s, work, tokens, digest="d", rewards=None):
+    """Step records with update work and response tokens per step."""
+    return [{**r, "update_work_s": w, "tokens": t}
+            for r, w, t in zip(records(step_s, rewards=rewards, digest=digest), work, tokens)]
+
+
+def test_per_token_figures_equal_the_raw_ones_on_identical_tokens():
+    # figures where dividing both by the tokens first would round differently
+    tlt = tokened([9.0, 1.5, 1.5], [5.0, 1.7, 1.7], [37, 41, 53])
+    base = tokened([9.0, 1.3, 1.3], [5.0, 1.1, 1.1], [37, 41, 53])
+    p = pair_figures(("tlt", "baseline"), tlt, base)
+    assert p["tlt_mean_tokens"] == p["baseline_mean_tokens"] == 47.0  # steps after the first
+    assert p["control_ratio_per_token"] == p["control_ratio"] and p["speedup_per_token"] == p["speedup"]
+
+
+def _different_lengths(digests=("t", "b")):
+    # TLT: 2.0 s/step, 2.0 s of update work on 100 tokens; baseline: 3.9 s, 2.6 s on 130 tokens
+    tlt = tokened([9.0, 2.0, 2.0], [5.0, 2.0, 2.0], [999, 100, 100], digest=digests[0])
+    base = tokened([9.0, 3.9, 3.9], [5.0, 2.6, 2.6], [999, 120, 140], digest=digests[1])
+    return tlt, base
+
+
+def test_per_token_figures_divide_by_each_runs_tokens():
+    p = pair_figures(("tlt", "baseline"), *_different_lengths())
+    assert p["tlt_mean_tokens"] == 100.0 and p["baseline_mean_tokens"] == 130.0
+    assert p["control_ratio"] == pytest.approx(1.3)
+    assert p["control_ratio_per_token"] == pytest.approx((2.6 / 130) / (2.0 / 100))  # 1.0
+    assert p["speedup"] == pytest.approx(1.95) and p["speedup_per_token"] == pytest.approx((3.9 / 130) / (2.0 / 100))
+    out = summarize_pairs([p, {**p, "control_ratio_per_token": 3.0}, {**p, "speedup_per_token": 0.5}])
+    assert out["control_ratio_per_token"] == pytest.approx(1.0) and out["speedup_per_token"] == pytest.approx(1.5)
+    assert out["tlt_mean_tokens"] == 100.0 and out["baseline_mean_tokens"] == 130.0
+
+
+def test_sampled_runs_check_the_noise_on_the_update_work_per_token():
+    tlt, base = _different_lengths()
+    sampled = compare_pairs([(("tlt", "baseline"), summary(tlt), summary(base))])
+    # 30% more update work in the baseline, all of it from 30% more tokens: not noise
+    assert not sampled["rollouts_identical"] and sampled["control_ratio"] == pytest.approx(1.3)
+    assert sampled["noise_control"] == "control_ratio_per_token" and sampled["noisy"] is False
+    assert "different tokens" in sampled["sampling_note"] and "intervals" in sampled["sampling_note"]
+    # the same work on fewer tokens is: the machine slowed down
+    slow = [{**r, "update_work_s": 2.0} for r in base]
+    noisy = compare_pairs([(("tlt", "baseline"), summary(tlt), summary(slow))])
+    assert noisy["control_ratio"] == pytest.approx(1.0) and noisy["noisy"] is True
+    assert "per response token" in noisy["note"] and "0.77" in noisy["note"]
+    # identical rollouts: the identical work is the control, no sampling note
+    same = compare_pairs([(("tlt", "baseline"), *(summary(r) for r in _different_lengths(("d", "d"))))])
+    assert same["rollouts_identical"] and same["noise_control"] == "control_ratio"
+    assert same["noisy"] is True and same["sampling_note"] is None
+    # records without token counts: the raw control, and the note says so
+    bare = [{k: v for k, v in r.items() if k != "tokens"} for r in base]
+    untokened = compare_pairs([(("tlt", "baseline"), summary(tlt), summary(bare))])
+    assert untokened["noise_control"] == "control_ratio" and untokened["noisy"] is True
+    assert untokened["sampling_note"].endswith("the noise check uses control_ratio")
+
+
+def test_reward_curves_pool_each_steps_sequences_over_the_runs_of_a_mode():
+    def runs(*per_run):  # each run: the rewards of its steps 0 and 1
+        return [records([1.0, 1.0], rewards=list(r)) for r in per_run]
+
+    tlt = runs(([0.0, 1.0], [1.0, 1.0]), ([1.0, 1.0], [1.0, 0.0]))
+    base = runs(([0.0, 0.0], [0.0, 0.0]), ([0.0, 1.0], [1.0, 0.0]))
+    out = reward_curves({"tlt": tlt, "baseline": base})
+    # step 0 of TLT: 0, 1, 1, 1 -> mean 0.75, sd sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5, n 4
+    half = 1.96 * 0.5 / math.sqrt(4)
+    assert out["tlt"]["steps"] == [0, 1] and out["tlt"]["n"] == [4, 4]
+    assert out["tlt"]["mean"] == [0.75, 0.75]
+    assert out["tlt"]["low"][0] == pytest.approx(0.75 - half) and out["tlt"]["high"][0] == pytest.approx(0.75 + half)
+    assert out["baseline"]["mean"] == [0.25, 0.25] and out["baseline"]["low"][0] == pytest.approx(0.25 - half)
+    # all 8 sequences of each mode: 0.75 vs 0.25, each with variance 1.5 / 7
+    diff = out["reward_difference"]
+    half = 1.96 * math.sqrt(2 * (1.5 / 7) / 8)
+    assert diff["mean"] == pytest.approx(0.5) and diff["tlt_n"] == diff["baseline_n"] == 8
+    assert diff["low"] == pytest.approx(0.5 - half) and diff["high"] == pytest.approx(0.5 + half)
+    assert diff["interval_contains_zero"] is False
+
+
+def test_identical_runs_differ_by_exactly_zero_reward(tmp_path):
+    from nemo_tlt.rl.plots import plot_reward_curves
+    rewards = [[0.0, 1.0, 0.5], [1.0, 0.25, 0.0]]
+    out = compare_pairs([(("tlt", "baseline"), summary(records([2.0, 2.0], rewards=rewards)),
+                          summary(records([3.0, 3.0], rewards=rewards)))])
+    diff = out["reward_curves"]["reward_difference"]
+    assert diff["mean"] == 0.0 and diff["low"] < 0.0 < diff["high"] and diff["interval_contains_zero"] is True
+    assert out["reward_curves"]["tlt"] == out["reward_curves"]["baseline"]
+    assert plot_reward_curves(out["reward_curves"], tmp_path / "curves.png").stat().st_size > 0
+    # every reward the same: the interval is the single point 0, which it contains
+    flat = summary(records([2.0, 2.0], rewards=[[1.0, 1.0]] * 2))
+    diff = compare_pairs([(("tlt", "baseline"), flat, flat)])["reward_curves"]["reward_difference"]
+    assert diff["low"] == diff["high"] == 0.0 and diff["interval_contains_zero"] is True
 
 
 # ---- the worker timeline of a multi-node, resumed run --------------------------------

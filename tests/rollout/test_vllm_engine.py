@@ -18,7 +18,7 @@ from nemo_tlt.drafter.io import load_drafter
 from nemo_tlt.model.hf_io import read_state_dict
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.vllm_engine import VLLMRolloutEngine, accept_lengths, completion_to_result, sampling_kwargs
-from nemo_tlt.rollout.vllm_schedule import dense_lookup, ranges, start_schedule
+from nemo_tlt.rollout.vllm_schedule import ranges, start_schedule
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.speculative.tree_shape import TreeShape
 
@@ -31,28 +31,22 @@ DEPTH = 4
 
 
 # ---- pure mappings, checked against vLLM's own functions ----------------------------------------
-@pytest.mark.parametrize("lengths", [[4, 4, 4, 0, 0], [0], [3, 1, 1, 2, 0, 0, 4], [2] * 9])
-def test_ranges_expand_to_the_same_lookup_as_vllm(lengths):
+def vllm_lookup(schedule, max_num_seqs, depth):
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
+    return build_dynamic_sd_schedule_lookup([list(r) for r in schedule], max_num_seqs, depth)[1:]
+
+
+@pytest.mark.parametrize("lengths", [[4, 4, 4, 0, 0], [0], [3, 1, 1, 2, 0, 0, 4], [2] * 9])
+def test_ranges_expand_to_the_lengths_in_vllm(lengths):
     schedule = ranges(lengths)
     assert [k for first, last, k in schedule for _ in range(first, last + 1)] == lengths
     for depth in (1, 3, 4):
-        ours = dense_lookup(schedule, len(lengths), depth)
-        assert ours == build_dynamic_sd_schedule_lookup([list(r) for r in schedule], len(lengths), depth)
+        assert vllm_lookup(schedule, len(lengths), depth) == [min(k, depth) for k in lengths]
 
 
 def test_start_schedule_holds_every_draft_length():
-    schedule = start_schedule(4, 64)
-    assert {k for _, _, k in schedule} == {0, 1, 2, 3, 4}
-    assert dense_lookup(schedule, 64, 4)[1:] == [4, 3, 2, 1, 0] + [4] * 59
-
-
-def test_bad_schedules_are_refused_by_batch_size():
-    with pytest.raises(ValueError, match="batch size 3"):
-        dense_lookup([(1, 2, 4), (4, 8, 0)], 8, 4)
-    with pytest.raises(ValueError, match="5..8"):
-        dense_lookup([(1, 4, 4)], 8, 4)
+    assert vllm_lookup(start_schedule(4, 64), 64, 4) == [4, 3, 2, 1, 0] + [4] * 59
 
 
 def test_accept_lengths_rebuild_the_multiset():
@@ -130,18 +124,60 @@ def test_trained_eagle3_export_is_lossless_and_accepted(engine, drafters, prompt
                                torch.tensor([x for r in plain.results for x in r.logprobs]), atol=1e-4, rtol=0)
 
 
-def test_the_schedule_decides_by_batch_size(engine, drafters, prompts):
-    """A policy that speculates up to batch size 4 only: 8 rows start plain, and drafts
-    begin once at most 4 are left."""
+def test_the_policy_chooses_every_step(engine, drafters, prompts):
+    """An adaptive policy that speculates at 4 running rows or fewer: 8 rows decode plainly,
+    and chains are verified once at most 4 are left (one step after the choice: vLLM
+    verifies in a step what the previous one drafted)."""
     from nemo_tlt.adaptive.sd_policy import AdaptiveSDPolicy, SDPolicyConfig
 
     engine.load_drafter(drafters[0])
     policy = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=4, threshold_off=4), fixed_shape=TreeShape(DEPTH, 1, DEPTH))
-    assert engine._install_schedule(policy) and engine.last_schedule == [(1, 4, DEPTH), (5, 32, 0)]
-    assert engine.generate(prompts[:8], GREEDY, policy=policy).stats.accept_lengths  # the tail drafted
     lengths = SamplingParams(max_new_tokens=16, stop_on_eos=False)
-    assert engine.generate(prompts[:8], lengths, policy=policy).stats.accept_lengths == []  # 8 rows throughout
-    assert engine.generate(prompts[:2], lengths, policy=policy).stats.accept_lengths
+    assert engine.generate(prompts[:8], lengths, policy=policy).stats.sd_steps == 0  # 8 rows throughout
+    out = engine.generate(prompts[:8], GREEDY, policy=policy)
+    trace = out.stats.trace
+    assert out.stats.sd_steps > 0 and out.stats.accept_lengths
+    assert all(s.shape is None for s in trace if s.running > 4)
+    first_sd = next(i for i, s in enumerate(trace) if s.shape is not None)
+    assert trace[first_sd].shape == f"{DEPTH}_1_{DEPTH}" and trace[first_sd - 1].running <= 4
+    assert sum(s.tokens for s in trace) + 8 == out.stats.tokens_generated  # the prefill step made one each
+
+
+def test_a_learned_policy_learns_from_vllms_steps(engine, drafters, prompts):
+    from nemo_tlt.adaptive.learned_policy import LearnedSDConfig, LearnedSDPolicy
+
+    engine.load_drafter(drafters[0])
+    policy = LearnedSDPolicy(LearnedSDConfig(arms=["2_1_2", "4_1_4"], min_pulls=2))
+    out = engine.generate(prompts, GREEDY, policy=policy)
+    pulls = policy.costs.pulls()
+    assert all(p >= 2 for p in pulls), pulls  # plain and both chains were measured
+    assert {s.shape for s in out.stats.trace} >= {None, "2_1_2", "4_1_4"}
+    plain = engine.generate(prompts, GREEDY)
+    assert [r.tokens for r in out.results] == [r.tokens for r in plain.results]
+
+
+def test_on_finish_gets_each_result_the_step_it_finishes(engine, drafters, prompts):
+    engine.load_drafter(drafters[0])
+    seen = []
+    out = engine.generate(prompts, GREEDY, policy=CHAIN,
+                          on_finish=lambda i, r: seen.append((i, len(engine.llm.llm_engine.output_processor
+                                                                       .request_states))))
+    assert sorted(i for i, _ in seen) == list(range(len(prompts)))
+    assert seen[0][1] > 1  # the first result arrived while other requests were still running
+    assert len({len(r.tokens) for r in out.results}) > 1
+
+
+def test_an_eagle3_module_is_loaded_as_its_export(engine, drafters, prompts):
+    from nemo_tlt.drafter.eagle import EagleDrafter
+
+    engine.load_drafter(drafters[0])
+    folder = engine.generate(prompts, GREEDY, policy=CHAIN)
+    engine.load_drafter(drafters[1])
+    engine.load_drafter(load_drafter(shipped_eagle3_drafter()))
+    module = engine.generate(prompts, GREEDY, policy=CHAIN)
+    assert module.stats.accept_lengths == folder.stats.accept_lengths
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        engine.load_drafter(EagleDrafter.__new__(EagleDrafter))
 
 
 def test_drafter_refit_in_place_changes_acceptance(engine, drafters, prompts):
