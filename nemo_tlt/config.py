@@ -30,7 +30,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from nemo_tlt.checks import check_float, check_int
-from nemo_tlt.structured import load_structured, parse_override
+from nemo_tlt.structured import load_structured, merge_structured, parse_override
 from nemo_tlt.device import DEVICES, DTYPES
 from nemo_tlt.imports import check_import_path, is_import_path
 from nemo_tlt.policy.config import PolicyConfig
@@ -348,7 +348,7 @@ class TLTConfig:
             raise ValueError("grpo.acceptance=coupled with rollout.engine=vllm: vLLM draws each request's tokens "
                              "from its own generator, so speculative and plain decoding cannot share the draws; use "
                              "grpo.acceptance=rejection (the same distribution; runs are compared by reward curves)")
-        if self.drafter.train_on_idle and self.rollout.sd_enabled and self.drafter.harvest_from == "rollout":
+        if self.drafter.train_on_idle and self.drafter.harvest_from == "rollout":
             raise ValueError("drafter.harvest_from=rollout with rollout.engine=vllm: vLLM returns no hidden states; "
                              "use drafter.harvest_from=policy (the policy's own forward hands them over)")
 
@@ -410,9 +410,9 @@ def engine_overrides(path: str | Path | None, overrides: Sequence[str] = ()) -> 
             raise ValueError(f"{where}.{engine}: not a rollout engine (one of {', '.join(ENGINES)})")
         if not isinstance(items, ListConfig) or not all(isinstance(i, str) and "=" in i for i in items):
             raise ValueError(f"{where}.{engine} must be a list of key=value strings, got {items!r}")
-    engine = OmegaConf.select(loaded, "rollout.engine", default=RolloutConfig.engine)
-    for item in overrides:
-        op, key, value = parse_override(item)
-        if key == "rollout.engine":
-            engine = RolloutConfig.engine if op == "~" else value
+        if any(parse_override(i)[1] == "rollout.engine" for i in items):
+            raise ValueError(f"{where}.{engine} may not set rollout.engine (it is chosen by the file or the "
+                             "command line)")
+    # the engine as the run will have it: the file and the command line merged as load_config does
+    engine = merge_structured(TLTConfig, path, overrides, drop=(ENGINE_OVERRIDES,)).rollout.engine
     return list(block.get(engine, []))

@@ -126,26 +126,10 @@ def _apply_override(merged: DictConfig, defaults: DictConfig, item: str) -> Dict
     return OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}={value}"]))
 
 
-def load_structured(schema: type, path: str | Path | None = None, overrides: Sequence[str] = (),
-                    drop: Sequence[str] = ()) -> Any:
-    """defaults of the dataclass ``schema`` <- YAML file <- overrides, typed and validated;
-    every error is a ValueError naming the file (or the override) and the key. ``drop``:
-    top-level keys of the file that are not config (read by the caller), left out.
-
-    Overrides are read as Hydra / NeMo users type them, applied in order:
-    ``key=value`` sets a key (unknown keys of a typed block are refused; under a mapping
-    field such as ``task.options`` it also adds one, as before), ``+key=value`` adds a key
-    that is not there (refused where it exists, and outside mapping fields, since the typed
-    schema has no room for new keys), ``++key=value`` adds or sets, ``~key`` removes a key
-    (a mapping entry is dropped, a typed field goes back to its schema default) and
-    ``~key=value`` does so only if the key holds that value. Values are parsed as by
-    OmegaConf's dotlist (YAML scalars, ``[a,b]`` lists, ``{k: v}`` mappings).
-
-    Why not hydra-core's ``OverridesParser``: its grammar is mostly about sweeps, config
-    groups and interpolation functions, none of which a single typed run config has; it
-    pins ``omegaconf<2.4`` and an ANTLR runtime, which would downgrade the OmegaConf this
-    project is tested with; and the four operators above are a few lines over OmegaConf.
-    """
+def merge_structured(schema: type, path: str | Path | None = None, overrides: Sequence[str] = (),
+                     drop: Sequence[str] = ()) -> DictConfig:
+    """The merged ``defaults <- YAML file <- overrides`` of `load_structured`, before the
+    values are typed and validated (a caller may read a key of it first)."""
     defaults: DictConfig = OmegaConf.structured(schema)
     merged: DictConfig = OmegaConf.structured(schema)
     if path is not None:
@@ -166,6 +150,30 @@ def load_structured(schema: type, path: str | Path | None = None, overrides: Seq
             merged = _apply_override(merged, defaults, item)
         except OmegaConfBaseException as err:
             raise _reraise(err, f"override {item!r}") from None
+    return merged
+
+
+def load_structured(schema: type, path: str | Path | None = None, overrides: Sequence[str] = (),
+                    drop: Sequence[str] = ()) -> Any:
+    """defaults of the dataclass ``schema`` <- YAML file <- overrides, typed and validated;
+    every error is a ValueError naming the file (or the override) and the key. ``drop``:
+    top-level keys of the file that are not config (read by the caller), left out.
+
+    Overrides are read as Hydra / NeMo users type them, applied in order:
+    ``key=value`` sets a key (unknown keys of a typed block are refused; under a mapping
+    field such as ``task.options`` it also adds one, as before), ``+key=value`` adds a key
+    that is not there (refused where it exists, and outside mapping fields, since the typed
+    schema has no room for new keys), ``++key=value`` adds or sets, ``~key`` removes a key
+    (a mapping entry is dropped, a typed field goes back to its schema default) and
+    ``~key=value`` does so only if the key holds that value. Values are parsed as by
+    OmegaConf's dotlist (YAML scalars, ``[a,b]`` lists, ``{k: v}`` mappings).
+
+    Why not hydra-core's ``OverridesParser``: its grammar is mostly about sweeps, config
+    groups and interpolation functions, none of which a single typed run config has; it
+    pins ``omegaconf<2.4`` and an ANTLR runtime, which would downgrade the OmegaConf this
+    project is tested with; and the four operators above are a few lines over OmegaConf.
+    """
+    merged = merge_structured(schema, path, overrides, drop)
     try:
         values = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as err:

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         # The step's exit status is rank 0's: a peer leaving non-zero first would make
         # `srun --kill-on-bad-exit` kill rank 0 while it writes the report.
         return 0
-    _write_report(run_dir, results, args.compare_baseline)
+    _write_report(run_dir, results, args.compare_baseline, config.grpo.group_size)
     print(f"run folder: {run_dir.resolve()}")
     if any(s["status"] != "completed" for _, s in results):
         flags = f" --compare-baseline --pairs {args.pairs}" if args.compare_baseline else ""
@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _write_report(run_dir: Path, results: list[tuple[PlannedRun, dict[str, Any]]], compare: bool) -> None:
+def _write_report(run_dir: Path, results: list[tuple[PlannedRun, dict[str, Any]]], compare: bool,
+                  group_size: int) -> None:
     report: dict[str, Any] = {}
     runs = {run.label: s["records"] for run, s in results if s["records"]}
     if runs:
@@ -273,7 +274,7 @@ def _write_report(run_dir: Path, results: list[tuple[PlannedRun, dict[str, Any]]
         report["runs"] = [{"pair": run.pair, **run_block(s)} for run, s in results]
         pairs = _completed_pairs(results)
         if pairs:
-            report.update(compare_pairs(pairs))
+            report.update(compare_pairs(pairs, group_size=group_size))
             curves = plot_reward_curves(report["reward_curves"], run_dir / "reward_curves.png")
             report.setdefault("plots", {})["reward_curves"] = str(curves)
             _print_comparison(report)
@@ -310,10 +311,10 @@ def _print_comparison(report: dict[str, Any]) -> None:
               f"baseline {report['baseline_mean_tokens']:.1f} tokens/step): speedup "
               f"{report['speedup_per_token']:.2f}x, control ratio {report['control_ratio_per_token']:.2f}")
     diff = report["reward_curves"]["reward_difference"]
-    print(f"mean reward TLT - baseline over all steps, sequences pooled: {diff['mean']:+.4f}, 95% interval "
+    print(f"mean reward TLT - baseline over all steps, paired by prompt group: {diff['mean']:+.4f}, 95% interval "
           f"[{diff['low']:+.4f}, {diff['high']:+.4f}] ({'contains' if diff['interval_contains_zero'] else 'excludes'}"
-          f" 0; TLT {diff['tlt_mean']:.4f} over {diff['tlt_n']}, baseline {diff['baseline_mean']:.4f} over "
-          f"{diff['baseline_n']} sequences)")
+          f" 0; TLT {diff['tlt_mean']:.4f}, baseline {diff['baseline_mean']:.4f} over {diff['cells']} (step, prompt) "
+          f"cells, each the mean of {diff['runs']['tlt']} TLT / {diff['runs']['baseline']} baseline run(s))")
     if report["sampling_note"]:
         print(f"NOTE: {report['sampling_note']}")
     if report["noisy"]:

@@ -182,6 +182,9 @@ def test_vllm_takes_the_files_engine_overrides_and_the_command_line_wins():
     assert (cfg.grpo.acceptance, cfg.drafter.harvest_from) == ("rejection", "policy")
     assert load_config(DEMO, ["rollout.engine=vllm", "grpo.acceptance=greedy"]).grpo.acceptance == "greedy"
     assert load_config(DEMO, ["rollout.engine=vllm", "rollout.engine=torch"]).grpo.acceptance == "coupled"
+    # the engine is read from the merged config, as the run will have it
+    assert load_config(DEMO, ["rollout.engine=vllm", "~rollout"]).grpo.acceptance == "coupled"
+    assert load_config(DEMO, ["rollout.engine= vllm"]).grpo.acceptance == "rejection"
     assert "engine_overrides" not in cfg.to_dict()  # the run's config holds the values applied
 
 
@@ -200,6 +203,7 @@ def test_what_vllm_cannot_do_is_refused_by_its_key(override, message):
     ("engine_overrides: {sglang: [a=1]}", r"engine_overrides\.sglang: not a rollout engine"),
     ("engine_overrides: {vllm: grpo.acceptance}", r"engine_overrides\.vllm must be a list of key=value"),
     ("engine_overrides: [vllm]", r"engine_overrides must be a mapping"),
+    ("engine_overrides: {vllm: [rollout.engine=torch]}", r"engine_overrides\.vllm may not set rollout\.engine"),
 ])
 def test_bad_engine_overrides_name_the_file_and_key(tmp_path, block, message):
     path = tmp_path / "run.yaml"

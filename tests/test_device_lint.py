@@ -31,7 +31,8 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "model/hf_io.py:save_hf_folder": (1, "safetensors writes host tensors"),
     "model/kv_cache.py:KVCache.__init__": (1, "a parameter default; the engine passes its device"),
     "drafter/io.py:save_drafter": (1, "safetensors writes host tensors"),
-    "drafter/eagle3_hf.py:write_eagle3_hf": (1, "safetensors writes host tensors"),
+    "drafter/eagle3_hf.py:eagle3_hf_state": (1, "the export's tensors: safetensors writes host tensors, vLLM's "
+                                                "reload copies from them"),
     "rollout/vllm_engine.py:VLLMRolloutEngine._payload": (1, "safetensors writes host tensors (refit file)"),
     "rollout/torch_engine.py:TorchRolloutEngine._prefill": (2, "prompts laid out on the host, one copy over"),
     "policy/batching.py:micro_batches": (5, "batches laid out on the host, one copy to `device`"),

@@ -81,8 +81,9 @@ class FakeLaunch:
 
 
 def _args(run_dir: Path, *extra: str) -> list[str]:
+    # the fake runs' records hold 2 rewards per step: one prompt group of 2
     return [str(DEMO), f"run_dir={run_dir}", "steps=3", "progress=false", "model.target_dir=t",
-            "model.drafter_dir=d", *extra]
+            "model.drafter_dir=d", "grpo.group_size=2", *extra]
 
 
 def test_interrupted_pairs_resume_skipping_finished_runs(tmp_path, monkeypatch, capsys):

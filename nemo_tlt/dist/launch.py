@@ -168,12 +168,9 @@ def _leave(store: Any, rdzv: Rendezvous, timeout_s: float) -> None:
     """Leave together: every rank waits until all have finished (rank 0 may still be
     writing its final checkpoint), and the rank hosting the store (SLURM mode: rank 0)
     keeps it up until every other rank has left the group: a peer whose store or group
-    vanishes under it while it tears down can abort the process. A rank whose group is gone
-    already (an in-process vLLM engine destroys the default group when it closes, after the
-    loop's own barrier) leaves through the store alone."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    vanishes under it while it tears down can abort the process."""
+    dist.barrier()
+    dist.destroy_process_group()
     if rdzv.world > 1:
         store.add("tlt/left", 1)
         if rdzv.host_store:  # the others must not poll: the store ends with the host's launch

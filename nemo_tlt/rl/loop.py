@@ -174,7 +174,8 @@ class RLWorker:
 
     def close_engine(self) -> None:
         """Release an engine that holds resources (``close``: vLLM's) once every rank is past
-        its last collective: vLLM's shutdown takes the process's default group down with it."""
+        its last collective on the engine's process groups (vLLM's are subgroups of the rank's
+        default group, which it keeps)."""
         close = getattr(self.engine, "close", None)
         if close is not None:
             self.comm.barrier()

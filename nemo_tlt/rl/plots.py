@@ -11,8 +11,9 @@ the run spanned several (``rank_nodes``); a resumed run's steps follow its prede
 with a mark where it took over (``process_runs``). Validation records, mixed in or given
 apart, make a validation curve (``validation_vs_step.png``). Plots read step records only.
 With ``--compare-baseline``, ``plot_reward_curves`` draws the report's ``reward_curves``
-(mean reward per step of each mode, pooled over its runs, with the shaded 95% interval;
-the TLT - baseline difference and its interval in the title): ``reward_curves.png``.
+(mean reward per step of each mode over its prompt groups, the mode's runs averaged within
+a group, with the shaded 95% interval; the TLT - baseline difference, paired by prompt group,
+and its interval in the title): ``reward_curves.png``.
 """
 from __future__ import annotations
 
@@ -65,15 +66,17 @@ def plot_reward_curves(curves: dict, path: str | Path) -> Path:
         if not curve or not curve["steps"]:
             continue
         style = styles[mode]
-        ax.plot(curve["steps"], curve["mean"], label=f"{mode} (n={max(curve['n'])}/step)", **style)
+        label = f"{mode} ({max(curve['runs'])} run(s), {max(curve['prompts'])} prompts/step)"
+        ax.plot(curve["steps"], curve["mean"], label=label, **style)
         ax.fill_between(curve["steps"], curve["low"], curve["high"], color=style["color"], alpha=0.2, lw=0)
     ax.set_xlabel("RL step")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("mean reward (95% interval)")
     diff = curves.get("reward_difference")
-    title = "reward vs step, runs pooled"
+    title = "reward vs step by prompt group, runs averaged"
     if diff:
-        title += f"\nTLT - baseline {diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]"
+        title += (f"\nTLT - baseline {diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}] "
+                  f"over {diff['cells']} (step, prompt) cells")
     ax.set_title(title, fontsize=9)
     if ax.get_legend_handles_labels()[0]:
         ax.legend()

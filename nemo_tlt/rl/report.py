@@ -40,12 +40,23 @@ Contract
   ``sampling_note`` says why rewards compare as curves with intervals and that
   step-time figures also reflect the sampled lengths (None when the rollouts are
   identical: the figures are then as with coupled sampling).
-* ``reward_curves`` (the function of that name; always given): per mode and step the
-  mean reward over every sequence of that step pooled over the mode's runs, with a 95%
-  interval (normal approximation, sequences taken as independent draws), and
-  ``reward_difference``: TLT minus baseline over all steps pooled, with its 95% (Welch,
-  normal approximation) interval and ``interval_contains_zero``; exactly 0 for
-  identical runs. Plot: ``nemo_tlt.rl.plots.plot_reward_curves``.
+* ``reward_curves`` (the function of that name; always given) compares rewards by
+  prompt group. The unit is one prompt group at one step, a cell (s, p): sequence i of a
+  step's ``rewards`` (id order) belongs to prompt group i // G (G: ``grpo.group_size``,
+  passed in as ``group_size``; a step's rewards must be whole groups). Sequences are not
+  the unit: those of one group share their prompt (correlated), and the runs of a mode use
+  the same seeds and prompts, so with an engine that draws the same tokens each time
+  (vLLM) they repeat the same sequences; counting them as independent draws made the
+  intervals up to 2x too narrow. So m_mode(s, p) is the group's mean reward averaged over
+  the mode's runs (a duplicated run changes nothing). Per mode and step the curve is the
+  mean of m_mode(s, p) over the step's P prompt groups with the 95% interval
+  mean -+ 1.96 * sd_p / sqrt(P) (normal approximation). ``reward_difference`` pairs the
+  modes (same seed: same prompts at each step, so prompt difficulty cancels):
+  d(s, p) = m_tlt(s, p) - m_baseline(s, p) over the cells of the steps both have, its mean
+  with 95% interval mean -+ 1.96 * sd(d) / sqrt(cells) and ``interval_contains_zero``;
+  ``cells`` and the ``runs`` of each mode are given. Exactly 0 for identical runs. Steps
+  are not independent of one another (each trains on the one before), so the intervals
+  are a guide, not a test. Plot: ``nemo_tlt.rl.plots.plot_reward_curves``.
 """
 from __future__ import annotations
 
@@ -294,58 +305,87 @@ def interval(values: np.ndarray) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
-def pooled_rewards(runs: list[list[dict[str, Any]]]) -> dict[int, np.ndarray]:
-    """Per step: the rewards of every sequence of that step, over all `runs` (lists of
-    step records), in run order."""
-    out: dict[int, list[float]] = {}
+def group_means(rewards: list[float], group_size: int, step: int) -> np.ndarray:
+    """The mean reward of each prompt group of one step's ``rewards`` (id order: sequence
+    i in group i // group_size); ValueError unless they are whole groups."""
+    if group_size < 1 or not rewards or len(rewards) % group_size:
+        raise ValueError(f"step {step}: {len(rewards)} rewards are not whole prompt groups of "
+                         f"grpo.group_size={group_size}")
+    return np.asarray(rewards, dtype=float).reshape(-1, group_size).mean(axis=1)
+
+
+def prompt_group_means(runs: list[list[dict[str, Any]]], group_size: int) -> dict[int, tuple[np.ndarray, int]]:
+    """Per step: (m(s, p) for each prompt group p, the number of runs averaged), where
+    m(s, p) is the group's mean reward averaged over the `runs` (lists of step records)
+    that have the step; ValueError where they disagree on the number of prompt groups."""
+    per_step: dict[int, list[np.ndarray]] = {}
     for recs in runs:
         for r in recs:
-            out.setdefault(int(r["step"]), []).extend(float(x) for x in r["rewards"])
-    return {step: np.asarray(out[step], dtype=float) for step in sorted(out)}
-
-
-def reward_curve(runs: list[list[dict[str, Any]]]) -> dict[str, list[float]]:
-    """One mode's curve: ``steps``, ``mean``, ``low``, ``high`` (95% interval) and ``n``
-    (sequences) per step, pooled over `runs` (``pooled_rewards``)."""
-    pooled = pooled_rewards(runs)
-    stats = [interval(v) for v in pooled.values()]
-    return {"steps": list(pooled), "mean": [m for m, _, _ in stats], "low": [lo for _, lo, _ in stats],
-            "high": [hi for _, _, hi in stats], "n": [len(v) for v in pooled.values()]}
-
-
-def reward_difference(tlt: np.ndarray, baseline: np.ndarray) -> dict[str, Any]:
-    """Mean reward TLT minus baseline over the given sequences, with its 95% interval
-    (Welch's standard error, normal approximation: diff -+ 1.96 * sqrt(s_t^2/n_t + s_b^2/n_b));
-    ``interval_contains_zero``: low <= 0 <= high (False where the interval is NaN)."""
-    t_mean, b_mean = (float(np.mean(v)) if len(v) else float("nan") for v in (tlt, baseline))
-    if len(tlt) > 1 and len(baseline) > 1:
-        se = math.sqrt(float(np.var(tlt, ddof=1)) / len(tlt) + float(np.var(baseline, ddof=1)) / len(baseline))
-    else:
-        se = float("nan")
-    diff = t_mean - b_mean
-    low, high = diff - Z95 * se, diff + Z95 * se
-    return {"mean": diff, "low": low, "high": high, "interval_contains_zero": bool(low <= 0.0 <= high),
-            "tlt_mean": t_mean, "baseline_mean": b_mean, "tlt_n": len(tlt), "baseline_n": len(baseline)}
-
-
-def reward_curves(runs_by_mode: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
-    """Reward curves with 95% intervals: per mode (each a list of runs' step records) a
-    ``reward_curve``, plus ``reward_difference`` (``tlt`` minus ``baseline``, all steps'
-    sequences pooled; present when both modes are given) and ``confidence`` (0.95).
-    Sequences count as independent draws (those of one prompt group are not quite), so
-    the intervals are a guide, not a test. Identical runs: the difference is exactly 0."""
-    out: dict[str, Any] = {"confidence": 0.95}
-    out.update({mode: reward_curve(runs) for mode, runs in runs_by_mode.items()})
-    if "tlt" in runs_by_mode and "baseline" in runs_by_mode:
-        def every(mode: str) -> np.ndarray:
-            return np.concatenate([np.zeros(0), *pooled_rewards(runs_by_mode[mode]).values()])
-        out["reward_difference"] = reward_difference(every("tlt"), every("baseline"))
+            step = int(r["step"])
+            per_step.setdefault(step, []).append(group_means([float(x) for x in r["rewards"]], group_size, step))
+    out: dict[int, tuple[np.ndarray, int]] = {}
+    for step in sorted(per_step):
+        groups = per_step[step]
+        if len({len(g) for g in groups}) > 1:
+            raise ValueError(f"step {step}: the runs have {sorted({len(g) for g in groups})} prompt groups")
+        out[step] = (np.mean(np.stack(groups), axis=0), len(groups))
     return out
 
 
-def compare_pairs(pairs: list[tuple[tuple[str, str], dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+def reward_curve(runs: list[list[dict[str, Any]]], group_size: int) -> dict[str, list]:
+    """One mode's curve, per step: ``steps``, ``mean``, ``low``, ``high`` (95% interval over
+    the step's prompt groups, runs averaged within a group: ``prompt_group_means``),
+    ``prompts`` (prompt groups, the units) and ``runs`` (runs averaged)."""
+    cells = prompt_group_means(runs, group_size)
+    stats = [interval(m) for m, _ in cells.values()]
+    return {"steps": list(cells), "mean": [m for m, _, _ in stats], "low": [lo for _, lo, _ in stats],
+            "high": [hi for _, _, hi in stats], "prompts": [len(m) for m, _ in cells.values()],
+            "runs": [k for _, k in cells.values()]}
+
+
+def reward_difference(tlt: dict[int, tuple[np.ndarray, int]],
+                      baseline: dict[int, tuple[np.ndarray, int]]) -> dict[str, Any]:
+    """TLT minus baseline, paired by (step, prompt group) cell over the steps both have
+    (``prompt_group_means`` of each mode): the mean of d(s, p) = m_tlt(s, p) - m_base(s, p)
+    with its 95% interval (mean -+ 1.96 * sd(d) / sqrt(cells), normal approximation);
+    ``interval_contains_zero``: low <= 0 <= high (False where the interval is NaN, fewer than
+    2 cells); ``tlt_mean`` / ``baseline_mean`` over the same cells; ``cells``; ``runs`` per
+    mode (the most a compared step averaged). ValueError where a step's prompt groups differ in
+    number between the modes (they cannot be the same prompts)."""
+    steps = sorted(set(tlt) & set(baseline))
+    for step in steps:
+        if len(tlt[step][0]) != len(baseline[step][0]):
+            raise ValueError(f"step {step}: TLT has {len(tlt[step][0])} prompt groups, the baseline "
+                             f"{len(baseline[step][0])}; the modes must see the same prompts")
+    t = np.concatenate([np.zeros(0), *(tlt[s][0] for s in steps)])
+    b = np.concatenate([np.zeros(0), *(baseline[s][0] for s in steps)])
+    diff, low, high = interval(t - b)
+    t_mean, b_mean = (float(np.mean(v)) if len(v) else float("nan") for v in (t, b))
+    return {"mean": diff, "low": low, "high": high, "interval_contains_zero": bool(low <= 0.0 <= high),
+            "tlt_mean": t_mean, "baseline_mean": b_mean, "cells": len(t),
+            "runs": {"tlt": max((tlt[s][1] for s in steps), default=0),
+                     "baseline": max((baseline[s][1] for s in steps), default=0)}}
+
+
+def reward_curves(runs_by_mode: dict[str, list[list[dict[str, Any]]]], group_size: int) -> dict[str, Any]:
+    """Reward curves with 95% intervals by prompt group (the module's contract): per mode
+    (each a list of runs' step records) a ``reward_curve``, plus ``reward_difference``
+    (``tlt`` minus ``baseline``, paired by (step, prompt group); present when both modes
+    are given) and ``confidence`` (0.95). `group_size`: sequences per prompt group
+    (``grpo.group_size``). Identical runs: the difference is exactly 0."""
+    out: dict[str, Any] = {"confidence": 0.95}
+    out.update({mode: reward_curve(runs, group_size) for mode, runs in runs_by_mode.items()})
+    if "tlt" in runs_by_mode and "baseline" in runs_by_mode:
+        out["reward_difference"] = reward_difference(prompt_group_means(runs_by_mode["tlt"], group_size),
+                                                     prompt_group_means(runs_by_mode["baseline"], group_size))
+    return out
+
+
+def compare_pairs(pairs: list[tuple[tuple[str, str], dict[str, Any], dict[str, Any]]], *,
+                  group_size: int) -> dict[str, Any]:
     """report.json figures from completed pairs of (order, TLT summary, baseline summary):
-    ``summarize_pairs`` over ``pair_figures``, identity across every run, ``reward_curves``."""
+    ``summarize_pairs`` over ``pair_figures``, identity across every run, ``reward_curves``
+    (`group_size`: the runs' ``grpo.group_size``, sequences per prompt group)."""
     per_pair = [pair_figures(order, t["records"], b["records"]) for order, t, b in pairs]
     runs = [s for _, t, b in pairs for s in (t, b)]
     rollouts_identical = all_identical([[r["rollout_digest"] for r in s["records"]] for s in runs])
@@ -359,7 +399,7 @@ def compare_pairs(pairs: list[tuple[tuple[str, str], dict[str, Any], dict[str, A
                                                  for s in runs]),
         "steps_compared": min(len(s["records"]) for s in runs) if runs else 0,
         "reward_curves": reward_curves({"tlt": [t["records"] for _, t, _ in pairs],
-                                        "baseline": [b["records"] for _, _, b in pairs]}),
+                                        "baseline": [b["records"] for _, _, b in pairs]}, group_size),
     }
 
 

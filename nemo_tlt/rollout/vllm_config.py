@@ -113,6 +113,10 @@ class VLLMEngineConfig:
             "max_model_len": self.max_model_len or max_model_len, "max_num_seqs": self.max_num_seqs,
             "tensor_parallel_size": self.tensor_parallel_size, "enforce_eager": self.enforce_eager,
             "logprobs_mode": "processed_logprobs", "worker_extension_cls": WORKER_EXTENSION,
+            # one step per LLMEngine.step(): async scheduling (vLLM's default for eagle3 with the
+            # uni executor on CUDA) returns each step's outputs a call late, and the SD policy's
+            # per-step choice would land on another step than the one it measures
+            "async_scheduling": False,
             "gpu_memory_utilization": self.gpu_memory_utilization, "enable_prefix_caching": False}
         if self.drafter_dir is not None:  # vLLM refuses it without speculative decoding
             kwargs["per_request_spec_decode_metrics"] = "summary"

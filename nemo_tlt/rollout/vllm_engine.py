@@ -10,9 +10,10 @@ is what lets the engine (a) hand refit tensors to the worker by reference and (b
 vLLM one scheduler step at a time (``LLMEngine.add_request`` / ``step``, `vllm_steps`): the
 SD policy chooses before every step, as on the embedded engine, and its draft length is
 written into the scheduler's batch-size lookup (``Scheduler.dynamic_sd_lookup``, vLLM 0.32's
-expansion of ``num_speculative_tokens_per_batch_size``) for that step: the one private
-attribute touched, since vLLM offers no public call to change it after start-up. A
-request's result reaches ``on_finish`` the step it finishes.
+expansion of ``num_speculative_tokens_per_batch_size``) for that step: a private attribute,
+since vLLM offers no public call to change it after start-up (the other private touch is
+`close`'s teardown, which keeps the caller's default process group). A request's result
+reaches ``on_finish`` the step it finishes.
 
 Drafting: EAGLE-3 only (vLLM's ``eagle3`` method: a chain of up to ``num_speculative_tokens``,
 no tree; a policy's tree shape drafts a chain of its depth), from the folder in
@@ -172,6 +173,40 @@ def _engine_core_in_process() -> Iterator[None]:
             os.environ[key] = old
 
 
+@contextlib.contextmanager
+def _keep_set_num_threads() -> Iterator[None]:
+    """vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole process
+    (it binds its OpenMP threads first, in a worker process of its own); in the caller's process
+    that would silence every later thread budget (the RL loop's idle-time trainer thread would
+    run on every core). The caller's function is put back."""
+    original = torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = original
+
+
+@contextlib.contextmanager
+def _keep_default_group() -> Iterator[None]:
+    """vLLM 0.32's ``destroy_distributed_environment`` (called by its shutdown) without its last
+    act, ``torch.distributed.destroy_process_group()``: vLLM's world group goes, the caller's
+    default group stays (``vllm/distributed/parallel_state.py``)."""
+    state = importlib.import_module("vllm.distributed.parallel_state")
+    original = state.destroy_distributed_environment
+
+    def keep() -> None:
+        if state._WORLD:
+            state._WORLD.destroy()
+        state._WORLD = None
+        state._NODE_COUNT = None
+
+    state.destroy_distributed_environment = keep
+    try:
+        yield
+    finally:
+        state.destroy_distributed_environment = original
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 class VLLMRolloutEngine:
     """Implements `RolloutEngine` through vLLM's ``LLM`` (see the module docstring)."""
@@ -192,8 +227,10 @@ class VLLMRolloutEngine:
             self._drafter_shapes = {n: tuple(t.shape) for n, t in built.items()}
             self._drafter_dtype = built["fc.weight"].dtype
             _refuse_shared_head(built, config.target_dir, config.drafter_dir)
+        import torch.distributed as dist
+        self._callers_group = dist.is_available() and dist.is_initialized()  # vLLM takes it as its world
         start = start_schedule(config.num_speculative_tokens, config.max_num_seqs)
-        with _engine_core_in_process():
+        with _engine_core_in_process(), _keep_set_num_threads():
             self.llm = vllm.LLM(**config.llm_kwargs(self._model_config.max_position_embeddings),
                                 speculative_config=config.speculative_config(start))
         self._vllm = vllm
@@ -205,18 +242,23 @@ class VLLMRolloutEngine:
         self._scheduler = self._find_scheduler()
         self._drafter_loaded = config.drafter_dir is not None
         self._failed_load: str | None = None
-        self._calls = 0
+        self._calls, self._closed = 0, False
         self._lookups: dict[int, list[int]] = {}
         self._delta = importlib.import_module("vllm.sampling_params").RequestOutputKind.DELTA
 
     def close(self) -> None:
         """Shut vLLM's engine down (worker, KV cache, scheduler); the engine cannot generate
-        after. vLLM's shutdown also destroys the process's default ``torch.distributed`` group
-        (``cleanup_dist_env_and_memory``), the caller's where vLLM took an existing one as its
-        world: close it after the last collective (the RL loop does, behind a barrier)."""
-        if self._failed_load != "closed":
+        after. vLLM's shutdown destroys its own process groups and then the process's default
+        ``torch.distributed`` group (``cleanup_dist_env_and_memory``); a default group that
+        existed before this engine was built is the caller's (the RL loop's ranks) and is kept.
+        vLLM's groups are subgroups of it: close after the last collective that uses them."""
+        if self._closed:
+            return
+        with contextlib.ExitStack() as stack:
+            if self._callers_group:
+                stack.enter_context(_keep_default_group())
             self.llm.llm_engine.engine_core.shutdown()
-            self._failed_load = "closed"
+        self._closed = True
 
     @classmethod
     def from_hf_folder(cls, path: str | os.PathLike, **kwargs: Any) -> "VLLMRolloutEngine":
@@ -309,7 +351,7 @@ class VLLMRolloutEngine:
                  return_hidden: bool = False, on_finish: FinishSink | None = None) -> GenerateOutput:
         """See `RolloutEngine.generate` and the module docstring (coupled and return_hidden are
         refused; ``on_finish`` gets each request the step it finishes)."""
-        if self._failed_load == "closed":
+        if self._closed:
             raise ValueError("generate: the engine was closed")
         if self._failed_load is not None:
             raise ValueError(f"generate: the last load_policy_weights failed ({self._failed_load}); "
@@ -332,10 +374,6 @@ class VLLMRolloutEngine:
         eos, llm_engine = self._model_config.eos_token_id, self.llm.llm_engine
         self._calls += 1
         ids = [f"tlt-{self._calls}-{i}" for i in range(len(requests))]
-        for i, (rid, r) in enumerate(zip(ids, requests)):
-            kwargs = sampling_kwargs(sampling, eos, r.seq_id if r.seq_id is not None else i)
-            llm_engine.add_request(rid, {"prompt_token_ids": list(r.prompt)},
-                                   self._vllm.SamplingParams(**kwargs, output_kind=self._delta))
         results: list[RequestResult | None] = [None] * len(requests)
         histograms: list[list[int] | None] = [None] * len(requests)
 
@@ -347,10 +385,16 @@ class VLLMRolloutEngine:
 
         control = StepControl(policy, self.config.num_speculative_tokens, self._drafter_loaded,
                               self._set_draft_len if self._scheduler is not None else None, self.config.max_num_seqs)
+        added: list[str] = []
         try:
+            for i, (rid, r) in enumerate(zip(ids, requests)):
+                kwargs = sampling_kwargs(sampling, eos, r.seq_id if r.seq_id is not None else i)
+                llm_engine.add_request(rid, {"prompt_token_ids": list(r.prompt)},
+                                       self._vllm.SamplingParams(**kwargs, output_kind=self._delta))
+                added.append(rid)
             stats = run_steps(llm_engine, ids, control, finish, on_finish or (lambda i, r: None))
-        finally:  # a failed step or sink leaves no request behind in vLLM
-            left = [rid for rid, r in zip(ids, results) if r is None]
+        finally:  # a failed request, step or sink leaves no request behind in vLLM
+            left = [rid for rid, r in zip(added, results) if r is None]
             if left:
                 llm_engine.abort_request(left)
         stats.accept_lengths = accept_lengths(histograms) if stats.sd_steps else []

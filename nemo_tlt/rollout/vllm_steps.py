@@ -9,15 +9,15 @@ tokens it produced and its time, as on the embedded engine. Each request's resul
 to ``on_result`` the step it finishes.
 
 What a step's choice governs: vLLM verifies in step t the drafts proposed at the end of
-step t-1, and proposes at the end of step t as many as step t's draft length. So the
-policy observes each step as the choice whose drafts it verified (the previous step's;
-None for a step that verified none), which is also what the trace names: in a run of
-equal choices that is each step's whole cost (verify and draft at that length); at a
-switch the step's drafting belongs to the next choice (plain -> k: the plain step drafts
-k; k -> plain: the last chain step drafts nothing). The learned policy does not record
-the first speculative step after plain ones (`LearnedSDPolicy`'s catch-up rule). Steps
-that prefill (a request's first token) are not observed (the embedded engine chooses after
-its prefill).
+step t-1, and proposes at the end of step t as many as step t's draft length. A step is
+steady when it verifies the draft length it proposes: its cost is that choice's whole cost
+(verify and draft at that length), and only steady steps are observed, as the choice that
+ran (what the trace names). A step that changes the draft length mixes two choices and is
+not observed; the new choice is then held for the next step without asking the policy
+(that step is steady), so every choice the policy makes gets measured. Steps that prefill
+(a request's first token) are not observed either (the embedded engine chooses after its
+prefill). The learned policy does not record the first speculative step after plain ones
+(`LearnedSDPolicy`'s catch-up rule) and asks for that tree once more.
 
 A shape drafts a chain of its depth (vLLM's EAGLE-3 has no tree), clipped to the
 engine's ``num_speculative_tokens``; the trace names what ran (``"{k}_1_{k}"``), the
@@ -78,10 +78,12 @@ def run_steps(engine: Any, ids: Sequence[str], control: StepControl,
     rows = [_Row() for _ in ids]
     stats, unfinished = GenerationStats(), len(ids)
     verified: TreeShape | None = None  # the choice whose drafts the next step verifies
+    shape, hold = None, False  # hold: the last step changed the draft length; run its choice again
     t_start = time.perf_counter()
     while engine.has_unfinished_requests():
         running = max(1, min(unfinished, control.max_running))
-        shape = control.policy.choose(running) if control.policy is not None else None
+        if not hold:
+            shape = control.policy.choose(running) if control.policy is not None else None
         k = draft_len(shape, control.max_draft_len)
         if k and not control.drafter_loaded:
             raise ValueError(f"generate: the policy chose tree shape {shape.name} but no drafter is loaded "
@@ -105,18 +107,19 @@ def run_steps(engine: Any, ids: Sequence[str], control: StepControl,
                 on_result(i, finish(i, row.tokens, completion.finish_reason, row.logprobs, completion))
         stats.tokens_generated += made
         stats.target_forwards += 1
+        ran = draft_len(verified, control.max_draft_len)
         if prefilled:
             stats.prefill_forwards += 1
             stats.prefill_s += dt
         else:
-            ran = draft_len(verified, control.max_draft_len)
             if ran:
                 stats.sd_steps += 1
             else:
                 stats.plain_steps += 1
             stats.trace.append(StepTrace(running, chain_name(ran) if ran else None, made, made / running, dt))
-            if control.policy is not None and made:
+            if control.policy is not None and made and ran == k:
                 control.policy.observe(running, verified, made, dt)
+        hold = ran != k
         verified = shape if k else None
     stats.wall_s = time.perf_counter() - t_start
     stats.time_other_s = stats.wall_s

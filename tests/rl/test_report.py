@@ -77,7 +77,7 @@ def test_summary_is_the_median_over_pairs_and_flags_a_noisy_machine():
 def test_compare_pairs_takes_medians_and_checks_every_run():
     p1 = (("tlt", "baseline"), summary(records([5.0, 2.0, 2.0])), summary(records([5.0, 4.0, 4.0])))
     p2 = (("baseline", "tlt"), summary(records([5.0, 2.5, 2.5])), summary(records([5.0, 3.0, 3.0])))
-    out = compare_pairs([p1, p2])
+    out = compare_pairs([p1, p2], group_size=2)
     assert [p["order"] for p in out["pairs"]] == [["tlt", "baseline"], ["baseline", "tlt"]]
     assert out["speedup"] == pytest.approx((2.0 + 1.2) / 2)  # median of two: their mean
     assert out["rewards_identical"] and out["rollouts_identical"] and out["steps_compared"] == 3
@@ -89,10 +89,10 @@ def test_compare_pairs_takes_medians_and_checks_every_run():
 def test_identity_covers_the_runs_of_later_pairs():
     same = (("tlt", "baseline"), summary(records([1.0, 1.0])), summary(records([1.0, 1.0])))
     other_rewards = summary(records([1.0, 1.0], rewards=[[0.0, 1.0], [1.0, 1.0]]))
-    out = compare_pairs([same, (("baseline", "tlt"), summary(records([1.0, 1.0])), other_rewards)])
+    out = compare_pairs([same, (("baseline", "tlt"), summary(records([1.0, 1.0])), other_rewards)], group_size=2)
     assert not out["rewards_identical"] and out["rollouts_identical"]
     other_tokens = summary(records([1.0, 1.0], digest="e"))
-    out = compare_pairs([same, (("baseline", "tlt"), other_tokens, summary(records([1.0, 1.0])))])
+    out = compare_pairs([same, (("baseline", "tlt"), other_tokens, summary(records([1.0, 1.0])))], group_size=2)
     assert out["rewards_identical"] and not out["rollouts_identical"]
 
 
@@ -133,61 +133,106 @@ def test_per_token_figures_divide_by_each_runs_tokens():
 
 def test_sampled_runs_check_the_noise_on_the_update_work_per_token():
     tlt, base = _different_lengths()
-    sampled = compare_pairs([(("tlt", "baseline"), summary(tlt), summary(base))])
+    sampled = compare_pairs([(("tlt", "baseline"), summary(tlt), summary(base))], group_size=2)
     # 30% more update work in the baseline, all of it from 30% more tokens: not noise
     assert not sampled["rollouts_identical"] and sampled["control_ratio"] == pytest.approx(1.3)
     assert sampled["noise_control"] == "control_ratio_per_token" and sampled["noisy"] is False
     assert "different tokens" in sampled["sampling_note"] and "intervals" in sampled["sampling_note"]
     # the same work on fewer tokens is: the machine slowed down
     slow = [{**r, "update_work_s": 2.0} for r in base]
-    noisy = compare_pairs([(("tlt", "baseline"), summary(tlt), summary(slow))])
+    noisy = compare_pairs([(("tlt", "baseline"), summary(tlt), summary(slow))], group_size=2)
     assert noisy["control_ratio"] == pytest.approx(1.0) and noisy["noisy"] is True
     assert "per response token" in noisy["note"] and "0.77" in noisy["note"]
     # identical rollouts: the identical work is the control, no sampling note
-    same = compare_pairs([(("tlt", "baseline"), *(summary(r) for r in _different_lengths(("d", "d"))))])
+    same = compare_pairs([(("tlt", "baseline"), *(summary(r) for r in _different_lengths(("d", "d"))))],
+                         group_size=2)
     assert same["rollouts_identical"] and same["noise_control"] == "control_ratio"
     assert same["noisy"] is True and same["sampling_note"] is None
     # records without token counts: the raw control, and the note says so
     bare = [{k: v for k, v in r.items() if k != "tokens"} for r in base]
-    untokened = compare_pairs([(("tlt", "baseline"), summary(tlt), summary(bare))])
+    untokened = compare_pairs([(("tlt", "baseline"), summary(tlt), summary(bare))], group_size=2)
     assert untokened["noise_control"] == "control_ratio" and untokened["noisy"] is True
     assert untokened["sampling_note"].endswith("the noise check uses control_ratio")
 
 
-def test_reward_curves_pool_each_steps_sequences_over_the_runs_of_a_mode():
-    def runs(*per_run):  # each run: the rewards of its steps 0 and 1
-        return [records([1.0, 1.0], rewards=list(r)) for r in per_run]
+def _runs(*per_run):
+    """Runs of step records from each run's rewards per step (sequences in id order)."""
+    return [records([1.0] * len(r), rewards=list(r)) for r in per_run]
 
-    tlt = runs(([0.0, 1.0], [1.0, 1.0]), ([1.0, 1.0], [1.0, 0.0]))
-    base = runs(([0.0, 0.0], [0.0, 0.0]), ([0.0, 1.0], [1.0, 0.0]))
-    out = reward_curves({"tlt": tlt, "baseline": base})
-    # step 0 of TLT: 0, 1, 1, 1 -> mean 0.75, sd sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5, n 4
-    half = 1.96 * 0.5 / math.sqrt(4)
-    assert out["tlt"]["steps"] == [0, 1] and out["tlt"]["n"] == [4, 4]
-    assert out["tlt"]["mean"] == [0.75, 0.75]
-    assert out["tlt"]["low"][0] == pytest.approx(0.75 - half) and out["tlt"]["high"][0] == pytest.approx(0.75 + half)
-    assert out["baseline"]["mean"] == [0.25, 0.25] and out["baseline"]["low"][0] == pytest.approx(0.25 - half)
-    # all 8 sequences of each mode: 0.75 vs 0.25, each with variance 1.5 / 7
-    diff = out["reward_difference"]
-    half = 1.96 * math.sqrt(2 * (1.5 / 7) / 8)
-    assert diff["mean"] == pytest.approx(0.5) and diff["tlt_n"] == diff["baseline_n"] == 8
-    assert diff["low"] == pytest.approx(0.5 - half) and diff["high"] == pytest.approx(0.5 + half)
+
+# two prompt groups of 2 sequences per step, two steps, two runs a mode; group means per run:
+#   TLT      step 0: (0.5, 1.0), (0.0, 1.0) -> m = (0.25, 1.0);  step 1: (1.0, 0.5), (1.0, 0.0) -> (1.0, 0.25)
+#   baseline step 0: (0.0, 0.5), (0.0, 0.5) -> m = (0.0, 0.5);   step 1: (0.5, 0.0), (0.0, 0.0) -> (0.25, 0.0)
+_TLT = _runs(([1, 0, 1, 1], [1, 1, 0, 1]), ([0, 0, 1, 1], [1, 1, 0, 0]))
+_BASE = _runs(([0, 0, 1, 0], [1, 0, 0, 0]), ([0, 0, 1, 0], [0, 0, 0, 0]))
+
+
+def test_reward_curves_are_over_prompt_groups_with_the_runs_averaged_in_each():
+    out = reward_curves({"tlt": _TLT, "baseline": _BASE}, group_size=2)
+    assert out["confidence"] == 0.95
+    tlt = out["tlt"]
+    assert tlt["steps"] == [0, 1] and tlt["prompts"] == [2, 2] and tlt["runs"] == [2, 2]
+    assert tlt["mean"] == [0.625, 0.625]
+    # two groups, 0.25 and 1.0: sd = 0.75 / sqrt(2), sd / sqrt(2) = 0.375
+    assert tlt["low"][0] == pytest.approx(0.625 - 1.96 * 0.375)
+    assert tlt["high"][0] == pytest.approx(0.625 + 1.96 * 0.375)
+    assert out["baseline"]["mean"] == [0.25, 0.125]
+    assert out["baseline"]["high"][1] == pytest.approx(0.125 + 1.96 * 0.125)
+
+
+def test_reward_difference_is_paired_by_step_and_prompt_group():
+    diff = reward_curves({"tlt": _TLT, "baseline": _BASE}, group_size=2)["reward_difference"]
+    # d(s, p) = m_tlt - m_base: step 0 (0.25, 0.5), step 1 (0.75, 0.25); mean 0.4375
+    d = [0.25, 0.5, 0.75, 0.25]
+    var = sum((x - 0.4375) ** 2 for x in d) / 3  # 0.171875 / 3
+    half = 1.96 * math.sqrt(var) / math.sqrt(4)
+    assert diff["mean"] == pytest.approx(0.4375) and diff["cells"] == 4 and diff["runs"] == {"tlt": 2, "baseline": 2}
+    assert diff["low"] == pytest.approx(0.4375 - half) and diff["high"] == pytest.approx(0.4375 + half)
+    assert diff["tlt_mean"] == pytest.approx(0.625) and diff["baseline_mean"] == pytest.approx(0.1875)
     assert diff["interval_contains_zero"] is False
+    assert "tlt_n" not in diff and "baseline_n" not in diff
+
+
+def test_a_repeated_run_does_not_narrow_the_intervals():
+    """Runs of a mode share seeds and prompts (with vLLM: identical tokens); four copies of a
+    run are one run's worth of evidence, not four (pooling sequences would narrow by 2x)."""
+    tlt, base = _TLT[:1], _BASE[:1]
+    once = reward_curves({"tlt": tlt, "baseline": base}, group_size=2)
+    four = reward_curves({"tlt": tlt * 4, "baseline": base * 4}, group_size=2)
+    for key in ("mean", "low", "high", "interval_contains_zero", "tlt_mean", "baseline_mean", "cells"):
+        assert four["reward_difference"][key] == once["reward_difference"][key], key
+    assert four["reward_difference"]["runs"] == {"tlt": 4, "baseline": 4}
+    for mode in ("tlt", "baseline"):
+        assert {k: v for k, v in four[mode].items() if k != "runs"} == \
+            {k: v for k, v in once[mode].items() if k != "runs"}
+    # so do the pairs of a comparison repeating one pair
+    pair = (("tlt", "baseline"), summary(tlt[0]), summary(base[0]))
+    assert compare_pairs([pair] * 4, group_size=2)["reward_curves"]["reward_difference"]["high"] == \
+        once["reward_difference"]["high"]
+
+
+def test_rewards_that_are_not_whole_prompt_groups_are_refused():
+    with pytest.raises(ValueError, match=r"step 0: 4 rewards are not whole prompt groups of grpo.group_size=3"):
+        reward_curves({"tlt": _TLT}, group_size=3)
+    with pytest.raises(ValueError, match=r"step 0: TLT has 2 prompt groups, the baseline 1"):
+        reward_curves({"tlt": _TLT, "baseline": _runs(([0, 1], [1, 1]))}, group_size=2)
 
 
 def test_identical_runs_differ_by_exactly_zero_reward(tmp_path):
     from nemo_tlt.rl.plots import plot_reward_curves
-    rewards = [[0.0, 1.0, 0.5], [1.0, 0.25, 0.0]]
+    rewards = [[0.0, 1.0, 0.5, 1.0], [1.0, 0.25, 0.0, 0.0]]
     out = compare_pairs([(("tlt", "baseline"), summary(records([2.0, 2.0], rewards=rewards)),
-                          summary(records([3.0, 3.0], rewards=rewards)))])
+                          summary(records([3.0, 3.0], rewards=rewards)))], group_size=2)
     diff = out["reward_curves"]["reward_difference"]
-    assert diff["mean"] == 0.0 and diff["low"] < 0.0 < diff["high"] and diff["interval_contains_zero"] is True
+    # paired: every cell differs by exactly 0, so does the interval
+    assert diff["mean"] == diff["low"] == diff["high"] == 0.0 and diff["interval_contains_zero"] is True
+    assert diff["cells"] == 4 and diff["tlt_mean"] == diff["baseline_mean"]
     assert out["reward_curves"]["tlt"] == out["reward_curves"]["baseline"]
     assert plot_reward_curves(out["reward_curves"], tmp_path / "curves.png").stat().st_size > 0
-    # every reward the same: the interval is the single point 0, which it contains
-    flat = summary(records([2.0, 2.0], rewards=[[1.0, 1.0]] * 2))
-    diff = compare_pairs([(("tlt", "baseline"), flat, flat)])["reward_curves"]["reward_difference"]
-    assert diff["low"] == diff["high"] == 0.0 and diff["interval_contains_zero"] is True
+    # identical over several pairs too
+    tlt, base = summary(records([2.0, 2.0], rewards=rewards)), summary(records([3.0, 3.0], rewards=rewards))
+    diff = compare_pairs([(("tlt", "baseline"), tlt, base)] * 3, group_size=2)["reward_curves"]["reward_difference"]
+    assert diff["mean"] == diff["low"] == diff["high"] == 0.0 and diff["interval_contains_zero"] is True
 
 
 # ---- the worker timeline of a multi-node, resumed run --------------------------------
@@ -288,7 +333,7 @@ def test_a_resumed_metrics_file_keeps_the_validation_records_of_the_kept_steps(t
 def test_final_policy_identity_compares_the_last_records_digests():
     def run(*digests):
         return summary([{**r, "policy_digest": d} for r, d in zip(records([5.0, 2.0]), digests)])
-    same = compare_pairs([(("tlt", "baseline"), run("a", "z"), run("b", "z"))])
+    same = compare_pairs([(("tlt", "baseline"), run("a", "z"), run("b", "z"))], group_size=2)
     assert same["final_policy_identical"]
-    differ = compare_pairs([(("tlt", "baseline"), run("a", "z"), run("a", "y"))])
+    differ = compare_pairs([(("tlt", "baseline"), run("a", "z"), run("a", "y"))], group_size=2)
     assert not differ["final_policy_identical"] and differ["rewards_identical"]

@@ -69,13 +69,22 @@ def run(lengths, choices, drafter_loaded=True):
     return stats, policy, finished
 
 
-def test_each_step_is_observed_as_the_choice_whose_drafts_it_verified():
-    # choices: plain (at the prefill), plain, chain 3, chain 3, then plain; the decode steps
-    # verify nothing, 3 drafts (chosen a step before), 3, nothing: 12 tokens per row
+def test_only_steady_steps_are_observed_and_a_new_length_is_held_one_step():
+    # choices: plain (at the prefill), plain, chain 3 (a switch: held for the next step
+    # without asking), chain 3, then plain (a switch); 12 tokens per row
     stats, policy, _ = run([12, 12], [None, None, CHAIN3, CHAIN3, None])
-    assert [s.shape for s in stats.trace] == [None, None, "3_1_3", "3_1_3", None]
-    assert policy.told == [(2, None, 2), (2, None, 2), (2, CHAIN3, 8), (2, CHAIN3, 8), (2, None, 2)]
-    assert (stats.prefill_forwards, stats.plain_steps, stats.sd_steps, stats.tokens_generated) == (1, 3, 2, 24)
+    assert [s.shape for s in stats.trace] == [None, None, "3_1_3", "3_1_3", "3_1_3"]
+    # steps 3 (plain verified, chain drafted) and 6 (chain verified, nothing drafted) mix two choices
+    assert policy.told == [(2, None, 2), (2, CHAIN3, 8), (2, CHAIN3, 8)]
+    assert len(policy.asked) == 5  # step 4 ran the held chain without asking
+    assert (stats.prefill_forwards, stats.plain_steps, stats.sd_steps, stats.tokens_generated) == (1, 2, 3, 24)
+
+
+def test_a_probe_after_plain_steps_is_measured():
+    """A policy that tries a chain once between plain steps still sees it measured: the
+    chain is held the step after the switch, which verifies and drafts that length."""
+    stats, policy, _ = run([20, 20], [None, None, CHAIN3, None, None, None])
+    assert (2, CHAIN3, 8) in policy.told
 
 
 def test_results_arrive_the_step_they_finish_and_running_counts_fall():
