@@ -1,7 +1,7 @@
 """`nemo-tlt bench rollout --workload longtail`: adaptive SD on a long-tailed rollout.
 
-One rollout = P prompts x G samples (coupled sampling, so every method must emit
-the same tokens) whose lengths are long-tailed. Methods, same prompts and seeds:
+One rollout = P prompts x G samples (coupled sampling by default, so every method must
+emit the same tokens) whose lengths are long-tailed. Methods, same prompts and seeds:
 `longtail_plain`; SD always on with each fixed arm (`longtail_fixed_<d>_<k>_<n>`);
 `longtail_adaptive`: with `--policy learned` (default) plain decoding or a tree per
 step, learned from step costs (nemo_tlt.adaptive.learned_policy); with
@@ -19,12 +19,33 @@ each reports its median round. `ratios_rounds` holds each round's own ratios
 first run: identical work) and a 90% bootstrap interval over rounds of each
 (`ratios_cpu_interval`, `ratios_warm_cpu_interval`).
 Writes JSON with the adaptive run's step trace and a timeline PNG beside it.
+
+`--engine vllm` runs the same methods on one `VLLMRolloutEngine` (vLLM, imported only
+then) built once with the shipped EAGLE-3 demo drafter (exported to the HF layout) over
+the demo target and shared by every method: they differ only in the SD policy passed to
+`generate` (None for `longtail_plain`). vLLM has no coupled sampling, so `--mode`
+defaults to greedy there (lossless: every method emits the same tokens, which
+`outputs_identical` checks; `coupled` is refused; the G samples of a prompt are then one
+sequence decoded G times: P distinct lengths); vLLM's EAGLE-3 drafts chains, so the arms
+must be chains `d_1_d` (default 4_1_4, 8_1_8, 12_1_12) and the engine drafts up to the
+deepest; `--drafter untrained` loads a freshly initialised EAGLE-3 drafter of the same
+shape into the running engine. `longtail_plain` runs on that engine (draft length 0),
+whose plain steps still cost more than vLLM built without a drafter: `--plain-engine`
+adds `longtail_plain_no_drafter`, plain decoding on a second engine built without one
+(`adaptive_vs_plain_no_drafter`, `plain_vs_plain_no_drafter`). Before the rounds every
+method decodes the warm-up prompts once, untimed (vLLM's first call runs slower: its
+first prefill). The engine is left running at exit, with the default torch.distributed
+group vLLM made (a bench process ends there).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +61,8 @@ from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.bench.common import format_table, machine_info
 from nemo_tlt.bench.headroom import bucket_seconds, per_bucket_oracle
 from nemo_tlt.bench.timeline import plot_rollout_timeline
-from nemo_tlt.rollout.protocol import Request
+from nemo_tlt.demo.shipped_assets import SHIPPED_DIR, shipped_eagle3_drafter
+from nemo_tlt.rollout.protocol import Request, RolloutEngine
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.speculative.tree_shape import TreeShape
@@ -49,8 +71,15 @@ from nemo_tlt.speculative.tree_shape import TreeShape
 # here) turns SD on where the best arm beats plain decoding on the default rollout, at 64
 # running rows and below (figures: docs/benchmarks.md).
 DEFAULT_ARMS = ("4_1_4", "6_1_6", "8_2_16")
+# vLLM's EAGLE-3 drafts a chain (no tree): a short, a middle and a long one.
+VLLM_DEFAULT_ARMS = ("4_1_4", "8_1_8", "12_1_12")
+# The sampling each engine runs by default: coupled (every method emits the same tokens)
+# where the engine has it, else greedy (lossless, the same tokens too).
+DEFAULT_MODE = {"torch": "coupled", "vllm": "greedy"}
 # The control: the first arm run a second time in every round (the same work twice).
 CONTROL = "longtail_control"
+# vLLM, --plain-engine: plain decoding on a second engine, built without a drafter.
+NO_DRAFTER = "longtail_plain_no_drafter"
 # The default workload's options this one refuses, and what it uses instead.
 NOT_LONGTAIL = {
     "--shape": "runs every tree shape of --arms (fixed, then adaptive)",
@@ -64,14 +93,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--workload", choices=["longtail"], default="longtail")
+    p.add_argument("--engine", choices=["torch", "vllm"], default="torch",
+                   help="the embedded torch engine, or vLLM (one engine, EAGLE-3 chains, shared by every method)")
+    p.add_argument("--mode", choices=["coupled", "greedy", "rejection"], default=None,
+                   help="acceptance / sampling mode (default: coupled on torch, greedy on vllm); coupled and greedy "
+                        "make every method emit the same tokens, rejection does not")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="vllm: the KV cache's size in GiB (default 0.5: every sequence of the default rollout "
+                        "held at its longest)")
+    p.add_argument("--plain-engine", action="store_true",
+                   help=f"vllm: also run {NO_DRAFTER}, plain decoding on a second vLLM engine built without a "
+                        "drafter (vLLM plain proper: the shared engine's plain steps still carry the drafter's "
+                        "cost), and report adaptive_vs_plain_no_drafter")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--group-size", type=int, default=4, help="samples per prompt (G)")
     p.add_argument("--max-new-tokens", type=int, default=400)
-    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma-separated depth_topk_numverify")
+    p.add_argument("--arms", default=None,
+                   help=f"comma-separated depth_topk_numverify (default: torch {','.join(DEFAULT_ARMS)}; "
+                        f"vllm {','.join(VLLM_DEFAULT_ARMS)}, chains d_1_d only)")
     p.add_argument("--policy", choices=["learned", "threshold"], default="learned",
                    help="the adaptive method: learned plain-or-tree per step, or threshold + BEG-MAB")
     p.add_argument("--drafter", choices=["trained", "untrained"], default="trained",
-                   help="the demo drafter, or a freshly initialised one of the same shape (seeded by --seed)")
+                   help="the demo drafter (vllm: the demo EAGLE-3 drafter), or a freshly initialised one of the "
+                        "same shape (seeded by --seed)")
     p.add_argument("--threshold-on", type=int, default=64, help="threshold: SD turns on at <= this many running")
     p.add_argument("--threshold-off", type=int, default=96, help="threshold: SD turns off above this many running")
     p.add_argument("--max-sd-running", type=int, default=None,
@@ -115,7 +159,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.temperature <= 0:
         p.error(f"--temperature must be > 0, got {args.temperature}")
+    vllm = args.engine == "vllm"
+    if args.mode is None:
+        args.mode = DEFAULT_MODE[args.engine]
+    if vllm and args.mode == "coupled":
+        p.error("--mode coupled: vLLM has no coupled sampling (it draws from a per-request generator, not noise "
+                "keyed by sequence and position); use --mode greedy (lossless: every method emits the same "
+                "tokens) or rejection")
+    if args.kv_cache_gib is None:
+        args.kv_cache_gib = 0.5 if vllm else None
+    elif not vllm:
+        p.error("--kv-cache-gib is an option of --engine vllm")
+    elif args.kv_cache_gib <= 0:
+        p.error(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
+    if args.plain_engine and not vllm:
+        p.error("--plain-engine is an option of --engine vllm")
+    if args.arms is None:
+        args.arms = ",".join(VLLM_DEFAULT_ARMS if vllm else DEFAULT_ARMS)
     args.arm_shapes = [TreeShape.parse(s, field=f"--arms[{i}]") for i, s in enumerate(args.arms.split(","))]
+    trees = [s.name for s in args.arm_shapes if (s.topk, s.num_verify) != (1, s.depth)]
+    if vllm and trees:
+        p.error(f"--arms {','.join(trees)}: vLLM's EAGLE-3 drafts a chain of the shape's depth, not a tree; "
+                "give chains depth_1_depth (e.g. 4_1_4)")
+    if len({s.name for s in args.arm_shapes}) != len(args.arm_shapes):
+        p.error(f"--arms lists an arm twice: {args.arms}")
     learned = args.policy == "learned"
     if args.bucket_edges is None:
         args.bucket_edges = ",".join(map(str, (2, 4, 8, 16, 32, 64, 128) if learned else (2, 4, 8, 16)))
@@ -154,6 +221,8 @@ def round_ratios(rounds: dict[str, list], best_fixed: str, adaptive: str = "long
     ada = walls[adaptive]
     per_round = {"adaptive_vs_plain": [a / b for a, b in zip(ada, walls["longtail_plain"])],
                  "adaptive_vs_best_fixed": [a / b for a, b in zip(ada, walls[best_fixed])]}
+    if NO_DRAFTER in walls:
+        per_round["adaptive_vs_plain_no_drafter"] = [a / b for a, b in zip(ada, walls[NO_DRAFTER])]
     noise = {name: (max(w) - min(w)) / float(np.median(w)) for name, w in walls.items()}
     return {"rounds": per_round, "median": {k: float(np.median(v)) for k, v in per_round.items()},
             "noise": noise}
@@ -173,7 +242,9 @@ def median_ratios(rounds: dict[str, list], key: str, adaptive: str, idx: np.ndar
     best = min((v, n) for n, v in med.items() if n.startswith("longtail_fixed_"))[1]
     return {"adaptive_vs_best_fixed": med[adaptive] / med[best],
             "adaptive_vs_plain": med[adaptive] / med["longtail_plain"], "best_fixed": best,
-            **({"control": med[CONTROL] / med[_controlled(rounds)]} if CONTROL in med else {})}
+            **({"control": med[CONTROL] / med[_controlled(rounds)]} if CONTROL in med else {}),
+            **({"adaptive_vs_plain_no_drafter": med[adaptive] / med[NO_DRAFTER],
+                "plain_vs_plain_no_drafter": med["longtail_plain"] / med[NO_DRAFTER]} if NO_DRAFTER in med else {})}
 
 
 def ratio_intervals(rounds: dict[str, list], key: str, adaptive: str, seed: int) -> dict[str, list[float]]:
@@ -202,13 +273,14 @@ def _controlled(rounds: dict[str, list]) -> str:
     return next(n for n in rounds if n.startswith("longtail_fixed_"))
 
 
-def _run(engine: TorchRolloutEngine, reqs, sp, policy) -> tuple[dict[str, Any], list[list[int]], Any]:
+def _run(engine: RolloutEngine, reqs, sp, policy) -> tuple[dict[str, Any], list[list[int]], Any]:
     t0, c0 = time.perf_counter(), time.process_time()
     out = engine.generate(reqs, sp, policy=policy)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     s = out.stats
     return ({"wall_s": wall, "cpu_s": cpu, "tokens": s.tokens_generated, "tokens_per_s": s.tokens_generated / wall,
-             "target_forwards": s.target_forwards, "sd_steps": s.sd_steps, "plain_steps": s.plain_steps,
+             "target_forwards": s.target_forwards, "drafter_forwards": s.drafter_forwards,
+             "sd_steps": s.sd_steps, "plain_steps": s.plain_steps,
              "mean_accept_len": s.mean_accept_len, "prefill_s": s.prefill_s,
              "outside_steps_s": s.outside_steps_s}, [r.tokens for r in out.results], s.trace)
 
@@ -219,29 +291,91 @@ def median_round(rounds: list[tuple[dict[str, Any], Any]]) -> tuple[dict[str, An
     return ranked[(len(ranked) - 1) // 2]
 
 
+@dataclass
+class Engines:
+    """What the methods run on: `plain` decodes `longtail_plain`, `sd` every SD method
+    (one object on vLLM); `no_drafter`, where built, decodes `longtail_plain_no_drafter`;
+    `name` and `info` go to the JSON's "engine"."""
+    plain: RolloutEngine
+    sd: RolloutEngine
+    name: str
+    info: dict[str, Any]
+    no_drafter: RolloutEngine | None = None
+
+
+def torch_engines(target, drafter) -> Engines:
+    return Engines(TorchRolloutEngine(target), TorchRolloutEngine(target, drafter), "torch",
+                   {"class": TorchRolloutEngine.__name__})
+
+
+@contextlib.contextmanager
+def vllm_engines(args: argparse.Namespace, max_num_seqs: int) -> Iterator[Engines]:
+    """One vLLM engine over the demo target, built with the shipped EAGLE-3 drafter (an
+    untrained one of its shape loaded in its place with `--drafter untrained`), drafting up
+    to the deepest arm; every method runs on it."""
+    from nemo_tlt.drafter.eagle3 import Eagle3Drafter
+    from nemo_tlt.drafter.eagle3_hf import write_eagle3_hf
+    from nemo_tlt.drafter.io import load_drafter
+    from nemo_tlt.rollout.vllm_engine import VLLMRolloutEngine, import_vllm  # lazy: optional package
+
+    trained = load_drafter(shipped_eagle3_drafter())
+    with tempfile.TemporaryDirectory(prefix="nemo_tlt_longtail_eagle3_") as drafter_dir:
+        write_eagle3_hf(trained, drafter_dir)
+        engine = VLLMRolloutEngine.from_hf_folder(
+            SHIPPED_DIR / "target", drafter_dir=drafter_dir, max_num_seqs=max_num_seqs, dtype="float32",
+            num_speculative_tokens=max(s.depth for s in args.arm_shapes), kv_cache_gib=args.kv_cache_gib,
+            seed=args.seed)
+        if args.drafter == "untrained":
+            engine.load_drafter(Eagle3Drafter(trained.config, generator=torch.Generator().manual_seed(args.seed)))
+        no_drafter = None
+        if args.plain_engine:
+            no_drafter = VLLMRolloutEngine.from_hf_folder(SHIPPED_DIR / "target", max_num_seqs=max_num_seqs,
+                                                          dtype="float32", kv_cache_gib=args.kv_cache_gib,
+                                                          seed=args.seed)
+        if args.threads:  # vLLM's start-up sets its own thread count
+            torch.set_num_threads(args.threads)
+        yield Engines(engine, engine, "vllm", {"class": type(engine).__name__,
+                                               "vllm_version": import_vllm().__version__,
+                                               "num_speculative_tokens": engine.config.num_speculative_tokens,
+                                               "max_num_seqs": max_num_seqs, "kv_cache_gib": args.kv_cache_gib,
+                                               "plain_engine": no_drafter is not None}, no_drafter)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     config = AssetConfig()
-    target, drafter = load_assets(prepare_assets(config, args.cache_dir))
-    if args.drafter == "untrained":
-        drafter = untrained_like(drafter, args.seed)
     reqs = longtail_requests(config.task, args.num_prompts, args.group_size, 30_000 + args.seed)
     # The kept policy's warm-up decodes other prompts: in RL every step's prompts are new.
     warm_up_reqs = longtail_requests(config.task, args.num_prompts, args.group_size, 40_000 + args.seed)
-    compare(args, target, drafter, reqs, warm_up_reqs)
+    if args.engine == "vllm":
+        with vllm_engines(args, len(reqs)) as engines:
+            compare(args, engines, reqs, warm_up_reqs)
+        return 0
+    target, drafter = load_assets(prepare_assets(config, args.cache_dir))
+    if args.drafter == "untrained":
+        drafter = untrained_like(drafter, args.seed)
+    compare(args, torch_engines(target, drafter), reqs, warm_up_reqs)
     return 0
 
 
-def run_rounds(args, target, drafter, reqs: list[Request], sp: SamplingParams,
+def run_rounds(args, engines: Engines, reqs: list[Request], sp: SamplingParams,
                warm_up_reqs: list[Request] | None = None):
     """Every method once per round, `args.repeats` rounds (`warm_up_reqs`, default
-    `reqs`: what the kept policy of --warm decodes first, untimed). Returns (rounds: name ->
-    [(result, trace)], outputs: key -> token lists, the policy to log (the kept one
-    with --warm, else the last round's fresh one), run keys)."""
-    plain, sd = TorchRolloutEngine(target), TorchRolloutEngine(target, drafter)
-    sd.generate(reqs[:2], sp, policy=FixedSDPolicy(args.arm_shapes[0]))  # warm-up
+    `reqs`: what the kept policy of --warm decodes first, untimed; on vLLM every method
+    decodes them once first). Returns (rounds: name -> [(result, trace)], outputs: key ->
+    token lists, the policy to log (the kept one with --warm, else the last round's fresh
+    one), run keys)."""
+    plain, sd = engines.plain, engines.sd
+    warm_reqs = reqs if warm_up_reqs is None else warm_up_reqs
+    if engines.name == "vllm":  # vLLM's first call runs slower (its first prefill)
+        for policy in (None, *(FixedSDPolicy(s) for s in args.arm_shapes)):
+            sd.generate(warm_reqs, sp, policy=policy)
+        if engines.no_drafter is not None:
+            engines.no_drafter.generate(warm_reqs, sp)
+    else:
+        sd.generate(reqs[:2], sp, policy=FixedSDPolicy(args.arm_shapes[0]))  # warm-up
     policies = []
 
     def fresh():
@@ -249,6 +383,8 @@ def run_rounds(args, target, drafter, reqs: list[Request], sp: SamplingParams,
         return policies[-1]
 
     runs = [("longtail_plain", "plain", plain, lambda: None)]
+    if engines.no_drafter is not None:
+        runs.append((NO_DRAFTER, "plain_no_drafter", engines.no_drafter, lambda: None))
     runs += [(f"longtail_fixed_{s.name}", f"longtail_fixed_{s.name}", sd, lambda s=s: FixedSDPolicy(s))
              for s in args.arm_shapes]
     runs.append((CONTROL, "control", sd, lambda: FixedSDPolicy(args.arm_shapes[0])))
@@ -257,7 +393,7 @@ def run_rounds(args, target, drafter, reqs: list[Request], sp: SamplingParams,
     if args.warm:
         kept = make_adaptive(args)
         for _ in range(args.warm_up):  # its cold rollouts: what `longtail_adaptive` measures
-            sd.generate(reqs if warm_up_reqs is None else warm_up_reqs, sp, policy=kept)
+            sd.generate(warm_reqs, sp, policy=kept)
         runs.append(("longtail_adaptive_warm", "adaptive_warm", sd, lambda: kept))
     rounds: dict[str, list] = {name: [] for name, *_ in runs}
     outputs = {}
@@ -294,11 +430,12 @@ def headroom_of(args, traces: dict[str, Any], adaptive_trace) -> dict[str, Any]:
     return headroom
 
 
-def compare(args, target, drafter, reqs: list[Request], warm_up_reqs: list[Request] | None = None) -> dict[str, Any]:
+def compare(args, engines: Engines, reqs: list[Request], warm_up_reqs: list[Request] | None = None
+            ) -> dict[str, Any]:
     """Run every method in rounds, write the JSON and the timeline, print the tables."""
-    sp = SamplingParams("coupled", temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+    sp = SamplingParams(args.mode, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                         seed=args.seed)
-    rounds, outputs, adaptive, runs = run_rounds(args, target, drafter, reqs, sp, warm_up_reqs)
+    rounds, outputs, adaptive, runs = run_rounds(args, engines, reqs, sp, warm_up_reqs)
     # Each method reports its median round: on a noisy machine the fastest of several
     # rounds favours whichever method drew a quiet moment, and "best fixed arm" (a
     # minimum over arms too) would be a minimum over arms x rounds.
@@ -316,14 +453,19 @@ def compare(args, target, drafter, reqs: list[Request], warm_up_reqs: list[Reque
     ratios = {"adaptive_vs_plain": ada / results["longtail_plain"]["wall_s"],
               "adaptive_vs_best_fixed": ada / best_fixed[0], "best_fixed": best_fixed[1],
               "speedup_vs_plain": results["longtail_plain"]["wall_s"] / ada,
-              "best_fixed_vs_plain": best_fixed[0] / results["longtail_plain"]["wall_s"]}
+              "best_fixed_vs_plain": best_fixed[0] / results["longtail_plain"]["wall_s"],
+              **({"adaptive_vs_plain_no_drafter": ada / results[NO_DRAFTER]["wall_s"],
+                  "plain_vs_plain_no_drafter": results["longtail_plain"]["wall_s"] / results[NO_DRAFTER]["wall_s"]}
+                 if NO_DRAFTER in results else {})}
     per_round = round_ratios(rounds, best_fixed[1])
     warm = None
     if args.warm:
         ada_warm = results["longtail_adaptive_warm"]["wall_s"]
         warm = round_ratios(rounds, best_fixed[1], "longtail_adaptive_warm")
         warm["median_of_medians"] = {"adaptive_vs_best_fixed": ada_warm / best_fixed[0],
-                                     "adaptive_vs_plain": ada_warm / results["longtail_plain"]["wall_s"]}
+                                     "adaptive_vs_plain": ada_warm / results["longtail_plain"]["wall_s"],
+                                     **({"adaptive_vs_plain_no_drafter": ada_warm / results[NO_DRAFTER]["wall_s"]}
+                                        if NO_DRAFTER in results else {})}
     headroom = headroom_of(args, traces, trace)
     png = plot_rollout_timeline({k: traces[k] for k in ("plain", "adaptive")} |
                                 {f"fixed {best_fixed[1][len('longtail_fixed_'):]}": traces[best_fixed[1]]},
@@ -331,7 +473,8 @@ def compare(args, target, drafter, reqs: list[Request], warm_up_reqs: list[Reque
                                 title=f"{len(reqs)} sequences, response length median {lengths[len(lengths) // 2]}"
                                       f", max {lengths[-1]}")
     learned = isinstance(adaptive, LearnedSDPolicy)
-    payload = {"benchmark": "rollout", "workload": "longtail", "results": results, "outputs_identical": identical,
+    payload = {"benchmark": "rollout", "workload": "longtail", "engine": {"name": engines.name, **engines.info},
+               "mode": args.mode, "results": results, "outputs_identical": identical,
                "ratios": ratios, "ratios_rounds": per_round["rounds"], "ratios_round_median": per_round["median"],
                "noise": per_round["noise"], "headroom": headroom, "timeline_png": str(png),
                # The same ratios on CPU time (one thread: the work each method did), which
@@ -382,7 +525,9 @@ def _print_summary(payload: dict[str, Any], out: str) -> None:
     print(f"decode steps: per-bucket oracle {headroom['oracle_vs_best_fixed']:.2f}x the best fixed arm "
           f"({headroom['best_fixed']}), with plain {headroom['oracle_with_plain_vs_best_fixed']:.2f}x, "
           f"adaptive {headroom['adaptive_vs_best_fixed_steps']:.2f}x")
-    print(f"outputs_identical: {payload['outputs_identical']}; timeline: {payload['timeline_png']}; wrote {out}")
+    expected = " (rejection sampling: not expected)" if payload["mode"] == "rejection" else ""
+    print(f"engine: {payload['engine']['name']}, mode {payload['mode']}; outputs_identical: "
+          f"{payload['outputs_identical']}{expected}; timeline: {payload['timeline_png']}; wrote {out}")
 
 
 def _bucket_of(edges: tuple[int, ...]):

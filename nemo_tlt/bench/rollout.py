@@ -163,7 +163,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--engine", choices=["torch", "vllm"], default="torch",
-                   help="torch: this benchmark; vllm: vLLM EAGLE-3 vs vLLM plain (nemo_tlt.bench.vllm_rollout)")
+                   help="torch: this benchmark; vllm: vLLM EAGLE-3 vs vLLM plain (nemo_tlt.bench.vllm_rollout); "
+                        "with --workload longtail, the long-tail methods on that engine (nemo_tlt.bench.longtail)")
     p.add_argument("--workload", choices=["default", "longtail"], default="default")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--num-prompts", type=int, default=12, help="workload size (prompts)")
@@ -212,12 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     peek = argparse.ArgumentParser(add_help=False)
     peek.add_argument("--workload", default="default")
     peek.add_argument("--engine", default="torch")
+    if peek.parse_known_args(argv)[0].workload == "longtail":  # on either engine (its own --engine)
+        from nemo_tlt.bench.longtail import main as longtail_main
+        return longtail_main(argv)
     if peek.parse_known_args(argv)[0].engine == "vllm":
         from nemo_tlt.bench.vllm_rollout import main as vllm_main
         return vllm_main(argv)
-    if peek.parse_known_args(argv)[0].workload == "longtail":
-        from nemo_tlt.bench.longtail import main as longtail_main
-        return longtail_main(argv)
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -251,3 +251,27 @@ def test_eagle3_layers_choose_the_fused_layers_and_name_their_own_cache(tiny, ca
 def test_unknown_drafter_is_refused(tiny):
     with pytest.raises(SystemExit):
         rollout.main(["--out", str(tiny / "r.json"), "--drafters", "eagle2,medusa"])
+
+
+def test_longtail_engine_defaults_mode_and_arms():
+    torch_args = longtail.parse_args(["--out", "x.json"])
+    assert (torch_args.engine, torch_args.mode, torch_args.arms) == ("torch", "coupled", "4_1_4,6_1_6,8_2_16")
+    assert torch_args.kv_cache_gib is None
+    vllm_args = longtail.parse_args(["--out", "x.json", "--engine", "vllm", "--drafter", "untrained"])
+    assert (vllm_args.mode, vllm_args.arms, vllm_args.kv_cache_gib) == ("greedy", "4_1_4,8_1_8,12_1_12", 0.5)
+    assert longtail.parse_args(["--out", "x.json", "--engine", "vllm", "--mode", "rejection"]).mode == "rejection"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--engine", "vllm", "--mode", "coupled"], "vLLM has no coupled sampling"),
+    (["--engine", "vllm", "--arms", "4_1_4,8_2_16"], "8_2_16: vLLM's EAGLE-3 drafts a chain"),
+    (["--engine", "vllm", "--kv-cache-gib", "0"], "--kv-cache-gib must be > 0"),
+    (["--kv-cache-gib", "0.5"], "--kv-cache-gib is an option of --engine vllm"),
+    (["--plain-engine"], "--plain-engine is an option of --engine vllm"),
+    (["--arms", "4_1_4,4_1_4"], "--arms lists an arm twice"),
+])
+def test_longtail_refuses_what_the_engine_cannot_run(tmp_path, capsys, flags, message):
+    """Refused by argparse, before any engine (or vLLM) is touched."""
+    with pytest.raises(SystemExit):
+        rollout.main(["--workload", "longtail", "--out", str(tmp_path / "x.json")] + flags)
+    assert message in capsys.readouterr().err
