@@ -22,6 +22,7 @@ import numpy as np
 from nemo_tlt.adaptive.bandit import BanditConfig, BegMab
 from nemo_tlt.adaptive.learned_policy import LearnedSDConfig, LearnedSDPolicy
 from nemo_tlt.adaptive.sd_policy import AdaptiveSDPolicy, SDPolicyConfig, SpecPolicy
+from nemo_tlt.speculative.tree_shape import TreeShape
 
 SD_POLICIES = ("threshold", "learned")
 
@@ -40,6 +41,11 @@ class SpecDecodingConfig:
         if self.sd_policy not in SD_POLICIES:
             raise ValueError(f"SpecDecodingConfig.sd_policy must be one of {', '.join(SD_POLICIES)}, "
                              f"got {self.sd_policy!r}")
+
+    @property
+    def arms(self) -> tuple[TreeShape, ...]:
+        """The tree shapes the chosen policy (``sd_policy``) picks from."""
+        return tuple(self.learned.arms if self.sd_policy == "learned" else self.bandit.arms)
 
     def build_policy(self, rng: np.random.Generator) -> SpecPolicy | None:
         """A fresh policy for one worker (None: plain decoding); ``rng`` drives the

@@ -147,11 +147,10 @@ def read_layout(run_dir: Path) -> RunLayout:
     # whole prompt groups per worker, p % workers == rank (as nemo_tlt.rl.run.shard_prompts)
     rows = tuple(len(range(r, prompts, workers)) * group for r in range(workers))
     sd = cfg.rollout
-    if sd.sd_policy == "learned":  # it may speculate at any batch size up to its optional bound
-        shapes, threshold = sd.learned.arms, sd.learned.max_sd_running or max(rows)
-    else:
-        shapes, threshold = sd.bandit.arms, sd.threshold.threshold_on
-    return RunLayout(rows, threshold, max(shapes, key=lambda s: s.depth), group, bool(cfg.policy.pipelined_update))
+    # the learned policy may speculate at any batch size up to its optional bound
+    threshold = ((sd.learned.max_sd_running or max(rows)) if sd.sd_policy == "learned"
+                 else sd.threshold.threshold_on)
+    return RunLayout(rows, threshold, max(sd.arms, key=lambda s: s.depth), group, bool(cfg.policy.pipelined_update))
 
 
 def lengths_by_worker(rows: tuple[int, ...], group: int, resp_lens: list[int]) -> tuple[tuple[int, ...], ...]:

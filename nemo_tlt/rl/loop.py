@@ -95,7 +95,7 @@ class RLWorker:
             self.drafter = IdleDrafter(cfg.drafter, spec.drafter_dir, view, comm.rank, cfg.seed, nodes,
                                        placement=placement)
         # the requests of one rollout: this replica's whole groups
-        batch = -(-cfg.grpo.prompts_per_step // self.replicas.replicas) * cfg.grpo.group_size
+        batch = len(self.replicas.prompts(cfg.grpo.prompts_per_step)) * cfg.grpo.group_size
         self.engine = build_rollout_engine(cfg.rollout, spec.target_dir, placement, tp=self.engine_tp,
                                            drafter=self.drafter.drafter if self.drafter else None, max_batch=batch)
         if self.drafter is not None:

@@ -75,11 +75,7 @@ class RolloutConfig(SpecDecodingConfig):
 
     def max_draft_depth(self) -> int:
         """The deepest tree of the chosen SD policy's arms (1 with SD off)."""
-        if not self.sd_enabled:
-            return 1
-        if self.sd_policy == "learned":
-            return max(a.depth for a in self.learned.arms)
-        return max(a.depth for a in self.bandit.arms)
+        return max(a.depth for a in self.arms) if self.sd_enabled else 1
 
     @property
     def engine_compute_dtype(self) -> torch.dtype | None:

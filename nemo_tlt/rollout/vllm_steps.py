@@ -35,11 +35,6 @@ from nemo_tlt.rollout.protocol import GenerationStats, RequestResult, StepTrace
 from nemo_tlt.speculative.tree_shape import TreeShape
 
 
-def chain_name(k: int) -> str:
-    """The tree-shape name of a chain of ``k`` draft tokens (what vLLM's EAGLE-3 drafts)."""
-    return f"{k}_1_{k}"
-
-
 def draft_len(shape: TreeShape | None, max_draft_len: int) -> int:
     """vLLM's draft length for a policy's choice: 0 for plain, else the shape's depth clipped."""
     return 0 if shape is None else min(shape.depth, max_draft_len)
@@ -116,7 +111,7 @@ def run_steps(engine: Any, ids: Sequence[str], control: StepControl,
                 stats.sd_steps += 1
             else:
                 stats.plain_steps += 1
-            stats.trace.append(StepTrace(running, chain_name(ran) if ran else None, made, made / running, dt))
+            stats.trace.append(StepTrace(running, TreeShape(ran, 1, ran).name if ran else None, made, made / running, dt))
             if control.policy is not None and made and ran == k:
                 control.policy.observe(running, verified, made, dt)
         hold = ran != k
