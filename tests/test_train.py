@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from nemo_tlt.config import load_config
+from nemo_tlt.rollout.trtllm_config import TRTLLM_INSTALL, TRTLLM_REQUIREMENT
 from nemo_tlt import train as train_cli
 from nemo_tlt.train import TrainArgs, build_plan, main, pair_orders, parse_argv
 
@@ -174,7 +175,7 @@ def test_trtllm_engine_without_the_package_stops_before_any_work(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "nemo_tlt.cli", "train", str(DEMO), "rollout.engine=trtllm",
                            f"run_dir={run_dir}"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    assert "pip install nemo-tlt[trtllm]" in proc.stderr and "tensorrt_llm>=1.3.0rc0,<1.4" in proc.stderr
+    assert TRTLLM_INSTALL in proc.stderr and TRTLLM_REQUIREMENT in proc.stderr
     assert "grpo.acceptance=coupled" in proc.stderr and "rollout.sd_enabled" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stdout == "" and "run folder" not in proc.stderr

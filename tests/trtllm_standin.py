@@ -19,10 +19,19 @@ in ``nemo_tlt.integrations.interface_facts`` and docs/trtllm.md):
   where our worker extension writes it; no schedule at all: ``max_draft_len`` always;
 * ``orchestrator_type='ray'`` workers are built from ``ray_worker_extension_cls`` (imported by
   path, as TensorRT-LLM's Ray workers do) mixed into a worker whose ``engine`` holds
-  ``model_engine.{model, spec_config, model_loader}``; ``_collective_rpc(method, args)`` calls
-  the method on each worker; ``WorkerExtension.update_weights`` (rlhf_utils.py at
-  ``TRTLLM_RLHF_SOURCE``) loads a partial set of named tensors per call and ``None``
-  finalises (post-load hooks, prefix-cache reset);
+  ``model_engine.{model, spec_config, model_loader}`` and which reports its GPU's UUID
+  (``report_device_id``; the worker's device is ``LLM.worker_device``, 0 unless a test moves
+  it); ``_collective_rpc(method, args)`` calls the method on each worker;
+  ``WorkerExtension.update_weights`` (rlhf_utils.py at ``TRTLLM_RLHF_SOURCE``) takes the payload
+  keyed by the worker's UUID (another key: "Device UUID ... not found"), loads a partial set of
+  named tensors per call, skipping the draft module's (``load_weights(skip_modules=["draft_model"])``
+  upstream: silently), and ``None`` finalises (post-load hooks, prefix-cache reset);
+* ``load_format='dummy'`` randomises the whole one-model, the drafter included, whose folder's
+  weights are never read (its config is);
+* a request asking for log-probs (``logprobs`` or ``prompt_logprobs``) while a speculative config
+  is set fails with upstream's message (``SpecSampler.validate_request``); ``logprobs_mode``
+  ``RAW`` (the default) reports the raw log-softmax (temperature 1, no top-k / top-p),
+  ``PROCESSED`` the sampling transform's;
 * per request: ``decoding_iter`` (here: the context iteration plus the decode iterations),
   ``avg_decoded_tokens_per_iter``, and with ``return_perf_metrics`` the draft tokens accepted
   and drafted; ``CompletionOutput.logprobs`` one ``{token id: Logprob}`` per token with
@@ -41,16 +50,15 @@ Where it is a stand-in, not a copy:
   seeds (upstream: one stream per request), and one call's requests must share every other
   sampling field; fields it cannot emulate (stop words, beams, penalties, ...) are refused
   when set.
-* log-probs are the torch engine's (``RequestResult.logprobs``) with rank 1 for greedy and
-  None otherwise (only the generated token's entry); they are returned while speculating
-  too: PERMISSIVE where upstream refuses log-probs with speculation (DESIGN.md), which the engine
-  does not handle yet.
+* log-probs carry rank 1 for greedy and None otherwise (only the generated token's entry);
+  PROCESSED ones are the torch engine's (``RequestResult.logprobs``), RAW ones a full forward's.
 * token ids end with the EOS where the request stopped on it (whether TensorRT-LLM returns
   it is not recorded); ``load_format='dummy'`` serves zero weights until the first refit
-  (upstream: random ones).
+  (upstream: U(-1e-3, 1e-3)), the drafter random ones.
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import importlib
 import importlib.machinery
@@ -76,8 +84,16 @@ from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams as OurSampling
 from nemo_tlt.speculative.tree_shape import TreeShape
 
-WORKER_MODULE = "nemo_tlt.rollout.trtllm_worker"
-DRAFT_PREFIX = "draft_model."  # TRTLLMEngineConfig.drafter_weight_prefix's default (an assumption there too)
+DRAFT_PREFIX = "draft_model."  # SpecDecOneEngineForCausalLM.draft_model
+SPEC_LOGPROBS_REFUSAL = ("The following output options are not supported with speculative decoding: {}. Drop these "
+                         "options from the request, or disable speculative decoding.")
+
+
+class LogprobMode(enum.Enum):
+    """``tensorrt_llm.sampling_params.LogprobMode`` (the members the engine names)."""
+
+    RAW = "raw"
+    PROCESSED = "processed"
 
 
 # ---- configuration classes -----------------------------------------------------------------------
@@ -110,7 +126,8 @@ class SamplingParams:
     those the stand-in reads; a field it cannot emulate, set, is refused."""
 
     DEFAULTS = {"end_id": None, "max_tokens": 32, "top_k": None, "top_p": None, "temperature": None, "seed": None,
-                "logprobs": None, "return_perf_metrics": False, "detokenize": True, "ignore_eos": False, "n": 1,
+                "logprobs": None, "logprobs_mode": LogprobMode.RAW, "prompt_logprobs": None,
+                "return_perf_metrics": False, "detokenize": True, "ignore_eos": False, "n": 1,
                 "best_of": None, "use_beam_search": False, "exclude_input_from_output": True}
 
     def __init__(self, **kwargs: Any) -> None:
@@ -228,6 +245,11 @@ class _Executor:
         drafter = None
         if spec_config is not None:
             drafter = _eagle3_for(spec_config, cfg.num_layers)
+            if load_format == "dummy":  # randomised with the target; the folder's weights are never read
+                generator = torch.Generator().manual_seed(0)
+                with torch.no_grad():
+                    for p in drafter.parameters():
+                        p.copy_(torch.rand(p.shape, generator=generator) * 2e-3 - 1e-3)
             self.torch.load_drafter(drafter)
         self.model_engine = SimpleNamespace(model=_OneModel(self.torch.target, drafter), spec_config=spec_config,
                                             model_loader=_ModelLoader())
@@ -239,12 +261,26 @@ class _Executor:
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[SimpleNamespace]:
         if hasattr(self.model_engine.model, "first_pre_reload_weights"):
             raise RuntimeError("stand-in: generate while a weight update is open (update_weights(None) not called)")
+        if self.model_engine.spec_config is not None:
+            asked = sorted({name for p in params for name in ("logprobs", "prompt_logprobs") if getattr(p, name)})
+            if asked:
+                raise ValueError(SPEC_LOGPROBS_REFUSAL.format(asked))
         sampling = _our_sampling(params, self.torch.model_config.eos_token_id)
         iterations = _Iterations(self.model_engine.spec_config)
         out = self.torch.generate([Request(p, seq_id=i) for i, p in enumerate(prompts)], sampling,
                                   policy=iterations, on_finish=iterations.finished)
-        return [_request_output(res, params[i], sampling, *iterations.per_request[i])
+        return [_request_output(res, params[i], sampling, *iterations.per_request[i],
+                                raw=lambda tokens, prompt=prompts[i]: self.raw_logprobs(prompt, tokens))
                 for i, res in enumerate(out.results)]
+
+    def raw_logprobs(self, prompt: list[int], tokens: list[int]) -> list[float]:
+        """``LogprobMode.RAW``: the raw log-softmax of the target's logits at each token."""
+        target = self.torch.target
+        ids = torch.tensor([list(prompt) + list(tokens)], dtype=torch.long)
+        with torch.no_grad():
+            logits = target.logits(target.hidden(ids))[0, len(prompt) - 1: -1].float()
+        picked = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])
+        return picked[:, 0].tolist()
 
 
 def _eagle3_for(spec: Eagle3DecodingConfig, num_layers: int) -> Eagle3Drafter:
@@ -291,7 +327,7 @@ def _our_sampling(params: list[SamplingParams], eos: int) -> OurSampling:
 
 
 def _request_output(result: Any, params: SamplingParams, sampling: OurSampling, iterations: int,
-                    drafted: int) -> SimpleNamespace:
+                    drafted: int, raw: Any) -> SimpleNamespace:
     tokens = list(result.tokens)
     accepted = max(0, len(tokens) - iterations)  # beyond the target's own token per iteration
     perf = None
@@ -304,7 +340,8 @@ def _request_output(result: Any, params: SamplingParams, sampling: OurSampling, 
     logprobs = None
     if params.logprobs:
         rank = 1 if sampling.mode == "greedy" else None
-        logprobs = [{t: Logprob(lp, rank)} for t, lp in zip(tokens, result.logprobs)]
+        values = result.logprobs if params.logprobs_mode == LogprobMode.PROCESSED else raw(tokens)
+        logprobs = [{t: Logprob(lp, rank)} for t, lp in zip(tokens, values)]
     completion = SimpleNamespace(token_ids=tokens, finish_reason="stop" if result.stop_reason == "eos" else "length",
                                  logprobs=logprobs, request_perf_metrics=perf)
     out = SimpleNamespace(outputs=[completion], decoding_iter=iterations,
@@ -332,7 +369,8 @@ class WorkerExtension:
             uuid = get_device_uuid(self.device_id)
             if uuid not in ipc_handles:
                 raise ValueError(f"Device UUID {uuid} not found in ipc_handles")
-            weights = {name: func(*args) for name, (func, args) in ipc_handles[uuid]}
+            weights = {name: func(*args) for name, (func, args) in ipc_handles[uuid]
+                       if not name.startswith(DRAFT_PREFIX)}  # load_weights(skip_modules=["draft_model"])
             self.engine.model_engine.model_loader.reload(model, weights, allow_partial_loading=True)
         else:
             self.engine.reset_prefix_cache()
@@ -346,9 +384,15 @@ class _Worker:
     def __init__(self, engine: _Executor, device_id: int) -> None:
         self.engine, self.device_id = engine, device_id
 
+    def report_device_id(self) -> str:
+        return get_device_uuid(self.device_id)
+
 
 class LLM:
     """``tensorrt_llm.LLM`` on one rank; ``kwargs``, ``rpcs`` and ``calls`` record what it was handed."""
+
+    worker_device = 0  # the GPU its one worker runs on (a test may move it)
+    built: list["LLM"] = []  # every LLM made, in order (restarts included)
 
     def __init__(self, **kwargs: Any) -> None:
         refuse_unknown("LLM", kwargs, TRTLLM_LLM_FIELDS)
@@ -366,9 +410,16 @@ class LLM:
         if kwargs.get("orchestrator_type") == "ray" and kwargs.get("ray_worker_extension_cls"):
             module, _, name = kwargs["ray_worker_extension_cls"].rpartition(".")
             bases = (getattr(importlib.import_module(module), name), _Worker)
-        self.workers = [type("RayGPUWorker", bases, {})(engine, 0)]
+        self.workers = [type("RayGPUWorker", bases, {})(engine, self.worker_device)]
+        self.running = True
+        LLM.built.append(self)
+
+    def shutdown(self) -> None:
+        self.running = False
 
     def _collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
+        if not self.running:
+            raise RuntimeError("stand-in: the LLM was shut down")
         self.rpcs.append((method, args))
         calls = [getattr(w, method, None) for w in self.workers]
         if method.startswith("_") or not all(callable(c) for c in calls):
@@ -380,6 +431,8 @@ class LLM:
         params = params * len(inputs) if len(params) == 1 else params
         if len(params) != len(inputs) or not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError("one SamplingParams per prompt (or one for all)")
+        if not self.running:
+            raise RuntimeError("stand-in: the LLM was shut down")
         self.calls.append((inputs, params))
         engine, out = self.workers[0].engine, []
         for start in range(0, len(inputs), self.max_batch_size):  # at most max_batch_size in flight
@@ -389,20 +442,14 @@ class LLM:
 
 
 # ---- installing it -----------------------------------------------------------------------------------
-def cpu_ipc_handles(self, bucket: list[tuple[str, torch.Tensor]]) -> dict[str, list[tuple[str, Any]]]:
-    """`TRTLLMRolloutEngine._ipc_handles` with the copy to each worker's CUDA device made on the CPU."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    handles: dict[str, list[tuple[str, Any]]] = {}
-    for device in range(self.config.tensor_parallel_size):
-        on_device = [(name, t.detach().clone().contiguous()) for name, t in bucket]
-        handles[get_device_uuid(device)] = [(name, reduce_tensor(t)) for name, t in on_device]
-    return handles
+def cpu_copy(self, tensor: torch.Tensor, uuid: str) -> torch.Tensor:
+    """`TRTLLMRolloutEngine._copy_to_device` on the CPU (a CUDA IPC handle cannot exist here)."""
+    return tensor.detach().clone().contiguous()
 
 
 def install(monkeypatch) -> types.ModuleType:
     """Make ``import tensorrt_llm`` (and the submodules our code imports) find the stand-in, and
-    the engine's IPC handles CPU ones; our worker extension is imported afresh against it."""
+    the engine's IPC handles CPU ones."""
     from nemo_tlt.rollout.trtllm_engine import TRTLLMRolloutEngine
 
     mod = types.ModuleType("tensorrt_llm")
@@ -413,19 +460,15 @@ def install(monkeypatch) -> types.ModuleType:
     llmapi.Eagle3DecodingConfig = Eagle3DecodingConfig
     rlhf_utils = types.ModuleType("tensorrt_llm.llmapi.rlhf_utils")
     rlhf_utils.WorkerExtension = WorkerExtension
+    sampling_params = types.ModuleType("tensorrt_llm.sampling_params")
+    sampling_params.LogprobMode, sampling_params.SamplingParams = LogprobMode, SamplingParams
     torch_utils = types.ModuleType("tensorrt_llm._torch.utils")
     torch_utils.get_device_uuid = get_device_uuid
     mod.llmapi, llmapi.rlhf_utils = llmapi, rlhf_utils
-    for m in (mod, llmapi, rlhf_utils, torch_utils, types.ModuleType("tensorrt_llm._torch")):
+    for m in (mod, llmapi, rlhf_utils, sampling_params, torch_utils, types.ModuleType("tensorrt_llm._torch")):
         monkeypatch.setitem(sys.modules, m.__name__, m)
-    # our extension subclasses this stand-in's WorkerExtension: imported now, gone after the test
-    previous = sys.modules.pop(WORKER_MODULE, None)
-    fresh = importlib.import_module(WORKER_MODULE)
-    sys.modules.pop(WORKER_MODULE)
-    if previous is not None:
-        sys.modules[WORKER_MODULE] = previous
-    monkeypatch.setitem(sys.modules, WORKER_MODULE, fresh)
-    monkeypatch.setattr(TRTLLMRolloutEngine, "_ipc_handles", cpu_ipc_handles)
+    monkeypatch.setattr(TRTLLMRolloutEngine, "_copy_to_device", cpu_copy)
+    monkeypatch.setattr(LLM, "built", [])
     return mod
 
 

@@ -26,6 +26,12 @@ TRTLLM_LLM_SOURCE = "NVIDIA/TensorRT-LLM@00966934ce32e0603a33f8c922525cf3678afab
 TRTLLM_RLHF_SOURCE = "NVIDIA/TensorRT-LLM@04762f3b82e2410c84ccdfd7901844831147668a"
 TRTLLM_RESULT_SOURCE = "NVIDIA/TensorRT-LLM@005bc848893f575ec14b45d6b13139360d67c790"
 TRTLLM_SPEC_STATS_SOURCE = "NVIDIA/TensorRT-LLM@a678b91aafbeff265cd0b764abb59d7def624ac2"  # executor/result.py
+# The release pinned (rollout/trtllm_config.py) is v1.3.0rc29 = c76f4a8; its tree could not be read
+# here (the repository's snapshot is too large to fetch, and the stored-file index holds none of the
+# rc24-rc29 commits), so each fact below names the stored copy it was read in.
+TRTLLM_SPEC_SAMPLER_SOURCE = "NVIDIA/TensorRT-LLM@006567a7b85d72e256e4863bf65ae843ba8d3a7b"
+TRTLLM_MODEL_LOADER_SOURCE = "NVIDIA/TensorRT-LLM@b51992a331532b80cb943098d3b1891762feb5f5"
+TRTLLM_ASYNC_LLM_SOURCE = "NVIDIA/TensorRT-LLM@62e51e522c151e9ec8631eae540c32cbeb925362"
 
 POSITIONAL = "POSITIONAL_OR_KEYWORD"
 KEYWORD_ONLY = "KEYWORD_ONLY"
@@ -105,8 +111,9 @@ NEMO_RL_GENERATION = Interface(
         Method("shutdown", (), "bool", abstract=True),
         Method("prepare_refit_info", (Param("state_dict_info", annotation="dict[str, Any]"),), "None"),
         Method("update_weights_from_collective", (), "list[ray.ObjectRef]"),
-        # base raises NotImplementedError; GRPO calls it only for colocated IPC refit
-        Method("update_weights_via_ipc_zmq", (), "list[ray.ObjectRef]", called=False),
+        # base raises NotImplementedError; GRPO's refit_policy_generation calls it in colocated mode
+        # (the default), after the policy's stream_weights_via_ipc_zmq
+        Method("update_weights_via_ipc_zmq", (), "list[ray.ObjectRef]"),
     ),
     # GenerationDatumSpec (stop_strings: NotRequired[list[str]])
     inputs=(TensorKey("input_ids", torch.long, ("B", "T")), TensorKey("input_lengths", torch.long, ("B",))),
@@ -167,7 +174,7 @@ TRTLLM_SAMPLING_FIELDS = frozenset({
     "best_of", "use_beam_search", "top_k", "top_p", "top_p_min", "top_p_reset_ids", "top_p_decay", "seed",
     "temperature", "min_tokens", "beam_search_diversity_rate", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "length_penalty", "early_stopping", "no_repeat_ngram_size", "min_p", "beam_width_array",
-    "logprobs", "prompt_logprobs", "return_context_logits", "return_generation_logits",
+    "logprobs", "logprobs_mode", "prompt_logprobs", "return_context_logits", "return_generation_logits",
     "exclude_input_from_output", "return_encoder_output", "return_perf_metrics", "additional_model_outputs",
     "lookahead_config", "guided_decoding", "ignore_eos", "detokenize", "add_special_tokens",
     "truncate_prompt_tokens", "skip_special_tokens", "spaces_between_special_tokens",
@@ -177,7 +184,7 @@ TRTLLM_SAMPLING_FIELDS = frozenset({
 # TRTLLM_LLM_ARGS_SOURCE; the stand-in LLM refuses anything else.
 TRTLLM_LLM_FIELDS = frozenset({
     "model", "tensor_parallel_size", "pipeline_parallel_size", "max_batch_size", "orchestrator_type",
-    "ray_worker_extension_cls", "load_format", "skip_tokenizer_init", "speculative_config",
+    "ray_worker_extension_cls", "allreduce_strategy", "load_format", "skip_tokenizer_init", "speculative_config",
 })
 # SamplingParams.logprobs (Optional[int], "number of log probabilities to return per output token")
 # is among the fields above; what comes back (tensorrt_llm/executor/result.py at TRTLLM_RESULT_SOURCE):
@@ -205,8 +212,31 @@ TRTLLM_SPEC_METRICS_FIELDS = frozenset({"acceptance_rate", "total_accepted_draft
 TRTLLM_GENERATE = Method("generate", (Param("inputs"), Param("sampling_params", default=None),
                                       Param("use_tqdm", default=True)), "list[RequestOutput]")
 # tensorrt_llm/llmapi/rlhf_utils.py: WorkerExtension.update_weights(ipc_handles: Optional[dict] = None):
-# {device UUID: [(HF parameter name, CUDA IPC handle)]} loads a partial set; None finalises.
-TRTLLM_WORKER_RPCS = {"update_weights": 1}
+# {device UUID: [(HF parameter name, CUDA IPC handle)]} loads a partial set (model_loader.reload,
+# allow_partial_loading=True); None finalises. The one-model speculative target's load_weights passes
+# skip_modules=["draft_model"] (_torch/models/modeling_speculative.py, SpecDecOneEngineForCausalLM, stored
+# copy without a commit): a drafter's tensors sent this way are dropped, silently. The Ray GPU worker
+# reports its GPU as report_device_id() = get_device_uuid(local index), and
+# tensorrt_llm._torch.utils.get_device_uuid(i) = "GPU-" + str(torch.cuda.get_device_properties(i).uuid)
+# (stored copies without a commit).
+TRTLLM_WORKER_RPCS = {"update_weights": 1, "report_device_id": 0}
+# Speculation and log-probs (_torch/speculative/spec_sampler_base.py at TRTLLM_SPEC_SAMPLER_SOURCE,
+# SpecSampler.validate_request): a request with logprobs, prompt_logprobs / return_context_logits or
+# return_generation_logits is refused at admission: "The following output options are not supported with
+# speculative decoding: {...}. Drop these options from the request, or disable speculative decoding."
+# (an older copy asserts instead). Log-prob mode: SamplingParams(logprobs_mode=LogprobMode.RAW |
+# LogprobMode.PROCESSED), LogprobMode importable from tensorrt_llm.sampling_params (TensorRT-LLM's own
+# tests, stored copy without a commit); RAW (the default) from the unprocessed logits.
+# Load formats (_torch/pyexecutor/model_loader.py at TRTLLM_MODEL_LOADER_SOURCE): AUTO reads the target,
+# then the speculative model's checkpoint into the draft module; DUMMY randomises every float tensor,
+# the draft module's included (U(-1e-3, 1e-3)), and never reads the speculative model's weights.
+# RL settings (_torch/async_llm.py at TRTLLM_ASYNC_LLM_SOURCE): AsyncLLM forces orchestrator_type="ray",
+# allreduce_strategy="NCCL" (its comment: for TP > 1) and defaults ray_worker_extension_cls to
+# "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"; TorchLlmArgs.allreduce_strategy (llm_args.py at
+# TRTLLM_LLM_ARGS_SOURCE) takes 'AUTO' | 'NCCL' | ... on the plain LLM too.
+# draft_len_schedule (llm_args.py): keys >= 1, lengths >= 0, the smallest key's length == max_draft_len,
+# none above it; read each iteration; CUDA graphs are captured at start-up per batch size at that batch
+# size's scheduled length (model_engine.py, stored copy without a commit): the schedule is fixed per LLM.
 
 
 # ---- checks ---------------------------------------------------------------------------------------

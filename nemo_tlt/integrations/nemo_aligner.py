@@ -33,6 +33,7 @@ from nemo_tlt.adaptive.config import SpecDecodingConfig
 from nemo_tlt.checks import check_int
 from nemo_tlt.config import plain_values
 from nemo_tlt.structured import build_structured
+from nemo_tlt.adaptive.sd_policy import SpecPolicy
 from nemo_tlt.rollout.protocol import Request, RolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.spot.config import IdleDrafterConfig
@@ -49,7 +50,6 @@ class TRTLLMBlock:
     use_rejection_sampling: bool = False  # TensorRT-LLM's prototype flag
     tensor_parallel_size: int = 1
     max_batch_size: int = 256
-    runtime_schedule: bool = True         # install the SD policy's schedule per rollout (unverified path)
 
 
 @dataclass(frozen=True)
@@ -139,18 +139,30 @@ def _plain_block() -> dict[str, Any]:
     return plain_values(TLTBlock())
 
 
-def build_engine(tlt: TLTBlock) -> RolloutEngine:
-    """The engine ``tlt.backend`` names, serving ``tlt.target_dir``."""
+def build_engine(tlt: TLTBlock, policy: SpecPolicy | None = None) -> RolloutEngine:
+    """The engine ``tlt.backend`` names, serving ``tlt.target_dir``. TensorRT-LLM: built with
+    ``policy``'s draft-length schedule (its state now: TensorRT-LLM runs it unchanged, see
+    rollout.trtllm_engine), without a drafter where the policy never speculates, and with
+    TensorRT-LLM's dummy load (weights from the first refit) only without a drafter, whose
+    weights a dummy load never reads."""
     if tlt.target_dir is None:
         raise ValueError("tlt.target_dir is required: the HF-format policy folder the engine serves")
     if tlt.backend == "trtllm":
         from nemo_tlt.rollout.trtllm_config import TRTLLMEngineConfig
         from nemo_tlt.rollout.trtllm_engine import TRTLLMRolloutEngine  # lazy: optional package
+        from nemo_tlt.rollout.trtllm_schedule import build_settings, draft_len_schedule
         t = tlt.trtllm
+        drafter_dir, schedule = t.drafter_dir, {}
+        if drafter_dir is not None and draft_len_schedule(policy, t.max_draft_len, t.max_batch_size):
+            schedule = build_settings(policy, t.max_draft_len, t.max_batch_size)
+        else:
+            drafter_dir = None
         return TRTLLMRolloutEngine(TRTLLMEngineConfig(
-            target_dir=tlt.target_dir, drafter_dir=t.drafter_dir, max_draft_len=t.max_draft_len,
-            use_rejection_sampling=t.use_rejection_sampling, tensor_parallel_size=t.tensor_parallel_size,
-            max_batch_size=t.max_batch_size, runtime_schedule=t.runtime_schedule, load_format="dummy"))
+            target_dir=tlt.target_dir, drafter_dir=drafter_dir, max_draft_len=schedule.get("max_draft_len",
+                                                                                          t.max_draft_len),
+            draft_len_schedule=schedule.get("draft_len_schedule"), use_rejection_sampling=t.use_rejection_sampling,
+            tensor_parallel_size=t.tensor_parallel_size, max_batch_size=t.max_batch_size,
+            load_format="auto" if drafter_dir is not None else "dummy"))
     from nemo_tlt.drafter.io import load_drafter
     from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
     engine = TorchRolloutEngine.from_hf_folder(tlt.target_dir)
@@ -164,9 +176,9 @@ class TLTGenerateBackend:
 
     def __init__(self, config: AlignerGenerationConfig, engine: RolloutEngine | None = None) -> None:
         self.config = config
-        self.engine = build_engine(config.tlt) if engine is None else engine
-        self.sampling = config.sampling()
         self.policy = config.tlt.rollout.build_policy(np.random.default_rng(config.seed))
+        self.engine = build_engine(config.tlt, self.policy) if engine is None else engine
+        self.sampling = config.sampling()
         self._step = 0
 
     def refit(self, model: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:

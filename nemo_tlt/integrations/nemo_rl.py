@@ -19,54 +19,116 @@ NeMo-RL's policy computes its own at its temperature, so its ``token_mult_prob_e
 compares like with like when the generation temperature is the policy's and no top-k /
 top-p is set.
 ``stop_strings`` in the datum is refused (the engines stop on EOS and length only).
-Weights: ``prepare_refit_info`` keeps the {name: (shape, dtype)} map;
-``update_weights_from_collective`` loads the canonical stream that the
-``weight_source`` callable given at construction produces (the caller's collective
-receive); NeMo-RL's Ray/NCCL plumbing itself is not reproduced, so ``init_collective``
-joins no process group.
+
+Weights (NeMo-RL's refit, ``refit_policy_generation`` in ``nemo_rl/algorithms/grpo.py``):
+
+* colocated (NeMo-RL's default, ``policy.generation.colocated.enabled: true``):
+  ``update_weights_via_ipc_zmq`` receives the training rank's CUDA IPC stream over ZMQ
+  (`nemo_rl_refit`, the protocol of NeMo-RL's own vLLM and TensorRT-LLM receivers) and loads
+  it into the engine, in this process: the adapter must live in a process that sees the GPU
+  it shares with the training rank (its NVML UUID names the socket: ``device_uuid``, or the
+  current CUDA device's). It returns ``[]`` (nothing left to wait for) and raises on failure,
+  after acknowledging the rest of the stream.
+* non-colocated (NCCL broadcast from the training ranks): refused by name in
+  ``init_collective``, which NeMo-RL calls at setup, before any step: the adapter does not
+  join NeMo-RL's NCCL group (a trainer waiting on it would hang).
+
+Where NeMo-RL is importable the adapter subclasses its ``GenerationInterface``.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from nemo_tlt.adaptive.config import SpecDecodingConfig
+from nemo_tlt.adaptive.sd_policy import SpecPolicy
+from nemo_tlt.integrations import nemo_rl_refit
 from nemo_tlt.integrations.nemo_aligner import TLTBlock, build_engine
 from nemo_tlt.rollout.protocol import PolicyWeights, Request, RolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
 
+NON_COLOCATED_REFUSAL = (
+    "TLTGeneration does not join NeMo-RL's NCCL refit group (non-colocated generation, "
+    "policy.generation.colocated.enabled=false): run colocated, where weights arrive through "
+    "update_weights_via_ipc_zmq")
 
-class TLTGeneration:
+
+def _interface_base() -> type:
+    """NeMo-RL's ``GenerationInterface`` where NeMo-RL imports, else ``object``."""
+    if importlib.util.find_spec("nemo_rl") is None:
+        return object
+    try:
+        return importlib.import_module("nemo_rl.models.generation.interfaces").GenerationInterface
+    except (ImportError, AttributeError):  # NeMo-RL present but not importable here (e.g. PyPI's placeholder)
+        return object
+
+
+def local_gpu_uuid(index: int | None = None) -> str:
+    """The NVML UUID of CUDA device ``index`` (default: the current one), as NeMo-RL's
+    ``nemo_rl.utils.nvml.get_device_uuid`` reads it (through ``CUDA_VISIBLE_DEVICES``)."""
+    if not torch.cuda.is_available():
+        raise ValueError("TLTGeneration.device_uuid: no CUDA device here to read a GPU UUID from; pass device_uuid")
+    import pynvml  # lazy: a CUDA host's package (nvidia-ml-py)
+
+    index = torch.cuda.current_device() if index is None else index
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = int(visible.split(",")[index]) if visible else index
+    pynvml.nvmlInit()
+    uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(physical))
+    return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+
+
+def rebuild_on_current_device(handle: Any) -> torch.Tensor:
+    """NeMo-RL's ``rebuild_cuda_tensor_from_ipc``: the sender's buffer on this process's
+    current CUDA device."""
+    args = list(handle[0])
+    args[6] = torch.cuda.current_device()
+    return rebuild_cuda_tensor(*args)
+
+
+class TLTGeneration(_interface_base()):  # type: ignore[misc]
     def __init__(self, engine: RolloutEngine, sampling: SamplingParams, pad_token_id: int,
-                 spec: SpecDecodingConfig | None = None, seed: int = 0,
-                 weight_source: Callable[[], PolicyWeights] | None = None) -> None:
+                 spec: SpecDecodingConfig | None = None, seed: int = 0, device_uuid: str | None = None,
+                 rebuild: Callable[[Any], torch.Tensor] = rebuild_on_current_device,
+                 policy: SpecPolicy | None = None) -> None:
+        """``policy``: the SD policy (default: built from ``spec``, plain decoding without one)."""
         if sampling.mode == "greedy":
             raise ValueError("TLTGeneration.sampling is the non-greedy sampling; generate(greedy=True) selects greedy")
+        if device_uuid is not None:
+            nemo_rl_refit.socket_address(device_uuid)  # checked now, not at the first refit
         self.engine, self.sampling, self.pad_token_id = engine, sampling, pad_token_id
-        self.policy = (spec or SpecDecodingConfig(sd_enabled=False)).build_policy(np.random.default_rng(seed))
-        self.weight_source = weight_source
+        if policy is None:
+            policy = (spec or SpecDecodingConfig(sd_enabled=False)).build_policy(np.random.default_rng(seed))
+        self.policy = policy
+        self.device_uuid, self.rebuild = device_uuid, rebuild
         self.state_dict_info: dict[str, Any] | None = None
+        self._socket: Any = None
         self._calls = 0
 
     @classmethod
     def from_tlt_block(cls, tlt: TLTBlock, sampling: SamplingParams, pad_token_id: int, seed: int = 0,
-                       weight_source: Callable[[], PolicyWeights] | None = None) -> "TLTGeneration":
+                       **kwargs: Any) -> "TLTGeneration":
         """The engine ``tlt.backend`` names (``torch`` or ``trtllm``, as in the NeMo-Aligner
-        backend), with ``tlt.rollout``'s SD policy."""
-        return cls(build_engine(tlt), sampling, pad_token_id, spec=tlt.rollout, seed=seed,
-                   weight_source=weight_source)
+        backend), with ``tlt.rollout``'s SD policy (``kwargs``: ``device_uuid``, ``rebuild``)."""
+        policy = tlt.rollout.build_policy(np.random.default_rng(seed))
+        return cls(build_engine(tlt, policy), sampling, pad_token_id, policy=policy, **kwargs)
 
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list:
-        """No process group of its own: weights arrive through ``weight_source``."""
-        return []
+        """Refused (see the module docstring): NeMo-RL calls it at setup in non-colocated mode only."""
+        raise ValueError(NON_COLOCATED_REFUSAL)
 
     def shutdown(self) -> bool:
-        """Nothing to release beyond the engine object itself; safe to call repeatedly."""
+        """Closes the refit socket; safe to call repeatedly."""
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
         return True
 
     def generate(self, data: Mapping[str, torch.Tensor], greedy: bool = False) -> dict[str, torch.Tensor]:
@@ -104,16 +166,45 @@ class TLTGeneration:
         return True
 
     def prepare_refit_info(self, state_dict_info: dict[str, Any]) -> None:
-        self.state_dict_info = dict(state_dict_info)
+        """``{HF name: (shape, dtype)}`` of what the refits send (NeMo-RL calls it once at setup)."""
+        self.state_dict_info = {name: (torch.Size(shape), dtype) for name, (shape, dtype) in state_dict_info.items()}
+
+    def update_weights_via_ipc_zmq(self) -> list:
+        """Receive one colocated refit and load it (see the module docstring); ``[]`` when done."""
+        if self.state_dict_info is None:
+            raise ValueError("update_weights_via_ipc_zmq: prepare_refit_info was not called (NeMo-RL calls it "
+                             "at setup with the policy's {name: (shape, dtype)})")
+        sock = self._refit_socket()
+        receiver = nemo_rl_refit.Receiver(sock.recv, sock.send, self.state_dict_info, self.rebuild)
+        try:
+            self.engine.load_policy_weights(iter(receiver))
+        except BaseException:
+            receiver.drain()
+            raise
+        receiver.drain()  # nothing left unless the engine stopped reading before COMPLETE
+        return []
 
     def update_weights_from_collective(self) -> list:
-        if self.weight_source is None:
-            raise ValueError("update_weights_from_collective: TLTGeneration was built without a weight_source "
-                             "(a callable returning the canonical weight stream)")
-        self.engine.load_policy_weights(self.weight_source())
-        return []
+        """Refused: see `init_collective`."""
+        raise ValueError(NON_COLOCATED_REFUSAL)
 
     def update_weights(self, weights: PolicyWeights) -> bool:
         """Load canonical weights given directly (a state dict or a stream)."""
         self.engine.load_policy_weights(weights)
         return True
+
+    def _refit_socket(self) -> Any:
+        """The REP socket connected to the training rank's (made at the first refit, kept)."""
+        if self._socket is None:
+            try:
+                import zmq  # lazy: pyzmq, the nemo-rl extra
+            except ImportError as err:
+                raise ImportError("update_weights_via_ipc_zmq needs pyzmq: pip install nemo-tlt[nemo-rl]") from err
+            uuid = self.device_uuid if self.device_uuid is not None else local_gpu_uuid()
+            sock = zmq.Context.instance().socket(zmq.REP)
+            sock.setsockopt(zmq.SNDTIMEO, nemo_rl_refit.TIMEOUT_MS)
+            sock.setsockopt(zmq.RCVTIMEO, nemo_rl_refit.TIMEOUT_MS)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(nemo_rl_refit.socket_address(uuid))
+            self._socket = sock
+        return self._socket

@@ -127,6 +127,10 @@ class GenerationStats:
 class GenerateOutput:
     results: list[RequestResult]
     stats: GenerationStats
+    # where RequestResult.logprobs come from: "engine" (computed as the contract says) or
+    # "none" (an engine that cannot report them in this configuration: NaN, one per token;
+    # the exact ones are the policy's own forward's)
+    logprobs_from: str = "engine"
 
 
 @runtime_checkable
@@ -144,7 +148,8 @@ class RolloutEngine(Protocol):
       (``speculative.sampling.token_logprobs``); with SD they come from the verify
       forward and equal plain decoding's within fp32 rounding (the conformance suite
       holds them to 1e-5 in fp32 and to an independent full forward). An engine that
-      cannot compute them so says where in its docstring.
+      cannot compute them so says in its docstring and, per call, in
+      ``GenerateOutput.logprobs_from`` ("none": NaN, one per token).
     * Calls do not leak into each other: the output of `generate` depends only on its
       arguments, the loaded policy weights and (for speed, never for tokens) the drafter.
     * Errors are ``ValueError`` naming the field or tensor at fault, raised before any

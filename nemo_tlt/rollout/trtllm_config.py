@@ -1,29 +1,35 @@
 """`TRTLLMEngineConfig`: what the TensorRT-LLM rollout engine is built from, and the
 keyword arguments it hands to TensorRT-LLM's LLM API (pure; no TensorRT-LLM needed).
 
-The LLM API followed is TensorRT-LLM at the commit named by ``TRTLLM_SOURCE``
-(``tensorrt_llm/llmapi/llm_args.py``: ``Eagle3DecodingConfig``, ``max_concurrency``,
-``draft_len_schedule``, ``use_rejection_sampling``, ``orchestrator_type``,
-``ray_worker_extension_cls``, ``load_format``; ``tensorrt_llm/llmapi/rlhf_utils.py``:
-``WorkerExtension.update_weights``). Field names move between releases: another
-version may need these mappings changed (docs/trtllm.md).
+The LLM API followed is TensorRT-LLM's release ``TRTLLM_REQUIREMENT`` (tag commit
+``TRTLLM_SOURCE``; ``tensorrt_llm/llmapi/llm_args.py``: ``Eagle3DecodingConfig``,
+``max_concurrency``, ``draft_len_schedule``, ``use_rejection_sampling``, ``orchestrator_type``,
+``ray_worker_extension_cls``, ``load_format``, ``allreduce_strategy``;
+``tensorrt_llm/llmapi/rlhf_utils.py``: ``WorkerExtension.update_weights``). Each fact's own
+source commit is in ``integrations/interface_facts.py`` and docs/trtllm.md (the tag's tree
+itself was not readable here). Field names move between releases: another version may need
+these mappings changed.
 """
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from nemo_tlt.checks import check_int
 
 TRTLLM_PACKAGE = "tensorrt_llm"
-TRTLLM_SOURCE = "NVIDIA/TensorRT-LLM@0004396720054fd8e205cbf616f21f0b57c6b412"
-# The release line carrying that commit's API (draft_len_schedule on the one-model path landed on
-# main in March 2026, after 1.2.1): pyproject.toml's ``trtllm`` extra pins the same range.
-TRTLLM_REQUIREMENT = "tensorrt_llm>=1.3.0rc0,<1.4"
-TRTLLM_INSTALL = "pip install nemo-tlt[trtllm]"
-# Our subclass of TensorRT-LLM's rlhf WorkerExtension (imported by TensorRT-LLM's Ray workers only).
-WORKER_EXTENSION = "nemo_tlt.rollout.trtllm_worker.TLTWorkerExtension"
+# v1.3.0rc29's commit (the "Source Commit" of its PyPI sdist). draft_len_schedule on the one-model
+# path landed in v1.3.0rc8 (PR #10860); rc29 is the newest 1.3 release. pyproject.toml's ``trtllm``
+# extra pins the same release.
+TRTLLM_SOURCE = "NVIDIA/TensorRT-LLM@c76f4a856447820aa1f994b053da7580d69b657d"
+TRTLLM_REQUIREMENT = "tensorrt_llm==1.3.0rc29"
+# PyPI's tensorrt_llm is a placeholder sdist that downloads the wheel from NVIDIA's index at
+# install time (and fails on a host without an NVIDIA driver): the index is named on the command.
+TRTLLM_INDEX = "https://pypi.nvidia.com/"
+TRTLLM_INSTALL = f'pip install --extra-index-url {TRTLLM_INDEX} "nemo-tlt[trtllm]"'
+# TensorRT-LLM's own rlhf WorkerExtension (update_weights), which our Ray workers load.
+WORKER_EXTENSION = "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -46,18 +52,18 @@ class TRTLLMEngineConfig:
 
     ``target_dir``: the HF-format policy folder (config.json; weights unless
     ``load_format='dummy'``, TensorRT-LLM's RL setting: random weights until the first
-    refit). ``drafter_dir``: an EAGLE-3 HF-layout drafter folder (``nemo-tlt convert
-    --from drafter --to eagle3-hf``); None builds the LLM without speculation.
-    ``max_draft_len`` sizes TensorRT-LLM's draft buffers; tree shapes deeper than it
-    are clipped. ``eagle3_layers_to_capture`` None is TensorRT-LLM's default
-    {1, L//2-1, L-4}. ``use_rejection_sampling`` is TensorRT-LLM's prototype flag
-    (see trtllm_engine's lossless statement). ``max_concurrency`` is the schedule the
-    LLM is built with (SD off above it; None: always on). ``runtime_schedule``: install
-    the SD policy's schedule before each rollout through our worker extension
-    (an undocumented path, unverified); False keeps the build-time schedule and
-    refuses a policy whose schedule differs. ``weight_bucket_mb`` bounds the tensors
-    per refit call; ``drafter_weight_prefix`` names the draft module inside the
-    one-model target for the unverified drafter refit.
+    refit; refused with a drafter, whose weights TensorRT-LLM never reads under it).
+    ``drafter_dir``: an EAGLE-3 HF-layout drafter folder (``nemo-tlt convert --from drafter
+    --to eagle3-hf``); None builds the LLM without speculation. ``max_draft_len`` sizes
+    TensorRT-LLM's draft buffers; tree shapes deeper than it are clipped.
+    ``eagle3_layers_to_capture`` None is TensorRT-LLM's default {1, L//2-1, L-4}.
+    ``use_rejection_sampling`` is TensorRT-LLM's prototype flag (see trtllm_engine's
+    lossless statement). The schedule the LLM is built with (TensorRT-LLM captures its CUDA
+    graphs for it at start-up; a change is a restart, ``TRTLLMRolloutEngine.restart``):
+    ``draft_len_schedule`` (batch-size threshold -> draft length, upstream's rules: the
+    smallest key maps to ``max_draft_len``, no length above it; `trtllm_schedule`), or
+    ``max_concurrency`` (SD off above it), or neither (always on). ``weight_bucket_mb``
+    bounds the tensors per refit call.
     """
 
     target_dir: str
@@ -68,12 +74,11 @@ class TRTLLMEngineConfig:
     dynamic_tree_max_topk: Optional[int] = None
     use_rejection_sampling: bool = False
     max_concurrency: Optional[int] = None
+    draft_len_schedule: Optional[Dict[int, int]] = None
     tensor_parallel_size: int = 1
     max_batch_size: int = 256
     load_format: str = "auto"
-    runtime_schedule: bool = True
     weight_bucket_mb: int = 512
-    drafter_weight_prefix: str = "draft_model."
 
     def __post_init__(self) -> None:
         if not isinstance(self.target_dir, str) or not self.target_dir:
@@ -101,11 +106,20 @@ class TRTLLMEngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"TRTLLMEngineConfig.load_format must be one of {list(LOAD_FORMATS)}, "
                              f"got {self.load_format!r}")
-        for name in ("use_dynamic_tree", "use_rejection_sampling", "runtime_schedule"):
+        for name in ("use_dynamic_tree", "use_rejection_sampling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TRTLLMEngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.drafter_dir is None and self.max_concurrency is not None:
             raise ValueError("TRTLLMEngineConfig.max_concurrency needs a drafter_dir (no drafter: no speculation)")
+        if self.draft_len_schedule is not None:
+            if self.drafter_dir is None or self.max_concurrency is not None:
+                raise ValueError("TRTLLMEngineConfig.draft_len_schedule needs a drafter_dir and excludes "
+                                 "max_concurrency (TensorRT-LLM: mutually exclusive)")
+            object.__setattr__(self, "draft_len_schedule", check_build_schedule(
+                "TRTLLMEngineConfig.draft_len_schedule", self.draft_len_schedule, self.max_draft_len))
+        if self.drafter_dir is not None and self.load_format == "dummy":
+            raise ValueError("TRTLLMEngineConfig.load_format='dummy' with a drafter_dir: TensorRT-LLM's dummy load "
+                             "randomises the drafter too and never reads its weights; use load_format='auto'")
 
     def speculative_kwargs(self) -> dict[str, Any] | None:
         """Keyword arguments of ``tensorrt_llm.llmapi.Eagle3DecodingConfig`` (None: no drafter)."""
@@ -119,19 +133,41 @@ class TRTLLMEngineConfig:
             kwargs.update(use_dynamic_tree=True, dynamic_tree_max_topK=self.dynamic_tree_max_topk)
         if self.max_concurrency is not None:
             kwargs["max_concurrency"] = self.max_concurrency
+        if self.draft_len_schedule is not None:
+            kwargs["draft_len_schedule"] = dict(self.draft_len_schedule)
         return kwargs
 
     def llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``tensorrt_llm.LLM`` other than ``speculative_config``:
-        Ray orchestration with our worker extension (weight refit), token ids in and out."""
+        TensorRT-LLM's RL settings as its ``AsyncLLM`` forces them (Ray orchestration with the
+        rlhf worker extension for weight refit, NCCL all-reduce), token ids in and out."""
         return {"model": self.target_dir, "tensor_parallel_size": self.tensor_parallel_size,
                 "pipeline_parallel_size": 1, "max_batch_size": self.max_batch_size,
                 "orchestrator_type": "ray", "ray_worker_extension_cls": WORKER_EXTENSION,
-                "load_format": self.load_format, "skip_tokenizer_init": True}
+                "allreduce_strategy": "NCCL", "load_format": self.load_format, "skip_tokenizer_init": True}
 
     def build_schedule(self) -> dict[int, int]:
         """The draft_len_schedule the LLM starts with (TensorRT-LLM's reading of
-        ``max_concurrency``; ``{}``: no drafter, no speculation)."""
+        ``max_concurrency`` and ``draft_len_schedule``; ``{}``: no drafter, no speculation)."""
         if self.drafter_dir is None:
             return {}
+        if self.draft_len_schedule is not None:
+            return dict(self.draft_len_schedule)
         return {self.max_concurrency or self.max_batch_size: self.max_draft_len}
+
+
+def check_build_schedule(field: str, schedule: Any, max_draft_len: int) -> dict[int, int]:
+    """A ``draft_len_schedule`` as TensorRT-LLM validates it at build time, sorted: keys
+    (batch sizes) >= 1, lengths >= 0, the smallest key's length ``max_draft_len``, none
+    above it (ValueError naming ``field``)."""
+    if not isinstance(schedule, dict) or not schedule:
+        raise ValueError(f"{field} must be a non-empty mapping of batch size -> draft length, got {schedule!r}")
+    for key, length in schedule.items():
+        check_int(f"{field} key", key, 1)
+        check_int(f"{field}[{key}]", length, 0)
+    out = dict(sorted(schedule.items()))
+    first = out[min(out)]
+    if first != max_draft_len or max(out.values()) > max_draft_len:
+        raise ValueError(f"{field}={out}: TensorRT-LLM wants the smallest batch size's length to be max_draft_len "
+                         f"({max_draft_len}) and no length above it")
+    return out

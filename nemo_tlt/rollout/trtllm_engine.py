@@ -8,10 +8,16 @@ what comes back. ``pytest -m trtllm`` on a GPU node runs the conformance suite o
 
 What runs where: TensorRT-LLM's PyTorch backend drafts with EAGLE-3 only, one-model
 (the drafter a submodule of the target). The drafter is the EAGLE-3 HF folder in
-``TRTLLMEngineConfig.drafter_dir``; TLT's SD policy is mapped between rollouts to
-TensorRT-LLM's per-batch-size draft lengths (``trtllm_schedule``), which decide
-each iteration inside TensorRT-LLM: the policy's ``begin_rollout`` is called, its
-``choose`` / ``observe`` are not (no per-step hook exists in the LLM API).
+``TRTLLMEngineConfig.drafter_dir``; TLT's SD policy is mapped to TensorRT-LLM's
+per-batch-size draft lengths (``trtllm_schedule``), which decide each iteration inside
+TensorRT-LLM: the policy's ``begin_rollout`` is called, its ``choose`` / ``observe`` are not
+(no per-step hook exists in the LLM API), so the policy's schedule is fixed by its state
+when the LLM is built (``TRTLLMEngineConfig.draft_len_schedule``). TensorRT-LLM captures
+its CUDA graphs for that schedule at start-up, so a different schedule, a new drafter
+(after idle-time training) or none is a restart (`restart`: the LLM is rebuilt, timed in
+``last_restart_s``; TensorRT-LLM's own weight update skips the draft module, and no runtime
+drafter load is in its API); ``generate`` refuses a policy whose schedule differs from
+the built one, naming the restart.
 
 Lossless guarantee (the part of the contract this engine keeps):
 
@@ -28,15 +34,19 @@ Lossless guarantee (the part of the contract this engine keeps):
   that advances per step, not noise keyed by (seed, sequence, position), so SD and
   plain decoding would not give the same tokens. Refused with a ValueError.
 
-Log-probs (UNTESTED with TensorRT-LLM): each request asks ``SamplingParams(logprobs=1)``
-and the generated token's entry of ``CompletionOutput.logprobs`` becomes
-``RequestResult.logprobs`` (`completion_logprobs`). Which logits TensorRT-LLM computes
-them from is not stated in the source read (interface_facts): if raw (a later
-TensorRT-LLM's documented default), they are our ``greedy`` definition (the raw
-log-softmax) but not the processed transform of ``rejection`` at a temperature other
-than 1 or with top-k / top-p; if processed, greedy (top_k=1) reports 0. An EOS that
-TensorRT-LLM did not return (appended here) has log-prob NaN. The conformance suite's
-``test_logprobs`` checks them on a GPU node.
+Log-probs (UNTESTED with TensorRT-LLM): TensorRT-LLM refuses log-probs in a request while
+speculative decoding is configured (its speculative sampler's ``validate_request``). So:
+
+* without a drafter, each request asks ``logprobs=1`` with ``logprobs_mode`` ``RAW`` for
+  ``greedy`` (our definition there: the raw log-softmax) and ``PROCESSED`` for ``rejection``
+  (the sampling transform), and the generated token's entry of ``CompletionOutput.logprobs``
+  becomes ``RequestResult.logprobs`` (`completion_logprobs`); an EOS that TensorRT-LLM did
+  not return (appended here) has log-prob NaN;
+* with a drafter, no request asks for them: every ``RequestResult.logprobs`` is NaN and
+  ``GenerateOutput.logprobs_from`` is ``"none"``; the exact ones are the policy's own
+  forward's, which the RL step computes anyway (the logprob-gap metric skips NaN).
+
+The conformance suite's ``test_logprobs`` checks them on a GPU node.
 
 Stats: ``tokens_generated`` and ``wall_s`` (= ``time_other_s``) are measured;
 ``accept_lengths`` come from TensorRT-LLM's per-request acceptance while a drafter
@@ -50,8 +60,9 @@ returns no final hidden states (harvest drafter data from the policy instead:
 
 Policy weights: canonical (HF-named) full tensors, checked strictly like the torch
 engine, are sent in buckets through TensorRT-LLM's ``WorkerExtension.update_weights``
-as CUDA IPC handles (each TP rank shards them itself), then finalised. Drafter
-refit at runtime is UNVERIFIED (no documented API; see `load_drafter`).
+as CUDA IPC handles (each TP rank shards them itself), then finalised. The handles are
+made on each worker's GPU as the workers report it (``report_device_id``: a UUID, found
+among this process's CUDA devices), so this process must see the workers' GPUs.
 """
 from __future__ import annotations
 
@@ -59,6 +70,7 @@ import importlib
 import os
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -74,10 +86,11 @@ from nemo_tlt.model.lm import canonical_shapes
 from nemo_tlt.rollout import validate
 from nemo_tlt.rollout.protocol import FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
 from nemo_tlt.rollout.trtllm_config import TRTLLM_PACKAGE, TRTLLMEngineConfig, missing_package_message
-from nemo_tlt.rollout.trtllm_schedule import draft_len_schedule
+from nemo_tlt.rollout.trtllm_schedule import draft_len_schedule, schedule_length
 from nemo_tlt.rollout.trtllm_stats import SpeculationReport, speculation_report
 from nemo_tlt.speculative.sampling import SamplingParams
 
+NOT_REPORTED = float("nan")  # a log-prob TensorRT-LLM did not report
 UNAVAILABLE_STATS = ("target_forwards", "prefill_forwards", "drafter_forwards", "plain_steps", "sd_steps",
                      "time_draft_s", "time_verify_s", "time_plain_s", "prefill_s", "trace")
 
@@ -109,14 +122,18 @@ def request_seed(seed: int, seq_id: int) -> int:
 
 def sampling_kwargs(sampling: SamplingParams, eos_token_id: int, seq_id: int,
                     speculating: bool = False) -> dict[str, Any]:
-    """Keyword arguments of ``tensorrt_llm.SamplingParams`` for one request;
-    ``speculating``: ask for the per-request draft counters (``return_perf_metrics``)."""
+    """Keyword arguments of ``tensorrt_llm.SamplingParams`` for one request. ``speculating``:
+    no log-probs (TensorRT-LLM refuses them with speculative decoding) and the per-request
+    draft counters (``return_perf_metrics``); otherwise the generated token's log-prob, its
+    ``logprobs_mode`` given by name (``"RAW"`` for greedy, ``"PROCESSED"`` for sampling: the
+    engine maps it to TensorRT-LLM's ``LogprobMode``)."""
     check_sampling(sampling)
     kwargs: dict[str, Any] = {"max_tokens": sampling.max_new_tokens,
-                              "end_id": eos_token_id if sampling.stop_on_eos else -1, "detokenize": False,
-                              "logprobs": 1}  # the generated token's own log-prob (see completion_logprobs)
+                              "end_id": eos_token_id if sampling.stop_on_eos else -1, "detokenize": False}
     if speculating:
         kwargs["return_perf_metrics"] = True  # request_perf_metrics.speculative_decoding (trtllm_stats)
+    else:
+        kwargs.update(logprobs=1, logprobs_mode="RAW" if sampling.mode == "greedy" else "PROCESSED")
     if sampling.mode == "greedy":
         kwargs.update(top_k=1, temperature=0.0)
     else:
@@ -131,10 +148,13 @@ def validate_requests(requests: list[Request], sampling: SamplingParams, cfg: LM
     _refuse_coupled(sampling)
 
 
-def completion_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
+def completion_logprobs(token_ids: list[int], logprobs: Any, requested: bool = True) -> list[float]:
     """The generated tokens' log-probs from ``CompletionOutput.logprobs`` (interface_facts:
     one ``{token id: Logprob(logprob, rank)}`` per token; a bare float per token is
-    taken too). A missing entry or a count other than the tokens' is a ValueError."""
+    taken too); NaN for each token where they were not ``requested``. A missing entry or a
+    count other than the tokens' is a ValueError."""
+    if not requested:
+        return [NOT_REPORTED] * len(token_ids)
     if logprobs is None or len(logprobs) != len(token_ids):
         got = "none" if logprobs is None else len(logprobs)
         raise ValueError(f"TensorRT-LLM returned {got} log-probs for {len(token_ids)} tokens "
@@ -151,13 +171,13 @@ def completion_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
 
 
 def completion_to_result(token_ids: list[int], finish_reason: str | None, sampling: SamplingParams,
-                         eos_token_id: int, logprobs: Any) -> RequestResult:
+                         eos_token_id: int, logprobs: Any, logprobs_requested: bool = True) -> RequestResult:
     """Our result from one TensorRT-LLM completion: EOS kept as the last token with
     stop reason "eos" (TensorRT-LLM's "stop"; the EOS is appended when it is not
     among the returned ids, with log-prob NaN: TensorRT-LLM reported none for it),
     anything else "length". ``logprobs``: the completion's (see `completion_logprobs`)."""
     tokens = [int(t) for t in token_ids]
-    lps = completion_logprobs(tokens, logprobs)
+    lps = completion_logprobs(tokens, logprobs, logprobs_requested)
     if finish_reason == "stop" and sampling.stop_on_eos:
         if not tokens or tokens[-1] != eos_token_id:
             tokens.append(eos_token_id)
@@ -246,6 +266,19 @@ def weight_buckets(weights: PolicyWeights, shapes: Mapping[str, tuple[int, ...]]
         yield bucket
 
 
+def local_cuda_device(uuid: str) -> torch.device:
+    """The CUDA device of this process whose UUID TensorRT-LLM reports as ``uuid``
+    (``tensorrt_llm._torch.utils.get_device_uuid``: "GPU-" + the device properties' uuid);
+    a ValueError naming it when this process does not see that GPU."""
+    seen = []
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        seen.append("GPU-" + str(torch.cuda.get_device_properties(i).uuid))
+        if seen[-1] == uuid:
+            return torch.device("cuda", i)
+    raise ValueError(f"load_policy_weights: TensorRT-LLM's worker runs on GPU {uuid}, which this process does not "
+                     f"see (its CUDA devices: {seen or 'none'}); CUDA IPC handles can only be made on a visible GPU")
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 class TRTLLMRolloutEngine:
     """Implements `RolloutEngine` through TensorRT-LLM's LLM API (see the module docstring)."""
@@ -253,24 +286,34 @@ class TRTLLMRolloutEngine:
     def __init__(self, config: TRTLLMEngineConfig) -> None:
         if not isinstance(config, TRTLLMEngineConfig):
             raise ValueError(f"TRTLLMRolloutEngine.config must be a TRTLLMEngineConfig, got {type(config).__name__}")
-        trtllm = import_tensorrt_llm()
-        self.config = config
+        self._trtllm = import_tensorrt_llm()
         self._model_config = read_config(config.target_dir)
-        self._captured: tuple[int, ...] = ()  # no drafter: nothing is captured (any target depth)
-        if config.drafter_dir is not None:
-            self._captured = trtllm_capture_layers(config, self._model_config.num_layers)
-            check_drafter_layers(config.drafter_dir, self._captured)
         self._shapes = canonical_shapes(self._model_config)
+        self._refits = 0
+        self._ceiling = config.max_draft_len  # the policy's lengths are clipped to the first build's buffers
+        self.last_speculation: SpeculationReport | None = None  # the last rollout's, while speculating
+        self.last_restart_s: float | None = None
+        self._start(config)
+
+    def _captured_layers(self, config: TRTLLMEngineConfig) -> tuple[int, ...]:
+        """The layers TensorRT-LLM will capture for ``config``'s drafter, checked against it."""
+        if config.drafter_dir is None:
+            return ()  # no drafter: nothing is captured (any target depth)
+        captured = trtllm_capture_layers(config, self._model_config.num_layers)
+        check_drafter_layers(config.drafter_dir, captured)
+        return captured
+
+    def _start(self, config: TRTLLMEngineConfig) -> None:
         from tensorrt_llm.llmapi import Eagle3DecodingConfig  # lazy: optional package
 
+        self._captured = self._captured_layers(config)
         spec = config.speculative_kwargs()
-        speculative_config = None if spec is None else Eagle3DecodingConfig(**spec)
-        self.llm = trtllm.LLM(**config.llm_kwargs(), speculative_config=speculative_config)
-        self._trtllm = trtllm
+        self.llm = self._trtllm.LLM(**config.llm_kwargs(),
+                                    speculative_config=None if spec is None else Eagle3DecodingConfig(**spec))
+        self.config = config
         self._schedule = config.build_schedule()
-        self._drafter_loaded = config.drafter_dir is not None
-        self._failed_load: str | None = None
-        self.last_speculation: SpeculationReport | None = None  # the last rollout's, while speculating
+        self._device_uuids = [str(u) for u in self.llm._collective_rpc("report_device_id")]
+        self._unservable: str | None = None
 
     @classmethod
     def from_hf_folder(cls, path: str | os.PathLike, **kwargs: Any) -> "TRTLLMRolloutEngine":
@@ -280,6 +323,24 @@ class TRTLLMRolloutEngine:
     @property
     def model_config(self) -> LMConfig:
         return self._model_config
+
+    def restart(self, **changes: Any) -> float:
+        """Rebuild the LLM with ``changes`` to its `TRTLLMEngineConfig` (``drafter_dir``,
+        ``draft_len_schedule``, ``max_draft_len``, ...), checked before the running LLM is shut
+        down; returns (and keeps in ``last_restart_s``) the seconds it took. The rebuilt LLM
+        serves ``target_dir``'s weights: after a policy refit, ``generate`` refuses until the
+        next ``load_policy_weights``. Cost: TensorRT-LLM's start-up (weights read, CUDA graphs
+        captured) plus that refit; not measured here (no GPU)."""
+        config = replace(self.config, **changes)
+        self._captured_layers(config)
+        t0 = time.perf_counter()
+        self.llm.shutdown()
+        self._start(config)
+        if self._refits:
+            self._unservable = ("the LLM was restarted and serves target_dir's weights, not the last refit's; "
+                                "load the policy's weights")
+        self.last_restart_s = time.perf_counter() - t0
+        return self.last_restart_s
 
     def load_policy_weights(self, weights: PolicyWeights) -> None:
         """See `RolloutEngine.load_policy_weights`: buckets sent as CUDA IPC handles to
@@ -293,59 +354,51 @@ class TRTLLMRolloutEngine:
             self.llm._collective_rpc("update_weights", (None,))
         except BaseException as err:  # re-raised: only the model's state is recorded
             if sent:
-                self._failed_load = f"{sent} of {len(self._shapes)} tensors sent before: {err}"
+                self._unservable = (f"the last load_policy_weights failed midway ({sent} of {len(self._shapes)} "
+                                    f"tensors sent before: {err}); load complete weights")
             raise
-        self._failed_load = None
+        self._unservable = None
+        self._refits += 1
 
     def load_drafter(self, drafter: Drafter | str | os.PathLike | None) -> None:
-        """None: speculation off from the next rollout. A folder in the EAGLE-3 HF layout:
-        its tensors are sent through ``update_weights`` under ``drafter_weight_prefix``
-        (UNVERIFIED: TensorRT-LLM documents no runtime drafter update; the one-model
-        draft module's parameter names and the loader's handling of them are assumed).
-        A torch `Drafter` is refused: export it first (``nemo-tlt convert --from drafter
-        --to eagle3-hf``)."""
-        if drafter is None:
-            self._drafter_loaded = False
-            return
+        """A folder in the EAGLE-3 HF layout, or None (no speculation), through a `restart`:
+        TensorRT-LLM's weight update skips the draft module and its API has no runtime drafter
+        load. A torch `Drafter` is refused: export it first (``nemo-tlt convert --from drafter
+        --to eagle3-hf``). Nothing changes when the LLM already serves that folder's drafter
+        (or none)."""
         if isinstance(drafter, torch.nn.Module):
             raise ValueError("TRTLLMRolloutEngine.load_drafter takes an EAGLE-3 HF folder, not a torch "
                              f"{type(drafter).__name__}: export it with `nemo-tlt convert --from drafter "
                              "--to eagle3-hf` and pass the folder")
-        if self.config.drafter_dir is None:
-            raise ValueError("TRTLLMRolloutEngine.load_drafter: the LLM was built without a drafter "
-                             "(TRTLLMEngineConfig.drafter_dir is null); TensorRT-LLM cannot add one at runtime")
-        folder = Path(drafter)
-        check_drafter_layers(folder, self._captured)
-        tensors = read_state_dict(folder)
-        prefix = self.config.drafter_weight_prefix
-        self.llm._collective_rpc("update_weights", (self._ipc_handles([(prefix + n, t) for n, t in tensors.items()]),))
-        self.llm._collective_rpc("update_weights", (None,))
-        self._drafter_loaded = True
+        if drafter is None:
+            if self.config.drafter_dir is not None:
+                self.restart(drafter_dir=None, draft_len_schedule=None, max_concurrency=None)
+            return
+        self.restart(drafter_dir=str(drafter))
 
     def generate(self, requests: list[Request], sampling: SamplingParams, *, policy: SpecPolicy | None = None,
                  return_hidden: bool = False, on_finish: FinishSink | None = None) -> GenerateOutput:
         """See `RolloutEngine.generate` and the module docstring (coupled and
         return_hidden are refused; ``on_finish`` sees every request at the end: the LLM API's
         batch call returns them together)."""
-        if self._failed_load is not None:
-            raise ValueError(f"generate: the last load_policy_weights failed midway ({self._failed_load}); "
-                             "load complete weights first")
+        if self._unservable is not None:
+            raise ValueError(f"generate: {self._unservable}")
         validate_requests(requests, sampling, self._model_config)
         if return_hidden:
             raise ValueError("generate: return_hidden is not available from TensorRT-LLM's LLM API; harvest "
                              "drafter data from the policy's forward (drafter.harvest_from=policy)")
         if policy is not None:
             policy.begin_rollout()
-        self._install_schedule(policy)
+        self._check_schedule(policy)
         t0 = time.perf_counter()
         eos = self._model_config.eos_token_id
-        speculating = self._drafter_loaded and bool(self._schedule)
-        params = [self._trtllm.SamplingParams(**sampling_kwargs(sampling, eos, r.seq_id if r.seq_id is not None else i,
-                                                                speculating))
+        speculating = bool(self._schedule)
+        params = [self._sampling_params(sampling_kwargs(sampling, eos, r.seq_id if r.seq_id is not None else i,
+                                                        speculating))
                   for i, r in enumerate(requests)]
         outputs = self.llm.generate([list(r.prompt) for r in requests], params, use_tqdm=False)
         results = [completion_to_result(o.outputs[0].token_ids, o.outputs[0].finish_reason, sampling, eos,
-                                        o.outputs[0].logprobs) for o in outputs]
+                                        o.outputs[0].logprobs, logprobs_requested=not speculating) for o in outputs]
         stats = GenerationStats(tokens_generated=sum(len(r.tokens) for r in results))
         stats.wall_s = stats.time_other_s = time.perf_counter() - t0
         self.last_speculation = None
@@ -354,34 +407,36 @@ class TRTLLMRolloutEngine:
         if on_finish is not None:
             for i, result in enumerate(results):
                 on_finish(i, result)
-        return GenerateOutput(results, stats)
+        return GenerateOutput(results, stats, logprobs_from="none" if speculating else "engine")
 
-    def _install_schedule(self, policy: SpecPolicy | None) -> None:
-        """The policy's draft_len_schedule, sent to the workers when it changed."""
-        if not self._drafter_loaded:
-            if policy is not None and draft_len_schedule(policy, self.config.max_draft_len,
-                                                         self.config.max_batch_size):
-                raise ValueError("generate: the policy asks for speculation but no drafter is loaded")
-            wanted: dict[int, int] = {}
-        else:
-            wanted = draft_len_schedule(policy, self.config.max_draft_len, self.config.max_batch_size)
-        if wanted == self._schedule:
+    def _sampling_params(self, kwargs: dict[str, Any]) -> Any:
+        if "logprobs_mode" in kwargs:
+            from tensorrt_llm.sampling_params import LogprobMode  # lazy: optional package
+
+            kwargs = {**kwargs, "logprobs_mode": LogprobMode[kwargs["logprobs_mode"]]}
+        return self._trtllm.SamplingParams(**kwargs)
+
+    def _check_schedule(self, policy: SpecPolicy | None) -> None:
+        """The policy's schedule must be the one the LLM was built with (by batch size)."""
+        n = self.config.max_batch_size
+        wanted = draft_len_schedule(policy, self._ceiling, n)
+        if all(schedule_length(wanted, b) == schedule_length(self._schedule, b) for b in range(1, n + 1)):
             return
-        if not self.config.runtime_schedule:
-            raise ValueError(f"generate: the policy's draft_len_schedule {wanted} differs from the one the LLM was "
-                             f"built with {self._schedule} and TRTLLMEngineConfig.runtime_schedule is false")
-        self.llm._collective_rpc("set_draft_len_schedule", (wanted,))
-        self._schedule = wanted
+        if not self._schedule:
+            raise ValueError("generate: the policy asks for speculation but the LLM was built without a drafter "
+                             f"(policy schedule {wanted}); restart it with one: engine.load_drafter(folder)")
+        raise ValueError(f"generate: the policy's draft_len_schedule {wanted} differs from the one the LLM was built "
+                         f"with {self._schedule}; TensorRT-LLM captured its CUDA graphs for that one at start-up: "
+                         "rebuild it with engine.restart(**trtllm_schedule.build_settings(policy, "
+                         f"{self._ceiling}, {n})), or engine.load_drafter(None) for plain decoding")
 
     def _ipc_handles(self, bucket: list[tuple[str, torch.Tensor]]) -> dict[str, list[tuple[str, Any]]]:
-        """TensorRT-LLM's ``update_weights`` payload: per worker device UUID, (name, CUDA IPC
-        handle) pairs of the tensors copied to that device (workers of this node: TP ranks)."""
+        """TensorRT-LLM's ``update_weights`` payload: per worker device UUID (as the workers
+        report it), (name, CUDA IPC handle) pairs of the tensors copied to that device."""
         from torch.multiprocessing.reductions import reduce_tensor
-        from tensorrt_llm._torch.utils import get_device_uuid  # the UUID form the workers look up
 
-        handles: dict[str, list[tuple[str, Any]]] = {}
-        for device in range(self.config.tensor_parallel_size):
-            on_device = [(name, t.to(f"cuda:{device}").contiguous()) for name, t in bucket]
-            handles[get_device_uuid(device)] = [(name, reduce_tensor(t)) for name, t in on_device]
-        return handles
+        return {uuid: [(name, reduce_tensor(self._copy_to_device(t, uuid))) for name, t in bucket]
+                for uuid in self._device_uuids}
 
+    def _copy_to_device(self, tensor: torch.Tensor, uuid: str) -> torch.Tensor:
+        return tensor.to(local_cuda_device(uuid)).contiguous()

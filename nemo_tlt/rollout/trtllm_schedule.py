@@ -29,6 +29,7 @@ so ``topk`` and ``num_verify`` do not carry over. Depths above the engine's
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from nemo_tlt.adaptive.learned_policy import LearnedSDPolicy
 from nemo_tlt.adaptive.sd_policy import AdaptiveSDPolicy, FixedSDPolicy, SpecPolicy
@@ -75,6 +76,29 @@ def compress_schedule(lengths: Sequence[int]) -> dict[int, int]:
 def draft_len_schedule(policy: SpecPolicy | None, max_draft_len: int, max_batch_size: int) -> dict[int, int]:
     """``compress_schedule(draft_lengths(...))``: the schedule to install before a rollout."""
     return compress_schedule(draft_lengths(policy, max_draft_len, max_batch_size))
+
+
+def build_settings(policy: SpecPolicy | None, max_draft_len: int, max_batch_size: int) -> dict[str, Any]:
+    """The `TRTLLMEngineConfig` settings that build the LLM with the policy's schedule:
+    ``settings_for_schedule(draft_len_schedule(...))``."""
+    return settings_for_schedule(draft_len_schedule(policy, max_draft_len, max_batch_size))
+
+
+def settings_for_schedule(schedule: dict[int, int]) -> dict[str, Any]:
+    """``max_draft_len``, ``draft_len_schedule`` and ``max_concurrency`` of a `TRTLLMEngineConfig`
+    built with ``schedule``, under TensorRT-LLM's build-time rule: the smallest batch size's
+    length is ``max_draft_len`` and none is longer. ``{}`` (plain decoding everywhere) has no
+    such form: build without a drafter. A schedule whose longest draft is not at the smallest
+    batch sizes is a ValueError."""
+    if not schedule:
+        raise ValueError("the policy never speculates: build the LLM without a drafter "
+                         "(TRTLLMEngineConfig.drafter_dir null)")
+    schedule = dict(sorted(schedule.items()))
+    first = schedule[min(schedule)]
+    if first == 0 or max(schedule.values()) > first:
+        raise ValueError(f"the draft_len_schedule {schedule} is not expressible in TensorRT-LLM, which wants the "
+                         "longest draft at the smallest batch sizes (the smallest key maps to max_draft_len)")
+    return {"max_draft_len": first, "draft_len_schedule": schedule, "max_concurrency": None}
 
 
 def schedule_length(schedule: dict[int, int], batch_size: int) -> int:

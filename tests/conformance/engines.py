@@ -51,7 +51,9 @@ class EngineSpec:
     EAGLE-3 drafter (TensorRT-LLM takes it only at build time). ``sd_top_k``: it samples with
     top-k in rejection mode while it can speculate (vLLM's CPU backend cannot: an engine built
     with a drafter samples every step through vLLM's rejection sampler, which fails on top-k
-    there; such an engine refuses any rejection top-k, plain decoding included)."""
+    there; such an engine refuses any rejection top-k, plain decoding included).
+    ``sd_logprobs``: it reports log-probs while a drafter is loaded (TensorRT-LLM refuses them
+    with speculative decoding: its results then say ``logprobs_from="none"``, NaN per token)."""
 
     name: str
     open: Callable[[Path, "EngineUnderTest"], RolloutEngine]
@@ -68,6 +70,7 @@ class EngineSpec:
     accept_stats: bool = True
     build_with_eagle3: Callable[[Path, str, tuple[int, ...]], RolloutEngine] | None = None
     sd_top_k: bool = True
+    sd_logprobs: bool = True
 
     def limits(self) -> list[str]:
         """What this engine declares it cannot do, one phrase each."""
@@ -76,6 +79,7 @@ class EngineSpec:
         out += [] if self.step_stats else ["per-step stats"]
         out += [f"drafter kind {k!r}" for k in DRAFTERS if k not in self.drafter_kinds]
         out += [] if self.sd_top_k else ["rejection top-k while it can speculate"]
+        out += [] if self.sd_logprobs else ["log-probs while a drafter is loaded"]
         return out
 
 
@@ -179,7 +183,7 @@ class TRTLLMLimitedTorchEngine:
     TensorRT-LLM engine's own checks, per-step stats not reported; acceptance reported as
     TensorRT-LLM reports it (per request: decode iterations and tokens per iteration; here one
     record for the whole rollout) through the TensorRT-LLM engine's own mapping
-    (`speculation_report`)."""
+    (`speculation_report`); no log-probs while a drafter is loaded (NaN, ``logprobs_from="none"``)."""
 
     def __init__(self, model_dir: Path, drafter_dir: str, layers: tuple[int, ...]) -> None:
         self._engine = TorchRolloutEngine.from_hf_folder(model_dir)
@@ -208,6 +212,10 @@ class TRTLLMLimitedTorchEngine:
         if return_hidden:
             raise ValueError("generate: return_hidden is not available from TensorRT-LLM's LLM API")
         out = self._engine.generate(requests, sampling, policy=policy)
+        drafting = self._engine.drafter is not None
+        if drafting:  # TensorRT-LLM reports no log-probs with speculative decoding configured
+            for result in out.results:
+                result.logprobs = [float("nan")] * len(result.tokens)
         stats = GenerationStats(tokens_generated=out.stats.tokens_generated)
         stats.wall_s = stats.time_other_s = out.stats.wall_s
         steps = out.stats.accept_lengths
@@ -217,14 +225,14 @@ class TRTLLMLimitedTorchEngine:
             _, stats.accept_lengths = speculation_report([reported])
         for i, result in enumerate(out.results if on_finish is not None else ()):  # together, as the LLM API's
             on_finish(i, result)
-        return GenerateOutput(out.results, stats)
+        return GenerateOutput(out.results, stats, logprobs_from="none" if drafting else "engine")
 
 
 TORCH = EngineSpec("torch", _open_torch, build_with_eagle3=_build_torch)
 TRTLLM_LIMITS = EngineSpec(
     "torch-as-trtllm", lambda model_dir, under_test: _open_with_eagle3(model_dir, under_test, TRTLLMLimitedTorchEngine),
     modes=("greedy", "rejection"), hidden_states=False, step_stats=False, drafter_kinds=("eagle3",),
-    drafter_form="eagle3-hf", build_with_eagle3=TRTLLMLimitedTorchEngine,
+    drafter_form="eagle3-hf", build_with_eagle3=TRTLLMLimitedTorchEngine, sd_logprobs=False,
     # 3 layers: the EAGLE-3 drafter captures (0, 1, 2); on 2 it would repeat one, and
     # TensorRT-LLM captures distinct layers (trtllm_engine.check_drafter_layers)
     model_shape=dict(num_layers=3),

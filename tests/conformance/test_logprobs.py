@@ -57,9 +57,15 @@ def test_sd_logprobs_equal_plain_and_a_full_forward(make_engine, engines, refere
     sp = SamplingParams(mode=mode, max_new_tokens=24, seed=11, **SAMPLINGS[setting])
     base = plain.generate(reqs, sp)
     check_against_reference(base, reqs, reference, sp, atol)
+    assert base.logprobs_from == "engine"
     for shape in SHAPES:
         out = sd.generate(reqs, sp, policy=FixedSDPolicy(shape))
         assert out.stats.sd_steps > 0 or not make_engine.spec.step_stats
+        if not make_engine.spec.sd_logprobs:  # declared: none reported, and said so
+            assert out.logprobs_from == "none"
+            assert all(len(r.logprobs) == len(r.tokens) and all(x != x for x in r.logprobs) for r in out.results)
+            continue
+        assert out.logprobs_from == "engine"
         check_against_reference(out, reqs, reference, sp, atol)
         if mode != "rejection":  # the same tokens: the same log-probs
             assert tokens(out) == tokens(base)

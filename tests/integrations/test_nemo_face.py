@@ -83,10 +83,8 @@ def test_nemo_rl_adapter_keys_padding_and_refit(tmp_path):
     target = tiny_target(seed=3)
     engine = TorchRolloutEngine(target)
     new = tiny_target(seed=9).state_dict()
-    gen = TLTGeneration(engine, SamplingParams(mode="rejection", max_new_tokens=6), pad_token_id=0,
-                        weight_source=lambda: iter(new.items()))
-    gen.prepare_refit_info({n: (t.shape, t.dtype) for n, t in new.items()})
-    gen.update_weights_from_collective()
+    gen = TLTGeneration(engine, SamplingParams(mode="rejection", max_new_tokens=6), pad_token_id=0)
+    gen.update_weights(new)
     assert gen.prepare_for_generation()
     out = gen.generate({"input_ids": torch.tensor([[3, 4, 0], [5, 6, 7]]), "input_lengths": torch.tensor([2, 3])},
                        greedy=True)

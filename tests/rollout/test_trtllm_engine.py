@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
+from nemo_tlt.adaptive.sd_policy import AdaptiveSDPolicy, FixedSDPolicy, SDPolicyConfig
 from nemo_tlt.device import Placement
 from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.eagle3_hf import write_eagle3_hf
@@ -28,8 +29,10 @@ from nemo_tlt.rollout.config import RolloutConfig
 from nemo_tlt.rollout.factory import build_rollout_engine, engine_tensor_parallel
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
-from nemo_tlt.rollout.trtllm_config import TRTLLM_REQUIREMENT, WORKER_EXTENSION, TRTLLMEngineConfig
+from nemo_tlt.rollout.trtllm_config import (TRTLLM_INDEX, TRTLLM_INSTALL, TRTLLM_REQUIREMENT, TRTLLM_SOURCE,
+                                            WORKER_EXTENSION, TRTLLMEngineConfig)
 from nemo_tlt.rollout.trtllm_run import TrainRunAsks, train_run_refusal, unsupported_settings
+from nemo_tlt.rollout.trtllm_schedule import build_settings, settings_for_schedule
 from nemo_tlt.rollout.trtllm_stats import speculation_report
 from nemo_tlt.rollout.trtllm_engine import (TRTLLMRolloutEngine, canonical_shapes, check_drafter_layers,
                                             completion_to_result, import_tensorrt_llm, sampling_kwargs,
@@ -42,16 +45,21 @@ from tiny import tiny_config, tiny_target
 
 def test_missing_package_error_names_it_and_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # makes the import fail like a missing package
-    with pytest.raises(ImportError, match=r"'tensorrt_llm' package.*pip install nemo-tlt\[trtllm\]"):
+    with pytest.raises(ImportError, match=r"'tensorrt_llm' package.*" + re.escape(TRTLLM_INSTALL)):
         import_tensorrt_llm()
     with pytest.raises(ImportError, match="tensorrt_llm"):
         TRTLLMRolloutEngine(TRTLLMEngineConfig(target_dir="unused"))
 
 
-def test_the_extra_pins_the_requirement_the_code_follows():
+def test_the_extra_pins_the_release_the_code_follows_and_names_its_index():
+    """One release (its facts are that release's), from the index that holds its wheel: PyPI's
+    tensorrt_llm is a placeholder that fetches the wheel from NVIDIA's index at install time."""
     import tomllib
     pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     assert pyproject["project"]["optional-dependencies"]["trtllm"] == [TRTLLM_REQUIREMENT]
+    assert re.fullmatch(r"tensorrt_llm==\d+\.\d+\.\d+(rc\d+)?", TRTLLM_REQUIREMENT)
+    assert f"--extra-index-url {TRTLLM_INDEX}" in TRTLLM_INSTALL and TRTLLM_INDEX == "https://pypi.nvidia.com/"
+    assert re.fullmatch(r"NVIDIA/TensorRT-LLM@[0-9a-f]{40}", TRTLLM_SOURCE)
 
 
 def test_train_run_refusals_name_each_setting(monkeypatch):
@@ -65,7 +73,7 @@ def test_train_run_refusals_name_each_setting(monkeypatch):
     assert train_run_refusal(baseline) is None
     assert "pip install" not in train_run_refusal(TrainRunAsks("coupled", False, False, "policy"))
     monkeypatch.setattr(trtllm_run, "tensorrt_llm_installed", lambda: False)
-    assert "pip install nemo-tlt[trtllm]" in train_run_refusal(baseline)
+    assert TRTLLM_INSTALL in train_run_refusal(baseline)
 
 
 def test_factory_builds_the_trtllm_engine_on_cuda_only(monkeypatch, tmp_path):
@@ -86,10 +94,14 @@ def test_coupled_sampling_is_refused_with_the_reason():
 
 def test_sampling_kwargs_greedy_and_sampled():
     g = sampling_kwargs(SamplingParams(mode="greedy", max_new_tokens=7), eos_token_id=2, seq_id=5)
-    assert g == {"max_tokens": 7, "end_id": 2, "detokenize": False, "logprobs": 1, "top_k": 1, "temperature": 0.0}
+    assert g == {"max_tokens": 7, "end_id": 2, "detokenize": False, "logprobs": 1, "logprobs_mode": "RAW",
+                 "top_k": 1, "temperature": 0.0}
     s = sampling_kwargs(SamplingParams(mode="rejection", temperature=0.7, top_p=0.9, seed=3, stop_on_eos=False),
                         eos_token_id=2, seq_id=5)
     assert s["end_id"] == -1 and s["top_k"] is None and s["top_p"] == 0.9 and s["temperature"] == 0.7
+    assert s["logprobs"] == 1 and s["logprobs_mode"] == "PROCESSED"  # the sampling transform's
+    spec = sampling_kwargs(SamplingParams(mode="rejection", seed=3), 2, seq_id=5, speculating=True)
+    assert "logprobs" not in spec and "logprobs_mode" not in spec and spec["return_perf_metrics"]
     other = sampling_kwargs(SamplingParams(mode="rejection", seed=3), 2, seq_id=6)
     assert s["seed"] != other["seed"]  # one random stream per sequence
 
@@ -157,8 +169,18 @@ def test_config_validation_and_llm_kwargs():
                                         "max_concurrency": 16}
     kw = cfg.llm_kwargs()
     assert kw["orchestrator_type"] == "ray" and kw["ray_worker_extension_cls"] == WORKER_EXTENSION
+    assert kw["allreduce_strategy"] == "NCCL"  # TensorRT-LLM's AsyncLLM forces it for RL (TP > 1 all-reduce)
     assert cfg.build_schedule() == {16: 3}
     assert TRTLLMEngineConfig(target_dir="t").speculative_kwargs() is None
+    scheduled = TRTLLMEngineConfig(target_dir="t", drafter_dir="d", max_draft_len=3, draft_len_schedule={8: 1, 2: 3})
+    assert scheduled.draft_len_schedule == {2: 3, 8: 1} == scheduled.speculative_kwargs()["draft_len_schedule"]
+    assert scheduled.build_schedule() == {2: 3, 8: 1}
+    for bad, why in (({2: 2}, "smallest batch size's length"), ({2: 3, 4: 4}, "no length above"),
+                     ({0: 3}, "key"), ({}, "non-empty")):
+        with pytest.raises(ValueError, match=why):
+            TRTLLMEngineConfig(target_dir="t", drafter_dir="d", max_draft_len=3, draft_len_schedule=bad)
+    with pytest.raises(ValueError, match="excludes max_concurrency"):
+        TRTLLMEngineConfig(target_dir="t", drafter_dir="d", max_concurrency=4, draft_len_schedule={4: 4})
 
 
 def _exported_drafter(cfg, folder, capture_layers=None, seed=0) -> str:
@@ -248,8 +270,9 @@ def served(monkeypatch, tmp_path):
 
 
 def _speculating_engine(served, **kwargs) -> TRTLLMRolloutEngine:
-    return TRTLLMRolloutEngine.from_hf_folder(served.folder, drafter_dir=served.drafter_dir, max_draft_len=4,
-                                              max_batch_size=8, eagle3_layers_to_capture=(0, 1, 2), **kwargs)
+    kwargs = {"max_draft_len": 4, "max_batch_size": 8, **kwargs}
+    return TRTLLMRolloutEngine.from_hf_folder(served.folder, drafter_dir=served.drafter_dir,
+                                              eagle3_layers_to_capture=(0, 1, 2), **kwargs)
 
 
 REQS = [Request([3, 4]), Request([5], seq_id=9), Request([7, 8, 9])]
@@ -260,25 +283,35 @@ def _tokens(out) -> list[list[int]]:
 
 
 def test_engine_returns_what_the_served_model_generates(served):
-    """Prompts, sampling and results cross the LLM API intact: the tokens, stop reasons and
-    log-probs are the served model's own (the torch engine on the same weights), plain or
-    speculating; a sampled rollout follows its seed."""
-    engine = _speculating_engine(served)
-    assert engine.llm.kwargs["speculative_config"].speculative_model == served.drafter_dir
-    assert engine.model_config == tiny_config(num_layers=3)
+    """Prompts, sampling and results cross the LLM API intact: the tokens and stop reasons are
+    the served model's own (the torch engine on the same weights), plain or speculating; a
+    sampled rollout follows its seed. Log-probs: plain decoding asks TensorRT-LLM for RAW ones
+    in greedy (our greedy definition) and PROCESSED ones when sampling (the transform drawn
+    from, here temperature 1.5); speculating asks for none (TensorRT-LLM refuses log-probs with
+    speculative decoding) and says so: NaN, ``logprobs_from="none"``."""
+    plain = TRTLLMRolloutEngine.from_hf_folder(served.folder, max_batch_size=8)
+    spec = _speculating_engine(served)
+    assert spec.llm.kwargs["speculative_config"].speculative_model == served.drafter_dir
+    assert plain.model_config == tiny_config(num_layers=3)
     sp = SamplingParams(mode="greedy", max_new_tokens=12)
     want = TorchRolloutEngine(served.target).generate(REQS, sp).results
-    for policy in (None, FixedSDPolicy(TreeShape(2, 1, 2))):
-        got = engine.generate(REQS, sp, policy=policy).results
-        assert [r.tokens for r in got] == [w.tokens for w in want]
-        assert [r.stop_reason for r in got] == [w.stop_reason for w in want]
-        for r, w in zip(got, want):
-            torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-5)
-    prompts, params = engine.llm.calls[-1]
+    for engine, policy in ((plain, None), (spec, FixedSDPolicy(TreeShape(4, 1, 4)))):
+        out = engine.generate(REQS, sp, policy=policy)
+        assert [r.tokens for r in out.results] == [w.tokens for w in want]
+        assert [r.stop_reason for r in out.results] == [w.stop_reason for w in want]
+        if engine is plain:
+            assert out.logprobs_from == "engine"
+            for r, w in zip(out.results, want):
+                torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-5)
+        else:
+            assert out.logprobs_from == "none" and engine.llm.calls[-1][1][0].logprobs is None
+            assert all(len(r.logprobs) == len(r.tokens) and all(math.isnan(x) for x in r.logprobs)
+                       for r in out.results)
+    prompts, params = plain.llm.calls[-1]
     assert prompts == [[3, 4], [5], [7, 8, 9]] and params[0].max_tokens == 12 and params[0].end_id == 2
     sampled = SamplingParams(mode="rejection", temperature=1.5, max_new_tokens=12, stop_on_eos=False)
-    one, again = engine.generate(REQS, sampled), engine.generate(REQS, sampled)
-    other = engine.generate(REQS, replace(sampled, seed=1))
+    one, again = plain.generate(REQS, sampled), plain.generate(REQS, sampled)
+    other = plain.generate(REQS, replace(sampled, seed=1))
     assert _tokens(one) == _tokens(again) != _tokens(other)
     assert all(len(t) == 12 for t in _tokens(one)) and not any(r.stop_reason == "eos" for r in one.results)
     for req, r in zip(REQS, one.results):  # drawn at temperature 1.5: the log-probs say so
@@ -288,53 +321,21 @@ def test_engine_returns_what_the_served_model_generates(served):
         want_lp = logits.log_softmax(-1).gather(-1, torch.tensor(r.tokens)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(r.logprobs), want_lp, rtol=0, atol=1e-4)
     with pytest.raises(ValueError, match="return_hidden"):
-        engine.generate([Request([3])], SamplingParams(max_new_tokens=4), return_hidden=True)
+        plain.generate([Request([3])], SamplingParams(max_new_tokens=4), return_hidden=True)
+
+
+def test_the_stand_in_refuses_log_probs_with_speculation_as_upstream(served):
+    """What the engine must avoid: a request with log-probs on an LLM built with a speculative
+    config fails (TensorRT-LLM's ``SpecSampler.validate_request``)."""
+    engine = _speculating_engine(served)
+    params = standin.SamplingParams(max_tokens=4, end_id=-1, detokenize=False, logprobs=1)
+    with pytest.raises(ValueError, match="not supported with speculative decoding: \\['logprobs'\\]"):
+        engine.llm.generate([[3, 4]], [params])
 
 
 def _drafted_per_iteration(spec) -> float:
     """Draft tokens per decode iteration of the rollout (each request's context iteration drafts none)."""
     return spec.draft_tokens / (spec.iterations - spec.requests)
-
-
-def test_the_policys_schedule_sets_the_draft_length_and_a_dropped_drafter_stops_it(served):
-    """Each policy's draft_len_schedule reaches the workers and decides how many tokens each
-    iteration drafts (tokens unchanged: greedy SD is lossless); without a drafter nothing is
-    drafted, and a reloaded one drafts again."""
-    engine = _speculating_engine(served)
-    spec_config = standin.worker(engine).engine.model_engine.spec_config
-    reqs, sp = REQS[:2], SamplingParams(mode="greedy", max_new_tokens=10, stop_on_eos=False)
-    plain = _tokens(TorchRolloutEngine(served.target).generate(reqs, sp))
-    for depth in (2, 4, 2):
-        out = engine.generate(reqs, sp, policy=FixedSDPolicy(TreeShape(depth, 1, depth)))
-        spec = engine.last_speculation
-        assert _tokens(out) == plain and spec.requests == 2 and _drafted_per_iteration(spec) == depth
-        assert spec_config.draft_len_schedule == {8: depth}
-        assert len(out.stats.accept_lengths) == spec.iterations and sum(out.stats.accept_lengths) == 20
-        assert engine.llm.calls[-1][1][0].return_perf_metrics
-    sent = [args for method, args in engine.llm.rpcs if method == "set_draft_len_schedule"]
-    assert sent == [({8: 2},), ({8: 4},), ({8: 2},)]
-    engine.generate(reqs, sp, policy=FixedSDPolicy(TreeShape(2, 1, 2)))
-    assert len(engine.llm.rpcs) == 3  # unchanged schedule: not sent again
-    out = engine.generate(reqs, sp)  # no policy: speculation off
-    assert _tokens(out) == plain and spec_config.draft_len_schedule == {1: 0}
-    assert out.stats.accept_lengths == [] and engine.last_speculation is None
-    assert not engine.llm.calls[-1][1][0].return_perf_metrics
-    engine.load_drafter(None)
-    with pytest.raises(ValueError, match="no drafter is loaded"):
-        engine.generate(reqs, sp, policy=FixedSDPolicy(TreeShape(2, 1, 2)))
-    assert spec_config.draft_len_schedule == {1: 0}
-    other = _exported_drafter(tiny_config(num_layers=3), served.tmp / "other", seed=7)
-    drafter = standin.worker(engine).engine.model_engine.model.draft_model
-    written = read_state_dict(other)
-    assert not torch.equal(drafter.state_dict()["fc.weight"], written["fc.weight"])
-    engine.load_drafter(other)  # the unverified drafter refit: into the draft module by name
-    assert all(torch.equal(drafter.state_dict()[n], t) for n, t in written.items())
-    out = engine.generate(reqs, sp, policy=FixedSDPolicy(TreeShape(3, 1, 3)))
-    assert _tokens(out) == plain and _drafted_per_iteration(engine.last_speculation) == 3
-    with pytest.raises(ValueError, match="not a torch|EAGLE-3 HF folder"):
-        engine.load_drafter(torch.nn.Linear(1, 1))
-    with pytest.raises(ValueError, match=r"trained on target layers \[1, 2\]"):
-        engine.load_drafter(_exported_drafter(tiny_config(num_layers=3), served.tmp / "two", capture_layers=(1, 2)))
 
 
 def _perf(llm, prompts, max_tokens=8):
@@ -344,26 +345,71 @@ def _perf(llm, prompts, max_tokens=8):
             for o in llm.generate(prompts, [params] * len(prompts))]
 
 
-def test_the_worker_extension_installs_the_schedule_by_batch_size(served):
-    """``TLTWorkerExtension.set_draft_len_schedule`` (called as the engine calls it, through
-    ``_collective_rpc``) decides speculation from the next iteration on, by the running batch
-    size: {1: 3} drafts 3 tokens per iteration for one request and none for two; {} none at all."""
-    engine = _speculating_engine(served)
-    ext = standin.worker(engine)
-    assert isinstance(ext, importlib.import_module(standin.WORKER_MODULE).TLTWorkerExtension)
-    engine.llm._collective_rpc("set_draft_len_schedule", ({1: 3},))
-    assert ext.engine.model_engine.spec_config.draft_len_schedule == {1: 3}
+def test_the_schedule_is_the_policys_at_build_and_a_change_is_a_restart(served):
+    """The LLM is built with the policy's draft_len_schedule (TensorRT-LLM captures its CUDA
+    graphs for it at start-up), which decides each iteration's draft length by the running
+    batch size: {1: 3} drafts 3 tokens for one request and none for two. A policy asking for
+    another schedule is refused, naming the restart; ``restart`` builds a new LLM (the old one
+    shut down) with it; after a policy refit the restarted LLM serves the folder's weights, so
+    ``generate`` refuses until the next refit."""
+    one = AdaptiveSDPolicy(SDPolicyConfig(threshold_on=1, threshold_off=2), fixed_shape=TreeShape(3, 1, 3))
+    settings = build_settings(one, 4, 8)
+    assert settings == {"max_draft_len": 3, "draft_len_schedule": {1: 3}, "max_concurrency": None}
+    engine = _speculating_engine(served, **settings)
+    assert engine.llm.kwargs["speculative_config"].draft_len_schedule == {1: 3}
     (iters, drafted), = _perf(engine.llm, [[3, 4]])
     assert iters > 1 and drafted == 3 * (iters - 1)
     assert [d for _, d in _perf(engine.llm, [[3, 4], [5, 6]])] == [0, 0]  # batch 2: above the largest key
-    ext.set_draft_len_schedule({2: 2, 1: 4})
-    assert list(ext.engine.model_engine.spec_config.draft_len_schedule.items()) == [(1, 4), (2, 2)]
-    assert all(drafted == 2 * (iters - 1) for iters, drafted in _perf(engine.llm, [[3, 4], [5, 6]]))
-    ext.set_draft_len_schedule({})
-    assert _perf(engine.llm, [[3, 4]]) == [(8, 0)]  # one token per iteration, nothing drafted
-    plain = TRTLLMRolloutEngine.from_hf_folder(served.folder, max_batch_size=8)
-    with pytest.raises(ValueError, match="built without a speculative_config"):
-        plain.llm._collective_rpc("set_draft_len_schedule", ({1: 3},))
+    reqs, sp = REQS[:1], SamplingParams(mode="greedy", max_new_tokens=10, stop_on_eos=False)
+    plain = _tokens(TorchRolloutEngine(served.target).generate(reqs, sp))
+    assert _tokens(engine.generate(reqs, sp, policy=one)) == plain
+    assert _drafted_per_iteration(engine.last_speculation) == 3
+    two = FixedSDPolicy(TreeShape(2, 1, 2))
+    with pytest.raises(ValueError, match=r"differs from the one the LLM was built with \{1: 3\}.*restart"):
+        engine.generate(reqs, sp, policy=two)
+    with pytest.raises(ValueError, match="differs"):
+        engine.generate(reqs, sp)  # no policy is plain decoding: another schedule too
+    first = engine.llm
+    assert engine.restart(**build_settings(two, 4, 8)) == engine.last_restart_s >= 0
+    assert not first.running and engine.llm is not first and standin.LLM.built[-1] is engine.llm
+    assert _tokens(engine.generate(reqs, sp, policy=two)) == plain
+    assert _drafted_per_iteration(engine.last_speculation) == 2
+    for rising in ({2: 1, 8: 3}, {2: 0, 8: 3}):  # the longest draft must be at the smallest batch sizes
+        with pytest.raises(ValueError, match="not expressible"):
+            settings_for_schedule(rising)
+    with pytest.raises(ValueError, match="never speculates"):
+        build_settings(None, 4, 8)
+    engine.load_policy_weights(served.target.state_dict())
+    engine.restart(**build_settings(one, 4, 8))
+    with pytest.raises(ValueError, match="serves target_dir's weights"):
+        engine.generate(reqs, sp, policy=one)
+    engine.load_policy_weights(served.target.state_dict())
+    assert _tokens(engine.generate(reqs, sp, policy=one)) == plain
+    engine.load_drafter(None)  # plain decoding: a restart without the drafter
+    assert engine.llm.kwargs["speculative_config"] is None
+    engine.load_policy_weights(served.target.state_dict())
+    with pytest.raises(ValueError, match="built without a drafter"):
+        engine.generate(reqs, sp, policy=one)
+    out = engine.generate(reqs, sp)
+    assert _tokens(out) == plain and engine.last_speculation is None and out.logprobs_from == "engine"
+    with pytest.raises(ValueError, match="not a torch|EAGLE-3 HF folder"):
+        engine.load_drafter(torch.nn.Linear(1, 1))
+    with pytest.raises(ValueError, match=r"trained on target layers \[1, 2\]"):
+        engine.load_drafter(_exported_drafter(tiny_config(num_layers=3), served.tmp / "two", capture_layers=(1, 2)))
+    assert engine.llm.running  # a refused drafter leaves the running LLM alone
+
+
+def test_weights_are_sent_to_the_gpu_each_worker_reports(served, monkeypatch):
+    """The IPC payload is keyed by the UUID each worker reports (``report_device_id``), not by
+    this process's device numbering: a worker on GPU 2 gets its tensors."""
+    monkeypatch.setattr(standin.LLM, "worker_device", 2)
+    engine = TRTLLMRolloutEngine.from_hf_folder(served.folder, max_batch_size=8)
+    other = tiny_target(seed=5, num_layers=3)
+    engine.load_policy_weights(other.state_dict())
+    (handles,), = [args for method, args in engine.llm.rpcs if method == "update_weights" and args[0]]
+    assert list(handles) == [standin.get_device_uuid(2)]
+    sp = SamplingParams(mode="greedy", max_new_tokens=8)
+    assert _tokens(engine.generate(REQS, sp)) == _tokens(TorchRolloutEngine(other).generate(REQS, sp))
 
 
 def test_policy_weights_refit_changes_the_tokens_and_back(served):
@@ -372,21 +418,22 @@ def test_policy_weights_refit_changes_the_tokens_and_back(served):
     a stream refused before its first bucket changes nothing."""
     engine = _speculating_engine(served)
     sp = SamplingParams(mode="greedy", max_new_tokens=12)
-    before = _tokens(engine.generate(REQS, sp))
+    policy = FixedSDPolicy(TreeShape(4, 1, 4))
+    before = _tokens(engine.generate(REQS, sp, policy=policy))
     other = tiny_target(seed=5, num_layers=3)
     want = _tokens(TorchRolloutEngine(other).generate(REQS, sp))
     assert want != before
     engine.load_policy_weights(other.state_dict())
-    assert _tokens(engine.generate(REQS, sp)) == want
+    assert _tokens(engine.generate(REQS, sp, policy=policy)) == want
     refits = [args for method, args in engine.llm.rpcs if method == "update_weights"]
     assert len(refits) == 2 and refits[-1] == (None,)  # one bucket (the tiny model), then the finalising call
     assert standin.worker(engine).engine.prefix_cache_resets == 1
     engine.load_policy_weights(iter(served.target.state_dict().items()))
-    assert _tokens(engine.generate(REQS, sp)) == before
+    assert _tokens(engine.generate(REQS, sp, policy=policy)) == before
     name, tensor = next(iter(served.target.state_dict().items()))
     with pytest.raises(ValueError, match="was given twice"):
         engine.load_policy_weights([(name, other.state_dict()[name]), (name, tensor)])
-    assert _tokens(engine.generate(REQS, sp)) == before
+    assert _tokens(engine.generate(REQS, sp, policy=policy)) == before
 
 
 def _request_output(avg, iters, counters=None):
@@ -411,3 +458,76 @@ def test_speculation_report_is_tensorrt_llms_acceptance_length_per_verify_step()
         speculation_report([_request_output(2.0, 0)])
     with pytest.raises(ValueError, match="avg_decoded_tokens_per_iter=0.5"):
         speculation_report([_request_output(0.5, 2)])
+
+
+@pytest.fixture(scope="module")
+def demo_drafters(tmp_path_factory):
+    """The shipped demo target, its trained EAGLE-3 drafter exported in the HF layout, and an
+    untrained one of the same shape (TensorRT-LLM's default capture for 16 layers, {1, 7, 12},
+    is the trained drafter's)."""
+    from nemo_tlt.demo.assets import AssetConfig, task_requests
+    from nemo_tlt.demo.shipped_assets import SHIPPED_DIR, shipped_eagle3_drafter
+    from nemo_tlt.drafter.io import load_drafter
+    from nemo_tlt.model.hf_io import load_hf_folder
+
+    tmp = tmp_path_factory.mktemp("demo")
+    target_dir = SHIPPED_DIR / "target"
+    trained = load_drafter(shipped_eagle3_drafter(), load_hf_folder(target_dir))
+    untrained = Eagle3Drafter(trained.config, generator=torch.Generator().manual_seed(0))
+    _, reqs = task_requests(AssetConfig().task, 6, seed=20_000)
+    folders = {}
+    for name, drafter in (("trained", trained), ("untrained", untrained)):
+        (tmp / name).mkdir()
+        write_eagle3_hf(drafter, tmp / name)
+        folders[name] = str(tmp / name)
+    return SimpleNamespace(target_dir=target_dir, requests=reqs, **folders)
+
+
+def _acceptance(engine, demo, policy) -> tuple[list[list[int]], float]:
+    out = engine.generate(demo.requests, SamplingParams(mode="greedy", max_new_tokens=48), policy=policy)
+    return _tokens(out), engine.last_speculation.draft_acceptance
+
+
+def test_a_drafter_refit_restarts_with_the_new_folder_and_acceptance_shows_it(demo_drafters, monkeypatch):
+    """The drafter after idle-time training reaches TensorRT-LLM's draft module: load_drafter
+    rebuilds the LLM from the new folder (TensorRT-LLM's weight update skips ``draft_model``), so
+    the per-request acceptance after the refit is the new drafter's: an engine built with an
+    untrained drafter accepts few drafts, the same engine after load_drafter(trained) as many
+    as one built with the trained drafter; tokens stay the target's greedy ones throughout."""
+    standin.install(monkeypatch)
+    policy = FixedSDPolicy(TreeShape(4, 1, 4))
+    fresh = TRTLLMRolloutEngine.from_hf_folder(demo_drafters.target_dir, drafter_dir=demo_drafters.trained,
+                                               max_batch_size=8)
+    want_tokens, want_acceptance = _acceptance(fresh, demo_drafters, policy)
+    engine = TRTLLMRolloutEngine.from_hf_folder(demo_drafters.target_dir, drafter_dir=demo_drafters.untrained,
+                                                max_batch_size=8)
+    tokens, before = _acceptance(engine, demo_drafters, policy)
+    assert tokens == want_tokens and before < 0.05 < 0.3 < want_acceptance
+    engine.load_drafter(demo_drafters.trained)
+    assert engine.llm.kwargs["speculative_config"].speculative_model == demo_drafters.trained
+    assert _acceptance(engine, demo_drafters, policy) == (want_tokens, want_acceptance)
+
+
+def test_the_nemo_adapters_load_the_drafters_weights(demo_drafters, monkeypatch):
+    """The NeMo adapters build TensorRT-LLM with the policy's schedule and, with a drafter, read
+    its weights (``load_format='auto'``; a dummy load randomises the drafter and never reads the
+    folder): after the trainer's refit the acceptance is the trained drafter's. Without a drafter
+    (or a policy that never speculates) the dummy load stays: weights from the first refit."""
+    from nemo_tlt.adaptive.config import SpecDecodingConfig
+    from nemo_tlt.integrations.nemo_aligner import TLTBlock, TRTLLMBlock, build_engine
+    from nemo_tlt.model.hf_io import read_state_dict
+
+    standin.install(monkeypatch)
+    policy = FixedSDPolicy(TreeShape(4, 1, 4))
+    tlt = TLTBlock(backend="trtllm", target_dir=str(demo_drafters.target_dir),
+                   trtllm=TRTLLMBlock(drafter_dir=demo_drafters.trained, max_batch_size=8))
+    engine = build_engine(tlt, policy)
+    assert engine.config.load_format == "auto" and engine.config.draft_len_schedule == {8: 4}
+    engine.load_policy_weights(read_state_dict(demo_drafters.target_dir))  # the trainer's refit
+    fresh = TRTLLMRolloutEngine.from_hf_folder(demo_drafters.target_dir, drafter_dir=demo_drafters.trained,
+                                               max_batch_size=8)
+    assert _acceptance(engine, demo_drafters, policy) == _acceptance(fresh, demo_drafters, policy)
+    plain = build_engine(tlt, FixedSDPolicy(None))
+    assert plain.config.load_format == "dummy" and plain.config.drafter_dir is None
+    with pytest.raises(ValueError, match="dummy.*drafter"):
+        TRTLLMEngineConfig(target_dir="t", drafter_dir="d", load_format="dummy")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nemo_tlt.selfcheck import cli
+from nemo_tlt.rollout.trtllm_config import TRTLLM_INSTALL
 from nemo_tlt.selfcheck import trtllm_check as tc
 from nemo_tlt.selfcheck.cli import main
 import trtllm_standin
@@ -58,7 +59,7 @@ def test_trtllm_mode_without_tensorrt_llm_exits_2_with_the_install_message(tmp_p
     out = tmp_path / "selfcheck.json"
     assert main(["--trtllm", "--out", str(out)]) == 2
     said = capsys.readouterr().out
-    assert "pip install nemo-tlt[trtllm]" in said and "nothing was run" in said and not out.exists()
+    assert TRTLLM_INSTALL in said and "nothing was run" in said and not out.exists()
 
 
 def test_trtllm_plan_names_its_checks_in_order(tmp_path):
