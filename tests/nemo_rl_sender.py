@@ -39,8 +39,9 @@ class IPCProtocol(enum.Enum):
 IPCProtocol.__module__ = PROTOCOL_MODULE
 
 
-def complete_message() -> bytes:
-    """``send_pyobj(IPCProtocol.COMPLETE)``'s bytes, pickled as NeMo-RL's own Enum member."""
+def complete_message(member: IPCProtocol = IPCProtocol.COMPLETE) -> bytes:
+    """``send_pyobj(IPCProtocol.COMPLETE)``'s bytes (or another member's), pickled as NeMo-RL's own
+    Enum member."""
     parts = PROTOCOL_MODULE.split(".")
     names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
     previous = {name: sys.modules.get(name) for name in names}
@@ -48,7 +49,7 @@ def complete_message() -> bytes:
         sys.modules[name] = types.ModuleType(name)
     sys.modules[PROTOCOL_MODULE].IPCProtocol = IPCProtocol
     try:
-        return pickle.dumps(IPCProtocol.COMPLETE)
+        return pickle.dumps(member)
     finally:
         for name, module in previous.items():
             if module is None:

@@ -18,20 +18,23 @@ in ``nemo_tlt.integrations.interface_facts`` and docs/trtllm.md):
   smallest key >= it; none: 0, plain decoding), read from ``engine.model_engine.spec_config``
   where our worker extension writes it; no schedule at all: ``max_draft_len`` always;
 * ``orchestrator_type='ray'`` workers are built from ``ray_worker_extension_cls`` (imported by
-  path, as TensorRT-LLM's Ray workers do) mixed into a worker whose ``engine`` holds
-  ``model_engine.{model, spec_config, model_loader}`` and which reports its GPU's UUID
-  (``report_device_id``; the worker's device is ``LLM.worker_device``, 0 unless a test moves
-  it); ``_collective_rpc(method, args)`` calls the method on each worker;
-  ``WorkerExtension.update_weights`` (rlhf_utils.py at ``TRTLLM_RLHF_SOURCE``) takes the payload
-  keyed by the worker's UUID (another key: "Device UUID ... not found"), loads a partial set of
-  named tensors per call, skipping the draft module's (``load_weights(skip_modules=["draft_model"])``
-  upstream: silently), and ``None`` finalises (post-load hooks, prefix-cache reset);
+  path, as TensorRT-LLM's Ray workers do: TensorRT-LLM's own rlhf ``WorkerExtension`` here) mixed
+  into a worker whose ``engine`` holds ``model_engine.{model, spec_config, model_loader}`` and
+  which reports its GPU's UUID (``report_device_id``; the worker's device is
+  ``LLM.worker_device``, 0 unless a test moves it); ``_collective_rpc(method, args)`` calls the
+  method on each worker; ``WorkerExtension.update_weights`` (rlhf_utils.py at
+  ``TRTLLM_RLHF_SOURCE``) takes the payload keyed by the worker's UUID (another key: "Device
+  UUID ... not found"), loads a partial set of named tensors per call, skipping the draft
+  module's (``load_weights(skip_modules=["draft_model"])`` upstream: silently), and ``None``
+  finalises (post-load hooks, prefix-cache reset); ``shutdown`` ends the LLM (``LLM.built``
+  lists every LLM made, restarts included);
 * ``load_format='dummy'`` randomises the whole one-model, the drafter included, whose folder's
   weights are never read (its config is);
 * a request asking for log-probs (``logprobs`` or ``prompt_logprobs``) while a speculative config
   is set fails with upstream's message (``SpecSampler.validate_request``); ``logprobs_mode``
-  ``RAW`` (the default) reports the raw log-softmax (temperature 1, no top-k / top-p),
-  ``PROCESSED`` the sampling transform's;
+  ``RAW`` reports the raw log-softmax (temperature 1, no top-k / top-p), ``PROCESSED`` the
+  sampling transform's (0 for greedy: top-k 1 leaves one token); RAW is the stand-in's default
+  (upstream's default was not read);
 * per request: ``decoding_iter`` (here: the context iteration plus the decode iterations),
   ``avg_decoded_tokens_per_iter``, and with ``return_perf_metrics`` the draft tokens accepted
   and drafted; ``CompletionOutput.logprobs`` one ``{token id: Logprob}`` per token with
@@ -39,11 +42,10 @@ in ``nemo_tlt.integrations.interface_facts`` and docs/trtllm.md):
 
 Where it is a stand-in, not a copy:
 
-* CUDA IPC handles cannot exist on a CPU: `install` replaces the engine's ``_ipc_handles``
-  with `cpu_ipc_handles`, the same payload ({device UUID: [(name, (rebuild, args))]}) of CPU
-  tensors, and the worker rebuilds them with ``rebuild(*args)`` (upstream also moves the
-  rebuilt tensor to its device). Tensors named ``draft_model.<name>`` load into the drafter:
-  our (unverified) assumption about the one-model draft module, mirrored, not a fact.
+* CUDA IPC handles cannot exist on a CPU: `install` replaces the engine's ``_copy_to_device``
+  with `cpu_copy`, so the payload ({device UUID: [(name, (rebuild, args))]}) holds CPU tensors,
+  and the worker rebuilds them with ``rebuild(*args)`` (upstream also moves the rebuilt tensor
+  to its device).
 * generating between an ``update_weights`` bucket and the finalising ``update_weights(None)``
   is refused (upstream serves weights whose post-load processing has not run: undefined).
 * sampled (non-greedy) requests of one call draw from one generator seeded by all their
@@ -340,7 +342,12 @@ def _request_output(result: Any, params: SamplingParams, sampling: OurSampling, 
     logprobs = None
     if params.logprobs:
         rank = 1 if sampling.mode == "greedy" else None
-        values = result.logprobs if params.logprobs_mode == LogprobMode.PROCESSED else raw(tokens)
+        if params.logprobs_mode != LogprobMode.PROCESSED:
+            values = raw(tokens)
+        elif sampling.mode == "greedy":  # processed by top-k 1: the one token left has probability 1
+            values = [0.0] * len(tokens)
+        else:
+            values = result.logprobs
         logprobs = [{t: Logprob(lp, rank)} for t, lp in zip(tokens, values)]
     completion = SimpleNamespace(token_ids=tokens, finish_reason="stop" if result.stop_reason == "eos" else "length",
                                  logprobs=logprobs, request_perf_metrics=perf)

@@ -226,7 +226,8 @@ TRTLLM_WORKER_RPCS = {"update_weights": 1, "report_device_id": 0}
 # speculative decoding: {...}. Drop these options from the request, or disable speculative decoding."
 # (an older copy asserts instead). Log-prob mode: SamplingParams(logprobs_mode=LogprobMode.RAW |
 # LogprobMode.PROCESSED), LogprobMode importable from tensorrt_llm.sampling_params (TensorRT-LLM's own
-# tests, stored copy without a commit); RAW (the default) from the unprocessed logits.
+# tests, stored copy without a commit); RAW from the unprocessed logits (a TensorRT-LLM test calls it the
+# default; the field's declared default was not read), so the engine always names the mode.
 # Load formats (_torch/pyexecutor/model_loader.py at TRTLLM_MODEL_LOADER_SOURCE): AUTO reads the target,
 # then the speculative model's checkpoint into the draft module; DUMMY randomises every float tensor,
 # the draft module's included (U(-1e-3, 1e-3)), and never reads the speculative model's weights.

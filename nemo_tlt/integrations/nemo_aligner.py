@@ -21,6 +21,7 @@ exercise our side of the interface with the torch engine behind it.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -37,6 +38,8 @@ from nemo_tlt.adaptive.sd_policy import SpecPolicy
 from nemo_tlt.rollout.protocol import Request, RolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.spot.config import IdleDrafterConfig
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "trtllm")
 
@@ -155,14 +158,16 @@ def build_engine(tlt: TLTBlock, policy: SpecPolicy | None = None) -> RolloutEngi
         drafter_dir, schedule = t.drafter_dir, {}
         if drafter_dir is not None and draft_len_schedule(policy, t.max_draft_len, t.max_batch_size):
             schedule = build_settings(policy, t.max_draft_len, t.max_batch_size)
-        else:
+        elif drafter_dir is not None:
+            log.warning("tlt.trtllm.drafter_dir %s is not loaded: the SD policy never speculates "
+                        "(tlt.rollout); TensorRT-LLM is built for plain decoding", drafter_dir)
             drafter_dir = None
         return TRTLLMRolloutEngine(TRTLLMEngineConfig(
             target_dir=tlt.target_dir, drafter_dir=drafter_dir, max_draft_len=schedule.get("max_draft_len",
                                                                                           t.max_draft_len),
             draft_len_schedule=schedule.get("draft_len_schedule"), use_rejection_sampling=t.use_rejection_sampling,
             tensor_parallel_size=t.tensor_parallel_size, max_batch_size=t.max_batch_size,
-            load_format="auto" if drafter_dir is not None else "dummy"))
+            load_format="auto" if drafter_dir is not None else "dummy"), draft_len_ceiling=t.max_draft_len)
     from nemo_tlt.drafter.io import load_drafter
     from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
     engine = TorchRolloutEngine.from_hf_folder(tlt.target_dir)

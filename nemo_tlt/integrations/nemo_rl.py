@@ -28,7 +28,11 @@ Weights (NeMo-RL's refit, ``refit_policy_generation`` in ``nemo_rl/algorithms/gr
   it into the engine, in this process: the adapter must live in a process that sees the GPU
   it shares with the training rank (its NVML UUID names the socket: ``device_uuid``, or the
   current CUDA device's). It returns ``[]`` (nothing left to wait for) and raises on failure,
-  after acknowledging the rest of the stream.
+  after acknowledging the rest of the stream. One adapter serves one socket: every colocated
+  training rank streams the whole model to the socket of its own GPU, so a run of more than
+  one training GPU needs one adapter (and engine) per GPU; a rank whose socket nobody serves
+  fails its refit after NeMo-RL's 120 s timeout. ``prepare_for_generation`` /
+  ``finish_generation`` keep the engine's memory as it is (no sleep or offload during training).
 * non-colocated (NCCL broadcast from the training ranks): refused by name in
   ``init_collective``, which NeMo-RL calls at setup, before any step: the adapter does not
   join NeMo-RL's NCCL group (a trainer waiting on it would hang).
@@ -39,7 +43,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,10 +53,13 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from nemo_tlt.adaptive.config import SpecDecodingConfig
 from nemo_tlt.adaptive.sd_policy import SpecPolicy
+from nemo_tlt.device import cuda_device_of_uuid
 from nemo_tlt.integrations import nemo_rl_refit
 from nemo_tlt.integrations.nemo_aligner import TLTBlock, build_engine
 from nemo_tlt.rollout.protocol import PolicyWeights, Request, RolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 NON_COLOCATED_REFUSAL = (
     "TLTGeneration does not join NeMo-RL's NCCL refit group (non-colocated generation, "
@@ -71,34 +78,30 @@ def _interface_base() -> type:
 
 
 def local_gpu_uuid(index: int | None = None) -> str:
-    """The NVML UUID of CUDA device ``index`` (default: the current one), as NeMo-RL's
-    ``nemo_rl.utils.nvml.get_device_uuid`` reads it (through ``CUDA_VISIBLE_DEVICES``)."""
+    """The UUID of CUDA device ``index`` (default: the current one) in NVML's form, as NeMo-RL's
+    ``nemo_rl.utils.nvml.get_device_uuid`` reads it: "GPU-" + the device properties' uuid."""
     if not torch.cuda.is_available():
         raise ValueError("TLTGeneration.device_uuid: no CUDA device here to read a GPU UUID from; pass device_uuid")
-    import pynvml  # lazy: a CUDA host's package (nvidia-ml-py)
-
     index = torch.cuda.current_device() if index is None else index
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    physical = int(visible.split(",")[index]) if visible else index
-    pynvml.nvmlInit()
-    uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(physical))
-    return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    return "GPU-" + str(torch.cuda.get_device_properties(index).uuid)
 
 
-def rebuild_on_current_device(handle: Any) -> torch.Tensor:
-    """NeMo-RL's ``rebuild_cuda_tensor_from_ipc``: the sender's buffer on this process's
-    current CUDA device."""
-    args = list(handle[0])
-    args[6] = torch.cuda.current_device()
-    return rebuild_cuda_tensor(*args)
+def rebuild_on(device: torch.device) -> Callable[[Any], torch.Tensor]:
+    """NeMo-RL's ``rebuild_cuda_tensor_from_ipc`` onto ``device``: the sender's buffer there."""
+    def rebuild(handle: Any) -> torch.Tensor:
+        args = list(handle[0])
+        args[6] = device.index
+        return rebuild_cuda_tensor(*args)
+    return rebuild
 
 
 class TLTGeneration(_interface_base()):  # type: ignore[misc]
     def __init__(self, engine: RolloutEngine, sampling: SamplingParams, pad_token_id: int,
                  spec: SpecDecodingConfig | None = None, seed: int = 0, device_uuid: str | None = None,
-                 rebuild: Callable[[Any], torch.Tensor] = rebuild_on_current_device,
-                 policy: SpecPolicy | None = None) -> None:
-        """``policy``: the SD policy (default: built from ``spec``, plain decoding without one)."""
+                 rebuild: Callable[[Any], torch.Tensor] | None = None, policy: SpecPolicy | None = None) -> None:
+        """``policy``: the SD policy (default: built from ``spec``, plain decoding without one).
+        ``device_uuid``: the GPU shared with the training rank (default: the current CUDA
+        device's); ``rebuild``: how a refit's IPC handle becomes a tensor (default: on that GPU)."""
         if sampling.mode == "greedy":
             raise ValueError("TLTGeneration.sampling is the non-greedy sampling; generate(greedy=True) selects greedy")
         if device_uuid is not None:
@@ -111,6 +114,7 @@ class TLTGeneration(_interface_base()):  # type: ignore[misc]
         self.state_dict_info: dict[str, Any] | None = None
         self._socket: Any = None
         self._calls = 0
+        self._warned_logprobs = False
 
     @classmethod
     def from_tlt_block(cls, tlt: TLTBlock, sampling: SamplingParams, pad_token_id: int, seed: int = 0,
@@ -145,6 +149,12 @@ class TLTGeneration(_interface_base()):  # type: ignore[misc]
         sampling = SamplingParams(**{**self.sampling.__dict__, "mode": mode, "seed": self.sampling.seed + self._calls})
         self._calls += 1
         out = self.engine.generate(requests, sampling, policy=self.policy)
+        if out.logprobs_from != "engine" and not self._warned_logprobs:
+            self._warned_logprobs = True
+            log.warning("generate: the engine reports no log-probs in this configuration (%s: TensorRT-LLM with a "
+                        "drafter); GenerationOutputSpec.logprobs holds NaN at the generated positions, so NeMo-RL's "
+                        "token_mult_prob_error reads NaN; the policy's own prev_logprobs are unaffected",
+                        out.logprobs_from)
         gen = torch.tensor([len(r.tokens) for r in out.results], dtype=torch.long)
         total = torch.tensor(lengths, dtype=torch.long) + gen
         output_ids = torch.full((len(requests), int(total.max())), self.pad_token_id, dtype=ids.dtype)
@@ -170,19 +180,33 @@ class TLTGeneration(_interface_base()):  # type: ignore[misc]
         self.state_dict_info = {name: (torch.Size(shape), dtype) for name, (shape, dtype) in state_dict_info.items()}
 
     def update_weights_via_ipc_zmq(self) -> list:
-        """Receive one colocated refit and load it (see the module docstring); ``[]`` when done."""
+        """Receive one colocated refit and load it (see the module docstring); ``[]`` when done.
+        A socket error closes the socket (the next refit connects afresh)."""
         if self.state_dict_info is None:
             raise ValueError("update_weights_via_ipc_zmq: prepare_refit_info was not called (NeMo-RL calls it "
                              "at setup with the policy's {name: (shape, dtype)})")
         sock = self._refit_socket()
-        receiver = nemo_rl_refit.Receiver(sock.recv, sock.send, self.state_dict_info, self.rebuild)
+        receiver = nemo_rl_refit.Receiver(sock.recv, sock.send, self.state_dict_info, self._rebuild_handle)
         try:
-            self.engine.load_policy_weights(iter(receiver))
-        except BaseException:
-            receiver.drain()
+            try:
+                self.engine.load_policy_weights(iter(receiver))
+            finally:
+                receiver.drain()  # the rest of the stream, after a failure (or nothing)
+        except Exception as err:
+            if type(err).__module__.startswith("zmq"):
+                self.shutdown()
             raise
-        receiver.drain()  # nothing left unless the engine stopped reading before COMPLETE
         return []
+
+    def _rebuild_handle(self, handle: Any) -> torch.Tensor:
+        if self.rebuild is None:
+            self.rebuild = rebuild_on(cuda_device_of_uuid(self._uuid(), "update_weights_via_ipc_zmq"))
+        return self.rebuild(handle)
+
+    def _uuid(self) -> str:
+        if self.device_uuid is None:
+            self.device_uuid = local_gpu_uuid()
+        return self.device_uuid
 
     def update_weights_from_collective(self) -> list:
         """Refused: see `init_collective`."""
@@ -200,7 +224,7 @@ class TLTGeneration(_interface_base()):  # type: ignore[misc]
                 import zmq  # lazy: pyzmq, the nemo-rl extra
             except ImportError as err:
                 raise ImportError("update_weights_via_ipc_zmq needs pyzmq: pip install nemo-tlt[nemo-rl]") from err
-            uuid = self.device_uuid if self.device_uuid is not None else local_gpu_uuid()
+            uuid = self._uuid()
             sock = zmq.Context.instance().socket(zmq.REP)
             sock.setsockopt(zmq.SNDTIMEO, nemo_rl_refit.TIMEOUT_MS)
             sock.setsockopt(zmq.RCVTIMEO, nemo_rl_refit.TIMEOUT_MS)

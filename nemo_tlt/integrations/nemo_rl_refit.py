@@ -65,7 +65,7 @@ def decode(message: bytes) -> tuple[Any, list[str], int] | None:
     """One message: None for the end of the stream, else ``(handle, names, used_bytes)``;
     anything else is a ValueError naming what came."""
     payload = _Unpickler(io.BytesIO(message)).load()
-    if isinstance(payload, _Complete) or getattr(payload, "value", None) == COMPLETE:
+    if isinstance(payload, _Complete) and payload.value == COMPLETE:
         return None
     if not (isinstance(payload, tuple) and len(payload) == 3 and isinstance(payload[1], list)
             and isinstance(payload[2], int)):
@@ -99,13 +99,19 @@ class Receiver:
     were consumed. Iterating raises a ValueError for a malformed message, a repeated name,
     or (after the final acknowledgement) a name of ``info`` that never arrived. After a
     failure on either side, `drain` acknowledges the rest so that the sender finishes
-    instead of timing out. ``recv`` / ``send``: the REP socket's raw receive and send."""
+    instead of timing out. ``recv`` / ``send``: the REP socket's raw receive and send.
+    Before each acknowledgement, ``synchronize(buffer)`` waits for the copies out of the
+    group's buffer (on CUDA they are queued on the stream: NeMo-RL's receivers synchronise
+    the current stream there too)."""
 
     def __init__(self, recv: Callable[[], bytes], send: Callable[[bytes], Any],
-                 info: Mapping[str, tuple[torch.Size, torch.dtype]], rebuild: Callable[[Any], torch.Tensor]) -> None:
+                 info: Mapping[str, tuple[torch.Size, torch.dtype]], rebuild: Callable[[Any], torch.Tensor],
+                 synchronize: Callable[[torch.Tensor], None] | None = None) -> None:
         self._recv, self._send, self.info, self.rebuild = recv, send, info, rebuild
+        self.synchronize = synchronize if synchronize is not None else synchronize_copies
         self.complete = False
         self._owed = False  # a message received and not yet acknowledged
+        self._buffer: torch.Tensor | None = None  # the group's rebuilt buffer, until acknowledged
 
     def _next(self) -> tuple[Any, list[str], int] | None:
         message = self._recv()
@@ -116,6 +122,9 @@ class Receiver:
         return payload
 
     def _ack(self) -> None:
+        if self._buffer is not None:
+            buffer, self._buffer = self._buffer, None
+            self.synchronize(buffer)
         if self._owed:
             self._owed = False
             self._send(ACK)
@@ -125,7 +134,8 @@ class Receiver:
         try:
             while (payload := self._next()) is not None:
                 handle, names, used = payload
-                for name, view in unpack(self.rebuild(handle), names, used, self.info):
+                self._buffer = self.rebuild(handle)
+                for name, view in unpack(self._buffer, names, used, self.info):
                     if name in seen:
                         raise ValueError(f"NeMo-RL IPC refit: tensor {name!r} arrived twice")
                     seen.add(name)
@@ -139,8 +149,18 @@ class Receiver:
                              f"e.g. {missing[0]!r}")
 
     def drain(self) -> None:
-        """Acknowledge everything up to and including COMPLETE (nothing when it came)."""
-        self._ack()
-        while not self.complete:
-            self._next()
+        """Acknowledge everything up to and including COMPLETE (nothing when it came); a
+        message that cannot be read is acknowledged too, then its error raised."""
+        try:
             self._ack()
+            while not self.complete:
+                self._next()
+                self._ack()
+        finally:
+            self._ack()
+
+
+def synchronize_copies(buffer: torch.Tensor) -> None:
+    """Wait for the work queued on ``buffer``'s device (the clones out of it); nothing on a CPU."""
+    if buffer.is_cuda:
+        torch.cuda.current_stream(buffer.device).synchronize()

@@ -78,6 +78,7 @@ from typing import Any
 import torch
 
 from nemo_tlt.adaptive.sd_policy import SpecPolicy
+from nemo_tlt.device import cuda_device_of_uuid
 from nemo_tlt.drafter.base import Drafter
 from nemo_tlt.drafter.eagle3_hf import exported_capture_layers
 from nemo_tlt.model.config import LMConfig
@@ -266,31 +267,21 @@ def weight_buckets(weights: PolicyWeights, shapes: Mapping[str, tuple[int, ...]]
         yield bucket
 
 
-def local_cuda_device(uuid: str) -> torch.device:
-    """The CUDA device of this process whose UUID TensorRT-LLM reports as ``uuid``
-    (``tensorrt_llm._torch.utils.get_device_uuid``: "GPU-" + the device properties' uuid);
-    a ValueError naming it when this process does not see that GPU."""
-    seen = []
-    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
-        seen.append("GPU-" + str(torch.cuda.get_device_properties(i).uuid))
-        if seen[-1] == uuid:
-            return torch.device("cuda", i)
-    raise ValueError(f"load_policy_weights: TensorRT-LLM's worker runs on GPU {uuid}, which this process does not "
-                     f"see (its CUDA devices: {seen or 'none'}); CUDA IPC handles can only be made on a visible GPU")
-
-
 # ---- the engine ----------------------------------------------------------------------------------
 class TRTLLMRolloutEngine:
     """Implements `RolloutEngine` through TensorRT-LLM's LLM API (see the module docstring)."""
 
-    def __init__(self, config: TRTLLMEngineConfig) -> None:
+    def __init__(self, config: TRTLLMEngineConfig, draft_len_ceiling: int | None = None) -> None:
+        """``draft_len_ceiling``: the longest draft a policy may ask for (its lengths are clipped
+        to it before they are compared with the built schedule); default ``config.max_draft_len``."""
         if not isinstance(config, TRTLLMEngineConfig):
             raise ValueError(f"TRTLLMRolloutEngine.config must be a TRTLLMEngineConfig, got {type(config).__name__}")
         self._trtllm = import_tensorrt_llm()
         self._model_config = read_config(config.target_dir)
         self._shapes = canonical_shapes(self._model_config)
         self._refits = 0
-        self._ceiling = config.max_draft_len  # the policy's lengths are clipped to the first build's buffers
+        self._ceiling = config.max_draft_len if draft_len_ceiling is None else draft_len_ceiling
+        self._stashed_schedule: dict[str, Any] = {}  # the schedule settings of the drafter load_drafter(None) dropped
         self.last_speculation: SpeculationReport | None = None  # the last rollout's, while speculating
         self.last_restart_s: float | None = None
         self._start(config)
@@ -335,7 +326,11 @@ class TRTLLMRolloutEngine:
         self._captured_layers(config)
         t0 = time.perf_counter()
         self.llm.shutdown()
-        self._start(config)
+        try:
+            self._start(config)
+        except BaseException as err:
+            self._unservable = f"the last restart failed ({err}); restart again"
+            raise
         if self._refits:
             self._unservable = ("the LLM was restarted and serves target_dir's weights, not the last refit's; "
                                 "load the policy's weights")
@@ -361,20 +356,25 @@ class TRTLLMRolloutEngine:
         self._refits += 1
 
     def load_drafter(self, drafter: Drafter | str | os.PathLike | None) -> None:
-        """A folder in the EAGLE-3 HF layout, or None (no speculation), through a `restart`:
-        TensorRT-LLM's weight update skips the draft module and its API has no runtime drafter
-        load. A torch `Drafter` is refused: export it first (``nemo-tlt convert --from drafter
-        --to eagle3-hf``). Nothing changes when the LLM already serves that folder's drafter
-        (or none)."""
+        """A folder in the EAGLE-3 HF layout, or None (no speculation), through a `restart`
+        (always: the folder's contents may have been retrained in place), since TensorRT-LLM's
+        weight update skips the draft module and its API has no runtime drafter load. The
+        draft-length schedule is kept (after None, the one the dropped drafter had); a dummy
+        load becomes ``auto`` (a dummy load never reads the drafter). A torch `Drafter` is
+        refused: export it first (``nemo-tlt convert --from drafter --to eagle3-hf``)."""
         if isinstance(drafter, torch.nn.Module):
             raise ValueError("TRTLLMRolloutEngine.load_drafter takes an EAGLE-3 HF folder, not a torch "
                              f"{type(drafter).__name__}: export it with `nemo-tlt convert --from drafter "
                              "--to eagle3-hf` and pass the folder")
+        c = self.config
         if drafter is None:
-            if self.config.drafter_dir is not None:
+            if c.drafter_dir is not None:
+                self._stashed_schedule = {"max_draft_len": c.max_draft_len, "draft_len_schedule": c.draft_len_schedule,
+                                          "max_concurrency": c.max_concurrency}
                 self.restart(drafter_dir=None, draft_len_schedule=None, max_concurrency=None)
             return
-        self.restart(drafter_dir=str(drafter))
+        schedule = self._stashed_schedule if c.drafter_dir is None else {}
+        self.restart(drafter_dir=str(drafter), load_format="auto", **schedule)
 
     def generate(self, requests: list[Request], sampling: SamplingParams, *, policy: SpecPolicy | None = None,
                  return_hidden: bool = False, on_finish: FinishSink | None = None) -> GenerateOutput:
@@ -439,4 +439,5 @@ class TRTLLMRolloutEngine:
                 for uuid in self._device_uuids}
 
     def _copy_to_device(self, tensor: torch.Tensor, uuid: str) -> torch.Tensor:
-        return tensor.to(local_cuda_device(uuid)).contiguous()
+        """``tensor`` on the local CUDA device of the worker GPU ``uuid``."""
+        return tensor.to(cuda_device_of_uuid(uuid, "load_policy_weights (a TensorRT-LLM worker's GPU)")).contiguous()

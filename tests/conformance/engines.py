@@ -168,11 +168,68 @@ def _open_with_eagle3(model_dir: Path, under_test: EngineUnderTest, build: Calla
     return engine
 
 
+TRTLLM_MAX_DRAFT = 4  # the suite's deepest chain
+
+
 def _build_trtllm(model_dir: Path, drafter_dir: str, layers: tuple[int, ...]) -> RolloutEngine:
     from nemo_tlt.rollout.trtllm_engine import TRTLLMRolloutEngine  # lazy: optional package
 
-    return TRTLLMRolloutEngine.from_hf_folder(model_dir, drafter_dir=drafter_dir, eagle3_layers_to_capture=layers,
-                                              max_draft_len=4)
+    return FollowingSchedule(TRTLLMRolloutEngine.from_hf_folder(
+        model_dir, drafter_dir=drafter_dir, eagle3_layers_to_capture=layers, max_draft_len=TRTLLM_MAX_DRAFT))
+
+
+class FollowingSchedule:
+    """The TensorRT-LLM engine as the suite drives it. TensorRT-LLM fixes the draft-length
+    schedule (and the drafter) per build, and the engine refuses a policy whose schedule
+    differs; the suite asks each call for its own policy's. So before a call whose schedule
+    differs from the built one this restarts the engine with it (`settings_for_schedule`; no
+    drafter for plain decoding) and loads the last complete policy weights again (kept here:
+    the suite's models are tiny). Drafter folders and refusals are the engine's own."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._drafter = engine.config.drafter_dir
+        self._weights: list[tuple[str, torch.Tensor]] | None = None
+        self.restarts = 0
+
+    @property
+    def model_config(self) -> LMConfig:
+        return self.engine.model_config
+
+    def load_policy_weights(self, weights) -> None:
+        pairs = list(weights.items() if isinstance(weights, dict) else weights)
+        self.engine.load_policy_weights(iter(pairs))
+        self._weights = [(name, tensor.detach().clone()) for name, tensor in pairs]
+
+    def load_drafter(self, drafter) -> None:
+        self.engine.load_drafter(drafter)
+        self._drafter = None if drafter is None else str(drafter)
+        self._reload_weights()
+
+    def generate(self, requests, sampling, *, policy=None, **kwargs) -> GenerateOutput:
+        self._follow(policy)
+        return self.engine.generate(requests, sampling, policy=policy, **kwargs)
+
+    def _follow(self, policy) -> None:
+        from nemo_tlt.rollout.trtllm_schedule import draft_len_schedule, schedule_length, settings_for_schedule
+
+        n = self.engine.config.max_batch_size
+        wanted = draft_len_schedule(policy, TRTLLM_MAX_DRAFT, n)
+        built = self.engine.config.build_schedule()
+        if all(schedule_length(wanted, b) == schedule_length(built, b) for b in range(1, n + 1)):
+            return
+        if not wanted:
+            self.engine.restart(drafter_dir=None, draft_len_schedule=None, max_concurrency=None)
+        elif self._drafter is None:
+            return  # the engine refuses the call, naming the missing drafter
+        else:
+            self.engine.restart(drafter_dir=self._drafter, load_format="auto", **settings_for_schedule(wanted))
+        self.restarts += 1
+        self._reload_weights()
+
+    def _reload_weights(self) -> None:
+        if self._weights is not None:
+            self.engine.load_policy_weights(iter(self._weights))
 
 
 class TRTLLMLimitedTorchEngine:

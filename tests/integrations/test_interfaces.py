@@ -265,3 +265,31 @@ def test_the_adapter_subclasses_nemo_rls_interface_where_it_imports():
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", FAKE_NEMO_RL], cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip() == "subclassed", proc.stderr[-2000:]
+
+
+def test_the_receiver_waits_for_its_copies_before_each_acknowledgement():
+    """The sender reuses a buffer once acknowledged, and a CUDA copy out of it is only queued:
+    the receiver synchronises before every acknowledgement (order checked on a scripted socket),
+    and an ``IPCProtocol`` member other than COMPLETE is not the end of the stream."""
+    import pickle
+
+    from nemo_tlt.integrations.nemo_rl_refit import Receiver, aligned_size, decode
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    info = {"a": (torch.Size([3]), torch.float32), "b": (torch.Size([2]), torch.float32)}
+    groups = []
+    for name, values in (("a", [1.0, 2.0, 3.0]), ("b", [4.0, 5.0])):
+        buf = torch.zeros(aligned_size(12), dtype=torch.uint8)
+        raw = torch.tensor(values).view(torch.uint8)
+        buf[:raw.numel()] = raw
+        groups.append(pickle.dumps((reduce_tensor(buf)[1:], [name], aligned_size(raw.numel()))))
+    inbox = groups + [nemo_rl_sender.complete_message()]
+    events = []
+    receiver = Receiver(lambda: (events.append("recv"), inbox.pop(0))[1], lambda b: events.append(b.decode()),
+                        info, nemo_rl_sender.rebuild_cpu, synchronize=lambda buf: events.append("sync"))
+    got = dict(receiver)
+    assert got["a"].tolist() == [1.0, 2.0, 3.0] and got["b"].tolist() == [4.0, 5.0]
+    assert events == ["recv", "sync", "ack", "recv", "sync", "ack", "recv", "ack"]
+    assert decode(nemo_rl_sender.complete_message()) is None
+    with pytest.raises(ValueError, match="expected"):  # not COMPLETE: a malformed message, not the end
+        decode(nemo_rl_sender.complete_message(nemo_rl_sender.IPCProtocol.ACK))

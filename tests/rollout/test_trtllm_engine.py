@@ -531,3 +531,20 @@ def test_the_nemo_adapters_load_the_drafters_weights(demo_drafters, monkeypatch)
     assert plain.config.load_format == "dummy" and plain.config.drafter_dir is None
     with pytest.raises(ValueError, match="dummy.*drafter"):
         TRTLLMEngineConfig(target_dir="t", drafter_dir="d", load_format="dummy")
+
+
+def test_a_worker_gpu_is_found_by_its_uuid_among_this_processs_devices(monkeypatch):
+    """The IPC copy goes to the local CUDA device whose UUID ("GPU-" + the device properties'
+    uuid, TensorRT-LLM's get_device_uuid form) the worker reported; a GPU not visible here is
+    refused by name (devices simulated: no CUDA on this machine)."""
+    from nemo_tlt.device import cuda_device_of_uuid
+
+    uuids = ["1111-aaaa", "2222-bbbb", "3333-cccc"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(uuids))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i]))
+    assert cuda_device_of_uuid("GPU-2222-bbbb", "w") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"w: GPU GPU-9999 is not one of this process's CUDA devices"):
+        cuda_device_of_uuid("GPU-9999", "w")
+    with pytest.raises(ValueError, match="not one of"):
+        cuda_device_of_uuid("2222-bbbb", "w")  # NVML's form carries the prefix
