@@ -293,6 +293,26 @@ class LoggerConfig:
 
 
 @dataclass(frozen=True)
+class DebugConfig:
+    """The ``debug:`` block. ``weight_digests``: hash the weights each rank syncs to its engine
+    (SHA-256 of every tensor's bytes, copied to the host) every N steps and at the run's last
+    step, so that ``replicas_identical`` (every rank the same policy and drafter bits) and the
+    report's ``final_policy_identical`` (TLT and baseline end with the same policy) are checked;
+    0: never (those figures are then null). Its cost is in each record's ``weight_digest_s``,
+    part of ``weight_sync_s``: it grows with the model (every byte hashed on the host)."""
+
+    weight_digests: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("debug.weight_digests", self.weight_digests, 0)
+
+    def digest_at(self, step: int, last_step: int) -> bool:
+        """Whether step ``step`` (of a run whose last step is ``last_step``) hashes its weights."""
+        n = self.weight_digests
+        return n > 0 and (step % n == 0 or step == last_step)
+
+
+@dataclass(frozen=True)
 class TLTConfig:
     run_dir: str = "runs/demo"
     seed: int = 0
@@ -309,6 +329,7 @@ class TLTConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def __post_init__(self) -> None:
         if not self.run_dir:

@@ -44,4 +44,5 @@ def tiny_overrides(target: Path, drafter: Path, run_dir: Path, steps: int = 3, w
         f"workers.num_workers={workers}", "workers.start_method=fork", "workers.timeout_s=120",
         # full priority for idle-time training, so a loaded test machine cannot starve it
         "drafter.nice=0",
+        "debug.weight_digests=1",  # replicas_identical / final_policy_identical every step
     ]

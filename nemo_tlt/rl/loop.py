@@ -207,7 +207,7 @@ class RLWorker:
             update, t_logprob, t_update = self.update_policy(step, batch, rewards, gen_logprobs)
             t_work = t_logprob + t_update
         t0 = time.perf_counter()
-        weights, policy_digest = self.sync_weights(idle)
+        weights, policy_digest, t_digest = self.sync_weights(idle, self.cfg.debug.digest_at(step, self.cfg.steps - 1))
         t_sync = time.perf_counter() - t0
         # a replica's rollout is counted once, its leader's (every member decoded the same tokens)
         stats, lead = rollout.out.stats, self.replicas.leader
@@ -231,7 +231,7 @@ class RLWorker:
             pipe.cleanup(step - 2)
         self.rank_states = [r.state for r in ranks]
         times = {"step_s": time.perf_counter() - t_start, "rollout_s": t_meet - t_start, "logprob_s": t_logprob,
-                 "update_s": t_update, "weight_sync_s": t_sync}
+                 "update_s": t_update, "weight_sync_s": t_sync, "weight_digest_s": t_digest}
         return step_record(step, self.spec.mode, self.cfg.grpo.prompts_per_step * G, ranks, times, timeline,
                            self.t0, self.coord.now())
 
@@ -320,13 +320,15 @@ class RLWorker:
                 self.drafter.harvest(step, tokens.tolist(), hidden[:-1])
         return on_hidden
 
-    def sync_weights(self, idle: IdleResult) -> tuple[str, str]:
+    def sync_weights(self, idle: IdleResult, digest: bool) -> tuple[str | None, str | None, float]:
         """Policy weights to the engine and the drafter's view; new drafter weights to the
-        engine. Returns the digest of both (replicas must stay identical) and of the policy alone."""
+        engine. Returns, when ``digest``, the digest of both (replicas must stay identical) and of
+        the policy alone (None otherwise), and the seconds spent hashing."""
         view = self.drafter.view if self.drafter is not None else None
         # at rollout TP > 1 a model-parallel policy sends each rank only its slices (slice-only sync)
         stream = WeightStream(self.policy.canonical_weights(rollout_tp=self.replicas.tp),
-                              keep=self.comm.rank == 0 and not self.sharded, view=view, tp=self.engine_tp)
+                              keep=self.comm.rank == 0 and not self.sharded, view=view, tp=self.engine_tp,
+                              digest=digest)
         self.engine.load_policy_weights(stream)
         self.synced = stream.kept
         policy_digest = stream.hexdigest()
@@ -337,7 +339,7 @@ class RLWorker:
             if idle.drafter_steps and self.sd_policy is not None:
                 self.sd_policy.drafter_updated()  # it discounts what it measured of the old drafter
             stream.add(self.drafter.drafter)
-        return stream.hexdigest(), policy_digest
+        return stream.hexdigest(), policy_digest, stream.digest_s
 
     def log_and_checkpoint(self, step: int, record: dict[str, Any], writer: MetricsWriter | None, bar) -> None:
         """Every rank: rank 0 (the one with a ``writer``) logs; the checkpoint is rank 0's or collective."""

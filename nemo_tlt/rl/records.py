@@ -67,11 +67,11 @@ class RankStep:
     idle: IdleResult
     update: dict[str, float]
     state: RankState
-    weights: str                   # digest of this rank's synced policy + drafter weights
+    weights: str | None            # digest of this rank's synced policy + drafter weights (None: not hashed)
     # per tree shape: [tokens emitted, row-steps] of its SD steps (``arm_accept_counts``)
     arm_accept: dict[str, list[int]] = field(default_factory=dict)
     update_work_s: float = 0.0     # seconds this rank spent on the policy update (log-probs, gradients, step)
-    policy_digest: str = ""        # digest of the synced policy weights alone (TLT and baseline must agree)
+    policy_digest: str | None = None  # digest of the synced policy weights alone (TLT and baseline must agree)
 
 
 def arm_accept_counts(trace: list[StepTrace]) -> dict[str, list[int]]:
@@ -132,7 +132,9 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
         # generation vs policy log-probs of the step's tokens (nemo_tlt.rl.logprob_gap); None without them
         **gap_metrics([r.update for r in ranks]),
         # data parallelism must keep every rank's policy and drafter bit-identical
-        "replicas_identical": all(r.weights == ranks[0].weights for r in ranks),
+        # None at a step whose weights were not hashed (debug.weight_digests)
+        "replicas_identical": (None if ranks[0].weights is None
+                               else all(r.weights == ranks[0].weights for r in ranks)),
         "policy_digest": ranks[0].policy_digest,
         # the update's work, wherever it ran (worker-seconds / workers): the same in TLT and baseline
         "update_work_s": float(np.mean([r.update_work_s for r in ranks])),

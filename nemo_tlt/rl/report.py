@@ -281,6 +281,11 @@ def all_identical(values: list[Any]) -> bool:
     return all(v == values[0] for v in values[1:])
 
 
+def _identical_or_none(values: list[Any]) -> bool | None:
+    """`all_identical`, or None when a value is missing (nothing to compare)."""
+    return None if any(v is None for v in values) else all_identical(values)
+
+
 def run_block(summary: dict[str, Any]) -> dict[str, Any]:
     """A run's entry in report.json (see nemo_tlt.rl.loop.RLWorker.run for `summary`)."""
     recs = summary["records"]
@@ -394,9 +399,9 @@ def compare_pairs(pairs: list[tuple[tuple[str, str], dict[str, Any], dict[str, A
         "pairs": per_pair,
         "rewards_identical": all_identical([[r["rewards"] for r in s["records"]] for s in runs]),
         "rollouts_identical": rollouts_identical,
-        # the policy each run ends with (records without the digest: None)
-        "final_policy_identical": all_identical([s["records"][-1].get("policy_digest") if s["records"] else None
-                                                 for s in runs]),
+        # the policy each run ends with; None where a run's last step was not hashed (debug.weight_digests)
+        "final_policy_identical": _identical_or_none([s["records"][-1].get("policy_digest") if s["records"] else None
+                                                      for s in runs]),
         "steps_compared": min(len(s["records"]) for s in runs) if runs else 0,
         "reward_curves": reward_curves({"tlt": [t["records"] for _, t, _ in pairs],
                                         "baseline": [b["records"] for _, _, b in pairs]}, group_size),

@@ -140,7 +140,7 @@ def restore_sharded(state: RunState, rank: int, policy, engine, sd_policy, draft
     # the same stream as every step's weight sync: the view was filled whole at build
     rollout_tp = tp.size if tp is not None else 1
     engine.load_policy_weights(WeightStream(policy.canonical_weights(rollout_tp=rollout_tp),
-                                            view=drafter.view if drafter else None, tp=tp))
+                                            view=drafter.view if drafter else None, tp=tp, digest=False))
     mine = rank_state_for(state, rank)
     if sd_policy is not None and mine.sd_policy is not None:
         sd_policy.load_state_dict(mine.sd_policy)

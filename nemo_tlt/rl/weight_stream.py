@@ -1,11 +1,12 @@
 """The weight-sync stream: the policy's canonical weights, tensor by tensor, to the
 rollout engine, with what else the step needs from the same pass.
 
-``WeightStream(source, keep=..., view=..., tp=...)`` is iterated once by the engine's
-``load_policy_weights``; as each (name, tensor) goes by it is hashed (data-parallel
-replicas must end every step with the same bits), copied into the drafter's view of
-the target when there is one, and kept by reference when ``keep`` (rank 0 checkpoints
-the weights the engine serves). The stream itself copies nothing.
+``WeightStream(source, keep=..., view=..., tp=..., digest=...)`` is iterated once by the
+engine's ``load_policy_weights``; as each (name, tensor) goes by it is hashed when ``digest``
+(data-parallel replicas must end every step with the same bits: ``debug.weight_digests``;
+the hashing copies each tensor to the host, ``digest_s`` its seconds), copied into the
+drafter's view of the target when there is one, and kept by reference when ``keep`` (rank 0
+checkpoints the weights the engine serves). Without ``digest`` the stream copies nothing.
 
 With a tensor-parallel rollout engine (``tp``: the replica's ``TensorParallel``) the source
 may yield this rank's rollout slices only (``nemo_tlt.weights.rollout``; the megatron
@@ -18,6 +19,7 @@ replicas compare as whole models.
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
@@ -30,15 +32,16 @@ if TYPE_CHECKING:
 
 class WeightStream:
     def __init__(self, source: Iterable[tuple[str, torch.Tensor]], keep: bool = False,
-                 view: TargetView | None = None, tp: "TensorParallel | None" = None) -> None:
+                 view: TargetView | None = None, tp: "TensorParallel | None" = None, digest: bool = True) -> None:
         self.source, self.keep, self.view = source, keep, view
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.kept: dict[str, torch.Tensor] = {}
-        self._hash = hashlib.sha256()
+        self._hash = hashlib.sha256() if digest else None
+        self.digest_s = 0.0
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.source:
-            self._hash.update(_bytes(tensor))
+            self._update(tensor)
             if self.view is not None:
                 self.view.update(name, self._whole_for_view(name, tensor))
             if self.keep:
@@ -54,13 +57,22 @@ class WeightStream:
             return tensor
         return self.tp.gather_vocab(tensor.t(), rows).t()
 
+    def _update(self, tensor: torch.Tensor) -> None:
+        if self._hash is not None:
+            t0 = time.perf_counter()
+            self._hash.update(_bytes(tensor))
+            self.digest_s += time.perf_counter() - t0
+
     def add(self, module: torch.nn.Module) -> None:
         """Hash another module's weights into the digest (e.g. the drafter's)."""
         for t in module.state_dict().values():
-            self._hash.update(_bytes(t))
+            self._update(t)
 
-    def hexdigest(self) -> str:
-        """The digest so far (with ``tp``: of the replica's digests; collective over the replica)."""
+    def hexdigest(self) -> str | None:
+        """The digest so far (with ``tp``: of the replica's digests; collective over the
+        replica); None without ``digest``."""
+        if self._hash is None:
+            return None
         mine = self._hash.hexdigest()[:16]
         if self.tp is None:
             return mine

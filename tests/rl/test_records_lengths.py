@@ -27,3 +27,14 @@ def test_record_keeps_lengths_per_sequence_and_accepts_per_arm():
     rec = step_record(0, "tlt", 4, ranks, TIMES, [], 0.0, 1.0)
     assert rec["resp_lens"] == [4, 7, 11, 2]
     assert rec["accept_by_arm"] == {"4_1_4": [15, 5], "6_1_6": [10, 2]}
+
+
+def test_replicas_are_compared_only_where_their_weights_were_hashed():
+    hashed = [_rank(0, [0], [[5]], {}), _rank(1, [1], [[5]], {})]
+    assert step_record(0, "tlt", 2, hashed, TIMES, [], 0.0, 1.0)["replicas_identical"] is True
+    hashed[1].weights = "other"
+    assert step_record(0, "tlt", 2, hashed, TIMES, [], 0.0, 1.0)["replicas_identical"] is False
+    for r in hashed:
+        r.weights = None  # debug.weight_digests off at this step
+    assert step_record(0, "tlt", 2, hashed, TIMES, [], 0.0, 1.0)["replicas_identical"] is None
+

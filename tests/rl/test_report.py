@@ -337,3 +337,5 @@ def test_final_policy_identity_compares_the_last_records_digests():
     assert same["final_policy_identical"]
     differ = compare_pairs([(("tlt", "baseline"), run("a", "z"), run("a", "y"))], group_size=2)
     assert not differ["final_policy_identical"] and differ["rewards_identical"]
+    unhashed = compare_pairs([(("tlt", "baseline"), run("a", None), run("a", None))], group_size=2)
+    assert unhashed["final_policy_identical"] is None  # debug.weight_digests off at the last step: unknown
