@@ -219,7 +219,8 @@ class RLWorker:
                         segments=rollout.segments, idle=idle,
                         update=update, state=self.rank_state(), weights=weights,
                         arm_accept=arm_accept_counts(stats.trace) if lead else {},
-                        update_work_s=t_work, policy_digest=policy_digest)
+                        update_work_s=t_work, policy_digest=policy_digest,
+                        prompt_tokens=sum(len(req.prompt) for req in rollout.requests) if lead else 0)
         ranks = comm.gather(mine)
         # a sharded policy state (the megatron backend on more than one rank) stays where it is:
         # each rank writes its own shard at the checkpoint (ShardedRunCheckpointer)

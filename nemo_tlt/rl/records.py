@@ -72,6 +72,7 @@ class RankStep:
     arm_accept: dict[str, list[int]] = field(default_factory=dict)
     update_work_s: float = 0.0     # seconds this rank spent on the policy update (log-probs, gradients, step)
     policy_digest: str | None = None  # digest of the synced policy weights alone (TLT and baseline must agree)
+    prompt_tokens: int = 0         # prompt tokens of this rank's rollout (a replica's leader only)
 
 
 def arm_accept_counts(trace: list[StepTrace]) -> dict[str, list[int]]:
@@ -106,6 +107,7 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
         "accuracy": float(np.mean([r == 1.0 for r in rewards])),
         "resp_len_mean": float(np.mean(lengths)), "resp_len_median": float(np.median(lengths)),
         "resp_len_max": int(max(lengths)), "tokens": int(sum(lengths)),
+        "prompt_tokens": int(sum(r.prompt_tokens for r in ranks)),
         "resp_lens": lengths,  # per sequence (id order): the length distribution `nemo-tlt plan --measured` reads
         **times, "other_s": other,
         "rollout_gen_s": [r.gen_s for r in ranks],

@@ -28,8 +28,9 @@ Contract
 * Per pair also the mean response tokens per step of each run (``tlt_mean_tokens``,
   ``baseline_mean_tokens``: the records' ``tokens``, steps after the first; NaN where a
   record lacks them) and the per-token figures ``control_ratio_per_token`` (update work
-  per response token, baseline / TLT) and ``speedup_per_token`` (step seconds per
-  response token, baseline / TLT), each the raw ratio times TLT / baseline mean tokens:
+  per prompt + response token, baseline / TLT: the update processes both) and
+  ``speedup_per_token`` (step seconds per response token, baseline / TLT), each the raw
+  ratio times TLT / baseline mean tokens:
   on identical tokens exactly the raw ``control_ratio`` / ``speedup``. The report gives
   their medians over pairs.
 * Sampled runs: where the runs drew different tokens (``rollouts_identical`` false, e.g.
@@ -180,12 +181,14 @@ def control_is_noisy(control_ratio: float, tolerance: float = CONTROL_TOLERANCE)
     return not (1.0 - tolerance <= control_ratio <= 1.0 + tolerance)
 
 
-def mean_tokens(recs: list[dict[str, Any]]) -> float:
-    """Mean response tokens per step (the records' ``tokens``) over the steps after the
-    first; NaN when any record lacks them."""
+def mean_tokens(recs: list[dict[str, Any]], with_prompts: bool = False) -> float:
+    """Mean response tokens per step (the records' ``tokens``; ``with_prompts``: plus their
+    ``prompt_tokens``, what the policy update processes; 0 in records without them) over the
+    steps after the first; NaN when any record lacks ``tokens``."""
     if not all("tokens" in r for r in recs):
         return float("nan")
-    return mean_after_first([float(r["tokens"]) for r in recs])
+    return mean_after_first([float(r["tokens"] + (r.get("prompt_tokens", 0) if with_prompts else 0))
+                             for r in recs])
 
 
 def per_token(raw_ratio: float, tlt_tokens: float, baseline_tokens: float) -> float:
@@ -198,7 +201,8 @@ def per_token(raw_ratio: float, tlt_tokens: float, baseline_tokens: float) -> fl
 def pair_figures(order: tuple[str, str], tlt: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dict:
     """One pair's figures from the step records of its TLT and baseline runs; `order`
     is the order the two ran in, e.g. ("baseline", "tlt"). Means are over the steps after
-    the first; per-token figures divide those means by the mean response tokens."""
+    the first; per-token figures divide those means by the mean tokens (the step time by the
+    response tokens, the update's work by prompt + response tokens)."""
     def mean(recs: list[dict[str, Any]], key: str) -> float:
         return mean_after_first([r[key] for r in recs])
 
@@ -217,7 +221,8 @@ def pair_figures(order: tuple[str, str], tlt: list[dict[str, Any]], baseline: li
             "tlt_update_s": t_update, "baseline_update_s": b_update, "tlt_update_work_s": t_work,
             "baseline_update_work_s": b_work, "control_ratio": control,
             "tlt_mean_tokens": t_tokens, "baseline_mean_tokens": b_tokens,
-            "control_ratio_per_token": per_token(control, t_tokens, b_tokens),
+            # the update processes prompts and responses: its work per token counts both
+            "control_ratio_per_token": per_token(control, mean_tokens(tlt, True), mean_tokens(baseline, True)),
             "speedup_per_token": per_token(speedup, t_tokens, b_tokens)}
 
 
@@ -259,7 +264,7 @@ def summarize_pairs(pairs: list[dict[str, Any]], tolerance: float = CONTROL_TOLE
     note = None
     if noisy:
         work = ("the policy update's work, the same in both runs," if control_key == "control_ratio" else
-                "the policy update's work per response token (the runs sampled different tokens),")
+                "the policy update's work per token, prompt and response (the runs sampled different tokens),")
         note = (f"the machine was too noisy for the speedup to mean much: {work} took {noise:.2f}x as long in "
                 f"the baseline runs as in the TLT runs (median over {len(pairs)} pair(s); outside "
                 f"[{1 - tolerance:.2f}, {1 + tolerance:.2f}])")
@@ -270,7 +275,7 @@ def summarize_pairs(pairs: list[dict[str, Any]], tolerance: float = CONTROL_TOLE
             "tlt_update_s": med("tlt_update_s"), "baseline_update_s": med("baseline_update_s"),
             "tlt_update_work_s": med("tlt_update_work_s"), "baseline_update_work_s": med("baseline_update_work_s"),
             "control_ratio": control,
-            # per response token: what compares when the runs sampled different lengths
+            # per token: what compares when the runs sampled different lengths
             "tlt_mean_tokens": med("tlt_mean_tokens"), "baseline_mean_tokens": med("baseline_mean_tokens"),
             "control_ratio_per_token": med(PER_TOKEN_CONTROL), "speedup_per_token": med("speedup_per_token"),
             "noise_control": control_key, "noisy": noisy, "note": note,

@@ -38,3 +38,9 @@ def test_replicas_are_compared_only_where_their_weights_were_hashed():
         r.weights = None  # debug.weight_digests off at this step
     assert step_record(0, "tlt", 2, hashed, TIMES, [], 0.0, 1.0)["replicas_identical"] is None
 
+
+
+def test_the_record_counts_the_prompt_tokens_of_the_leaders():
+    ranks = [_rank(0, [0], [[5] * 3], {}), _rank(1, [1], [[5] * 2], {})]
+    ranks[0].prompt_tokens, ranks[1].prompt_tokens = 7, 4
+    assert step_record(0, "tlt", 2, ranks, TIMES, [], 0.0, 1.0)["prompt_tokens"] == 11

@@ -131,6 +131,19 @@ def test_per_token_figures_divide_by_each_runs_tokens():
     assert out["tlt_mean_tokens"] == 100.0 and out["baseline_mean_tokens"] == 130.0
 
 
+def test_the_update_work_per_token_counts_the_prompts_it_processes():
+    """The update's forward and backward run over prompt + response: 2.0 s on 50 prompt + 100
+    response tokens against 2.6 s on 50 + 130 is 1.083x more work per token in the baseline
+    (per response token alone it would read 1.0)."""
+    tlt, base = _different_lengths()
+    tlt = [{**r, "prompt_tokens": 50} for r in tlt]
+    base = [{**r, "prompt_tokens": 50} for r in base]
+    p = pair_figures(("tlt", "baseline"), tlt, base)
+    assert p["control_ratio_per_token"] == pytest.approx((2.6 / 180) / (2.0 / 150))
+    assert p["speedup_per_token"] == pytest.approx((3.9 / 130) / (2.0 / 100))  # the step: per response token
+    assert p["tlt_mean_tokens"] == 100.0
+
+
 def test_sampled_runs_check_the_noise_on_the_update_work_per_token():
     tlt, base = _different_lengths()
     sampled = compare_pairs([(("tlt", "baseline"), summary(tlt), summary(base))], group_size=2)
@@ -142,7 +155,7 @@ def test_sampled_runs_check_the_noise_on_the_update_work_per_token():
     slow = [{**r, "update_work_s": 2.0} for r in base]
     noisy = compare_pairs([(("tlt", "baseline"), summary(tlt), summary(slow))], group_size=2)
     assert noisy["control_ratio"] == pytest.approx(1.0) and noisy["noisy"] is True
-    assert "per response token" in noisy["note"] and "0.77" in noisy["note"]
+    assert "per token" in noisy["note"] and "0.77" in noisy["note"]
     # identical rollouts: the identical work is the control, no sampling note
     same = compare_pairs([(("tlt", "baseline"), *(summary(r) for r in _different_lengths(("d", "d"))))],
                          group_size=2)
