@@ -38,6 +38,14 @@ from nemo_tlt.spot.checkpoint import CheckpointManager
 log = logging.getLogger(__name__)
 
 
+SHARDED_SUBDIR = "sharded"
+
+
+def sharded_dir(checkpoint_dir: str | Path) -> Path:
+    """Where a sharded policy state's run checkpoints live (``nemo_tlt.rl.sharded_run_checkpoint``)."""
+    return Path(checkpoint_dir) / SHARDED_SUBDIR
+
+
 @dataclass
 class RunState:
     step: int
@@ -80,8 +88,6 @@ class RunCheckpointer:
             with CheckpointManager(self.directory) as reader:
                 ck = reader.load() if reader.latest() is not None else None
         if ck is None:
-            from nemo_tlt.rl.sharded_run_checkpoint import sharded_dir
-
             if any(sharded_dir(self.directory).glob("step-*")):
                 raise ValueError(f"resume: {sharded_dir(self.directory)} holds a checkpoint of a sharded policy state "
                                  "(the megatron backend on more than one worker); this run's policy state is not "

@@ -46,19 +46,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nemo_tlt.rl.records import RankState
-from nemo_tlt.rl.run_checkpoint import RunState
+from nemo_tlt.rl.run_checkpoint import RunState, sharded_dir
 from nemo_tlt.rl.weight_stream import WeightStream
 from nemo_tlt.spot.sharded_checkpoint import ShardedCheckpoints
 
 log = logging.getLogger(__name__)
 
-SUBDIR = "sharded"
 POLICY, RUN = "policy", "run"
 STATE_FILE, DRAFTER_FILE, TRAINER_FILE = "state.json", "drafter.safetensors", "drafter_trainer.pt"
-
-
-def sharded_dir(checkpoint_dir: str | Path) -> Path:
-    return Path(checkpoint_dir) / SUBDIR
 
 
 class ShardedRunCheckpointer:

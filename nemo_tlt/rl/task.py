@@ -38,42 +38,23 @@ import inspect
 import json
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from nemo_tlt.config import TASK_DATASETS, TASK_HF, TASK_JSONL, TASK_ORDERS, TaskConfig
+from nemo_tlt.config import TASK_DATASETS, TASK_HF, TASK_JSONL, TaskConfig
 from nemo_tlt.imports import load_object
+from nemo_tlt.rl.data_sources import DatasetsTaskSource
+# the shared pieces, importable from here as well (a task's own code imports Prompt from this module)
+from nemo_tlt.rl.prompts import (ORDERS, Prompt, TaskSource, answer_text, check_order, draw_rows,  # noqa: F401
+                                 epoch_rows, prompt_from_record)
 
 RewardFn = Callable[..., float]
 
 # Files AutoTokenizer reads a tokenizer from; a folder with none of them has no tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt: its text, the reference answer if the task has one, and
-    whatever else the reward needs (``meta``, read-only)."""
-
-    text: str
-    answer: str | None = None
-    meta: Mapping[str, Any] = field(default_factory=dict, hash=False)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.text, str):
-            raise ValueError(f"Prompt.text must be a str, got {type(self.text).__name__}")
-        if self.answer is not None and not isinstance(self.answer, str):
-            raise ValueError(f"Prompt.answer must be a str or None, got {type(self.answer).__name__}")
-        # A private copy behind a read-only view: neither the caller nor a reward can change it.
-        object.__setattr__(self, "meta", MappingProxyType(dict(self.meta)))
-
-    def __reduce__(self):
-        # mappingproxy does not pickle; prompts cross process boundaries with their meta as a dict.
-        return (Prompt, (self.text, self.answer, dict(self.meta)))
 
 
 @runtime_checkable
@@ -97,74 +78,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
 
     def decode(self, tokens: Sequence[int]) -> str: ...
-
-
-@runtime_checkable
-class TaskSource(Protocol):
-    """The prompts of each RL step (see the module docstring for the determinism contract)."""
-
-    def prompts(self, step: int, n: int, rng: np.random.Generator) -> list[Prompt]: ...
-
-
-# ---- built in: the order of a source's rows -----------------------------------
-
-ORDERS = TASK_ORDERS
-
-
-def epoch_rows(num_rows: int, step: int, n: int, shuffle_seed: int) -> list[int]:
-    """Row indices of step ``step`` of ``n`` prompts, reading epochs without replacement:
-    positions ``[step*n, (step+1)*n)`` of the concatenated per-epoch permutations, epoch
-    ``e`` being ``permutation(num_rows)`` under the generator of (shuffle_seed, e)."""
-    out, perms = [], {}
-    for pos in range(step * n, (step + 1) * n):
-        epoch, i = divmod(pos, num_rows)
-        if epoch not in perms:
-            perms[epoch] = np.random.default_rng([shuffle_seed, epoch, 0xE9]).permutation(num_rows)
-        out.append(int(perms[epoch][i]))
-    return out
-
-
-def draw_rows(num_rows: int, step: int, n: int, rng: np.random.Generator, order: str,
-              shuffle_seed: int, who: str) -> list[int]:
-    """The rows of one step by ``order`` (see the module docstring)."""
-    if n < 0:
-        raise ValueError(f"{who}.prompts: n must be >= 0, got {n}")
-    if order == "epochs":
-        return epoch_rows(num_rows, step, n, shuffle_seed)
-    return [int(i) for i in rng.choice(num_rows, size=n, replace=n > num_rows)]
-
-
-def check_order(order: str, shuffle_seed: int, who: str) -> None:
-    if order not in ORDERS:
-        raise ValueError(f"{who}: task.options.order must be one of {list(ORDERS)}, got {order!r}")
-    if isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int) or not 0 <= shuffle_seed < 2**63:
-        raise ValueError(f"{who}: task.options.shuffle_seed must be an int >= 0, got {shuffle_seed!r}")
-
-
-# ---- built in: prompts from a JSONL file ------------------------------------
-
-def prompt_from_record(record: dict, prompt_key: str, answer_key: str, where: str, field: str,
-                       scalar: str) -> Prompt:
-    """One prompt from a row of a prompts file: the text under ``prompt_key``, the answer
-    under ``answer_key`` (a scalar or null), every other entry as ``meta``; errors name
-    ``where`` and the ``field`` (a JSON "key", a table "column")."""
-    text = record[prompt_key]
-    if not isinstance(text, str) or not text:
-        raise ValueError(f"{where}: {field} {prompt_key!r} must be a non-empty string, got {text!r}")
-    try:
-        answer = answer_text(record.get(answer_key))
-    except TypeError:
-        raise ValueError(f"{where}: {field} {answer_key!r} must be {scalar} or null, "
-                         f"got {record[answer_key]!r}") from None
-    return Prompt(text, answer, {k: v for k, v in record.items() if k not in (prompt_key, answer_key)})
-
-
-def answer_text(value: Any) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, (bool, numbers.Real)):
-        return json.dumps(value)  # its JSON text: 3 -> "3", true -> "true"
-    raise TypeError
 
 
 class JsonlTaskSource:
@@ -325,7 +238,6 @@ def build_source(source: str, options: Mapping[str, Any]) -> TaskSource:
     if source == TASK_JSONL:
         return JsonlTaskSource(**options)
     if source == TASK_DATASETS:
-        from nemo_tlt.rl.data_sources import DatasetsTaskSource
         return DatasetsTaskSource(**options)
     factory = load_object(source, "task.source")
     if not callable(factory):
