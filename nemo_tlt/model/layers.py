@@ -43,28 +43,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class _FusedWeights:
-    """Inference-time concatenation of several Linear layers' weights (and biases),
-    rebuilt whenever a parameter changes (in-place updates bump `_version`). One
-    matmul instead of several: on a CPU the per-op overhead dominates small layers.
-    Training keeps the separate layers, so gradients and the state dict are untouched."""
-
-    def __init__(self) -> None:
-        self.key: tuple = ()
-        self.weight: torch.Tensor | None = None
-        self.bias: torch.Tensor | None = None
-
-    def get(self, layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        params = [t for lin in layers for t in (lin.weight, lin.bias) if t is not None]
-        key = tuple((t._version, t.data_ptr()) for t in params)
-        if key != self.key:
-            self.weight = torch.cat([lin.weight for lin in layers], 0)
-            has_bias = layers[0].bias is not None
-            self.bias = torch.cat([lin.bias for lin in layers], 0) if has_bias else None
-            self.key = key
-        return self.weight, self.bias
-
-
 class Attention(nn.Module):
     def __init__(self, config: LMConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -76,20 +54,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=bool(config.qkv_bias))
         self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=bool(config.qkv_bias))
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=config.o_proj_bias)
-        self._qkv = _FusedWeights()
-
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if torch.is_grad_enabled():
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        w, b = self._qkv.get([self.q_proj, self.k_proj, self.v_proj])
-        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return F.linear(x, w, b).split((q_dim, kv_dim, kv_dim), dim=-1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None, layer: int, mask: torch.Tensor | None,
                 write_idx: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self._project(x)
+        # three projections, no fused q/k/v copy: one copy of the weights (a concatenated
+        # inference copy measured no faster on the CPU, with the same bits: docs/benchmarks.md)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -119,15 +91,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, inner, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, inner, bias=False)
         self.down_proj = nn.Linear(inner, config.hidden_size, bias=False)
-        self._gate_up = _FusedWeights()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        else:
-            w, _ = self._gate_up.get([self.gate_proj, self.up_proj])
-            gate, up = F.linear(x, w).chunk(2, dim=-1)
-            out = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return out if self.tp is None else self.tp.all_reduce_(out)
 
 
