@@ -39,7 +39,7 @@ from nemo_tlt.drafter.target_view import TargetView
 from nemo_tlt.rl.records import IdleResult
 from nemo_tlt.spot.config import IdleDrafterConfig
 from nemo_tlt.spot.coordinator import WorkerCoordinator
-from nemo_tlt.spot.harvest import HarvestBuffer, HarvestConfig
+from nemo_tlt.spot.harvest import HarvestBuffer, HarvestConfig, HarvestSample
 from nemo_tlt.spot.losses import eagle_loss_fn
 from nemo_tlt.spot.trainer import SpotTrainer, train_while_idle
 
@@ -65,8 +65,15 @@ class IdleDrafter:
         return self.buffer.config.min_length
 
     def harvest(self, step: int, tokens: list[int], hidden: torch.Tensor) -> None:
-        if len(tokens) >= self.min_length:
-            self.buffer.add(torch.tensor(tokens, dtype=torch.long, device="cpu"), hidden, step)
+        sample = self.sample(step, tokens, hidden)
+        if sample is not None:
+            self.buffer.add_sample(sample)
+
+    def sample(self, step: int, tokens: list[int], hidden: torch.Tensor) -> HarvestSample | None:
+        """The buffer's compact host copy of one sequence's features (None: too short to train on)."""
+        if len(tokens) < self.min_length:
+            return None
+        return self.buffer.make_sample(torch.tensor(tokens, dtype=torch.long, device="cpu"), hidden, step)
 
     def idle_time(self, step: int, coord: WorkerCoordinator) -> IdleResult:
         report = self._thread.submit(train_while_idle, step, coord, self.trainer, self.buffer,

@@ -53,7 +53,7 @@ from nemo_tlt.rl.sharded_run_checkpoint import ShardedRunCheckpointer, rank_stat
 from nemo_tlt.rl.task import build_task, check_eos, check_vocab
 from nemo_tlt.rl.validation import is_due, validate, validation_prompts, validation_sampling
 from nemo_tlt.rl.weight_stream import WeightStream
-from nemo_tlt.rollout.protocol import Request
+from nemo_tlt.rollout.protocol import Request, RequestResult
 from nemo_tlt.rollout.factory import build_rollout_engine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.spot.coordinator import WorkerCoordinator
@@ -246,16 +246,32 @@ class RLWorker:
         t0, t_gen = time.perf_counter(), self.coord.now()
         if on_finish is not None:
             on_finish.bind(requests, ids)
-        out = self.engine.generate(requests, sampling, policy=self.sd_policy,
-                                   return_hidden=self.harvest_from == "rollout", on_finish=on_finish)
-        seconds = time.perf_counter() - t0
-        if self.harvest_from == "rollout":
+        harvest = self.harvest_from == "rollout"
+        samples: dict[int, Any] = {}
+        if harvest:
             self.drafter.buffer.advance_step(step)
-            for req, res in zip(requests, out.results):
-                self.drafter.harvest(step, list(req.prompt) + res.tokens, res.hidden_states)
-                res.hidden_states = None  # the buffer holds its own compact copy
+            on_finish = self._harvesting(step, requests, samples, on_finish)
+        out = self.engine.generate(requests, sampling, policy=self.sd_policy, return_hidden=harvest,
+                                   on_finish=on_finish)
+        seconds = time.perf_counter() - t0
+        for index in sorted(samples):  # in request order, as the buffer always received them
+            self.drafter.buffer.add_sample(samples[index])
         segments = decode_segments(out.stats.trace, out.stats.prefill_s, out.stats.wall_s, t_gen)
         return Rollout(ids, requests, out, segments, seconds)
+
+    def _harvesting(self, step: int, requests: list[Request], samples: dict[int, Any],
+                    then: Callable | None) -> Callable:
+        """An ``on_finish`` sink that takes each finished row's features into the drafter's
+        compact host copy at once (so the engine's copy, on its device, is freed as the row
+        finishes, not when the rollout ends), then hands the row to ``then``."""
+        def sink(index: int, result: RequestResult) -> None:
+            sample = self.drafter.sample(step, list(requests[index].prompt) + result.tokens, result.hidden_states)
+            if sample is not None:
+                samples[index] = sample
+            result.hidden_states = None
+            if then is not None:
+                then(index, result)
+        return sink
 
     def idle_time(self, step: int, skip: bool = False) -> IdleResult:
         """This rank's share is done: train the drafter until every rank is (TLT), meet.

@@ -158,8 +158,19 @@ class HarvestBuffer:
         topk_indices: torch.Tensor | None = None,
     ) -> HarvestSample:
         """Validate, copy to compact host storage, and append one sample (evicting the oldest if full)."""
+        return self.add_sample(self.make_sample(token_ids, hidden, step, topk_values, topk_indices))
+
+    def make_sample(self, token_ids: torch.Tensor, hidden: torch.Tensor, step: int,
+                    topk_values: torch.Tensor | None = None,
+                    topk_indices: torch.Tensor | None = None) -> HarvestSample:
+        """`add`'s checks and compact host copy, without appending: a caller that collects a
+        rollout's rows as they finish frees each row's features at once and appends them later."""
         self._check_step(step)
-        sample = self._make_sample(token_ids, hidden, step, topk_values, topk_indices)
+        return self._make_sample(token_ids, hidden, step, topk_values, topk_indices)
+
+    def add_sample(self, sample: HarvestSample) -> HarvestSample:
+        """Append a sample made by `make_sample` (evicting the oldest if full)."""
+        self._check_step(sample.step)
         if sample.nbytes > self.config.max_bytes:
             raise ValueError(
                 f"HarvestBuffer.add: one sample of {sample.length} tokens needs {sample.nbytes} bytes, more than "
