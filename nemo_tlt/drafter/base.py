@@ -26,7 +26,7 @@ emitted (verification is the target's).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -73,6 +73,15 @@ class Drafter(Protocol):
     def check_target(self, target: DecoderLM) -> None: ...
 
     def forwards_per_draft(self, shape: TreeShape) -> int: ...
+
+
+@runtime_checkable
+class CapturesLayers(Protocol):
+    """A drafter that reads target layers besides the final state (EAGLE-3): the engine and
+    the policy's forward hand it, per position, the outputs of ``capture_layers`` (0-based
+    target layers, in this order) then the final state, [.., (len(capture_layers) + 1) * H]."""
+
+    capture_layers: tuple[int, ...]
 
 
 def check_same_dims(kind: str, hidden_size: int, vocab_size: int, target: DecoderLM) -> None:

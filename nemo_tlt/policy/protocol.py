@@ -46,7 +46,7 @@ Contract (every implementation)
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -90,6 +90,56 @@ class PolicyBackend(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class PipelinedAccumulation(Protocol):
+    """What a backend adds for ``policy.pipelined_update`` (``nemo_tlt.rl.pipelined_step``): a
+    step's gradient built in terms (GRPO groups, or one micro-batch of one: ``part``) while
+    the rollout's tail runs, summed in fixed point so that the order of the terms does not
+    change a bit, then applied once."""
+
+    def begin_accumulation(self, token_budget: int) -> None: ...
+
+    def num_parts(self, batch: Sequence[Sequence2]) -> int: ...
+
+    def accumulate(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
+                   logp_ref: list[torch.Tensor] | None, *, on_hidden: HiddenSink | None = None,
+                   capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None,
+                   part: int | None = None) -> dict[str, float]: ...
+
+    def apply_accumulated(self, global_tokens: int) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class ShardedCheckpoints(Protocol):
+    """What a backend whose ``sharded_state`` is true adds (``nemo_tlt.rl.sharded_run_checkpoint``):
+    each rank writes and reads its own shard of the policy state, collectively; a write may
+    run in the background (``start_save_sharded`` returns what to wait on, ``finish_writes``
+    waits for every write started)."""
+
+    def save_sharded(self, directory: str) -> None: ...
+
+    def start_save_sharded(self, directory: str) -> Any: ...
+
+    def finish_writes(self) -> None: ...
+
+    def load_sharded(self, directory: str) -> None: ...
+
+
+def missing_methods(backend: Any, part: type) -> list[str]:
+    """The methods of the sub-protocol ``part`` that ``backend`` (a class or an instance) lacks."""
+    names = [n for n, v in vars(part).items() if callable(v) and not n.startswith("_")]
+    return [n for n in names if not callable(getattr(backend, n, None))]
+
+
+def require(policy: PolicyBackend, part: type, backend: str, setting: str) -> None:
+    """A ValueError naming ``setting``, the backend and the missing methods when ``policy``
+    lacks the optional contract ``part`` (one of this module's sub-protocols) the setting needs."""
+    missing = missing_methods(policy, part)
+    if missing:
+        raise ValueError(f"{setting}: the {backend} policy backend does not implement {part.__name__} "
+                         f"(nemo_tlt.policy.protocol; missing {missing})")
 
 
 def check_update_args(owner: str, batch: Sequence[Sequence2], advantages: torch.Tensor, global_tokens: int) -> None:

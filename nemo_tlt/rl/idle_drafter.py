@@ -39,6 +39,7 @@ from nemo_tlt.drafter.target_view import TargetView
 from nemo_tlt.rl.records import IdleResult
 from nemo_tlt.spot.config import IdleDrafterConfig
 from nemo_tlt.spot.coordinator import WorkerCoordinator
+from nemo_tlt.drafter.base import CapturesLayers
 from nemo_tlt.spot.harvest import HarvestBuffer, HarvestConfig, HarvestSample
 from nemo_tlt.spot.losses import eagle_loss_fn
 from nemo_tlt.spot.trainer import SpotTrainer, train_while_idle
@@ -54,7 +55,8 @@ class IdleDrafter:
                              f"{placement.device}; build the view with the same placement")
         self.config, self.view, self.nodes, self.placement = config, view, nodes, placement
         self.drafter = load_drafter(drafter_dir, view, device=placement.device).float()
-        width = feature_width(view.config.hidden_size, getattr(self.drafter, "capture_layers", None))
+        width = feature_width(view.config.hidden_size,
+                              self.drafter.capture_layers if isinstance(self.drafter, CapturesLayers) else None)
         self.buffer = HarvestBuffer(HarvestConfig(width, max_bytes=config.harvest_max_mb << 20))
         self.trainer = SpotTrainer(self.drafter, eagle_loss_fn(view), config.trainer, rank=rank, seed=seed)
         self._thread = ThreadPoolExecutor(1, "tlt-idle", initializer=_init_idle_thread,

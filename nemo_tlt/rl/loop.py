@@ -54,6 +54,8 @@ from nemo_tlt.rl.task import build_task, check_eos, check_vocab
 from nemo_tlt.rl.validation import is_due, validate, validation_prompts, validation_sampling
 from nemo_tlt.rl.weight_stream import WeightStream
 from nemo_tlt.rollout.protocol import Request, RequestResult
+from nemo_tlt.policy.protocol import PipelinedAccumulation, ShardedCheckpoints, require
+from nemo_tlt.drafter.base import CapturesLayers
 from nemo_tlt.rollout.factory import build_rollout_engine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.spot.coordinator import WorkerCoordinator
@@ -106,8 +108,11 @@ class RLWorker:
                              "hidden states; use drafter.harvest_from=rollout")
         # an EAGLE-3 drafter trains on its captured target layers and the final state, which the
         # policy's forward hands over in the rollout engine's layout when asked for them
-        self.capture_layers = getattr(self.drafter.drafter, "capture_layers", None) if self.drafter else None
+        self.capture_layers = (self.drafter.drafter.capture_layers
+                               if self.drafter and isinstance(self.drafter.drafter, CapturesLayers) else None)
         # the update pipelined into the rollout's tail (nemo_tlt.rl.pipelined_step)
+        if cfg.policy.pipelined_update:
+            require(self.policy, PipelinedAccumulation, cfg.policy.backend, "policy.pipelined_update=true")
         self.pipeline = (PipelinedStep(cfg, spec.mode, self.policy, comm, self.task,
                                        partial(self._harvest_sink, own=None) if self.harvest_from == "policy" else None,
                                        self.capture_layers, self.replicas) if cfg.policy.pipelined_update else None)
@@ -115,6 +120,8 @@ class RLWorker:
                                        prefix=f"tlt/{spec.mode}", timeout_s=cfg.workers.timeout_s)
         # a sharded policy state is checkpointed by every rank (its shard); else rank 0 writes it all
         self.sharded = self.policy.sharded_state
+        if self.sharded:
+            require(self.policy, ShardedCheckpoints, cfg.policy.backend, "a sharded policy state (sharded_state)")
         self.ckpt = (ShardedRunCheckpointer(spec.checkpoint_dir, cfg.checkpoint.keep_last, comm.rank) if self.sharded
                      else RunCheckpointer(spec.checkpoint_dir, cfg.checkpoint.keep_last, writer=comm.rank == 0))
         # what the engine serves, kept for rank 0's checkpoints (none with shards: they hold the policy);

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from nemo_tlt.adaptive.sd_policy import SpecPolicy
-from nemo_tlt.drafter.base import DraftContext, Drafter
+from nemo_tlt.drafter.base import CapturesLayers, DraftContext, Drafter
 from nemo_tlt.drafter.features import feature_width, join_features
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import load_hf_folder
@@ -270,7 +270,7 @@ class TorchRolloutEngine:
 
     # ---- steps ------------------------------------------------------------------
     def _capture(self) -> tuple[int, ...] | None:
-        return getattr(self.drafter, "capture_layers", None)
+        return self.drafter.capture_layers if isinstance(self.drafter, CapturesLayers) else None
 
     def _feature_width(self) -> int:
         return feature_width(self.target.config.hidden_size, self._capture())
