@@ -88,7 +88,7 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
     ("checkpoint.keep_last=0", r"checkpoint\.keep_last"),
     ("drafter.nice=25", r"drafter\.nice must be in \[0, 19\]"),
     ("model.target_dir=/somewhere", r"model\.target_dir and model\.drafter_dir must be given together"),
-    ("rollout.engine=sglang", r"rollout\.engine must be one of torch, trtllm, vllm"),
+    ("rollout.engine=sglang", r"rollout\.engine must be one of \['torch', 'trtllm', 'vllm'\] or an import path"),
     ("model.dtype=float16", r"model\.dtype must be one of"),
     ("workers.device=tpu", r"workers\.device must be one of"),
 ])

@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "nemo_tlt"
 # bottom to top; utilities at the bottom; entry points (cli, bench, plan) on top
 LAYERS = [
-    {"checks", "atomic", "imports", "optim", "device", "structured"},
+    {"checks", "atomic", "imports", "registry", "optim", "device", "structured"},
     {"model"}, {"speculative"}, {"drafter"}, {"adaptive"}, {"rollout"}, {"dist"}, {"spot"}, {"weights"},
     {"megatron"}, {"policy"}, {"config"}, {"rl"}, {"demo"}, {"integrations"},
     {"cli", "train", "convert", "bench", "plan", "first_drafter", "selfcheck"},

@@ -11,8 +11,15 @@ from typing import ClassVar
 
 from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.optim import OptimConfig
+from nemo_tlt.registry import Registry
 
-BACKENDS = ("torch", "megatron")
+# policy.backend: a name here or an import path 'package.module:factory'. A factory is called as
+# factory(config, canonical, model_config, temperature=, seed=, placement=) and returns a
+# PolicyBackend (see nemo_tlt.policy.factory, whose built-in factories these are; docs/extending.md).
+BACKENDS = Registry("policy backend", "policy.backend", {
+    "torch": "nemo_tlt.policy.factory:torch_backend",
+    "megatron": "nemo_tlt.policy.factory:megatron_backend",
+})
 RECOMPUTE = ("none", "full", "selective")
 
 
@@ -63,8 +70,7 @@ class PolicyConfig:
     optim: PolicyOptimConfig = field(default_factory=PolicyOptimConfig)
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"policy.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        BACKENDS.check(self.backend)
         check_int("policy.tensor_parallel", self.tensor_parallel, 1)
         check_int("policy.pipeline_parallel", self.pipeline_parallel, 1)
         if self.backend != "megatron" and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
@@ -92,7 +98,8 @@ class PolicyConfig:
                              "keeps every activation)")
         if not isinstance(self.pipelined_update, bool):
             raise ValueError(f"policy.pipelined_update must be a bool, got {self.pipelined_update!r}")
-        if self.pipelined_update and self.backend != "torch":
+        if self.pipelined_update and self.backend == "megatron":
+            # (a backend named by import path is held to PipelinedAccumulation when the run starts)
             raise ValueError(f"policy.pipelined_update=true needs policy.backend=torch, got {self.backend!r} (a "
                              "model-parallel replica would have to compute every group together)")
         if not isinstance(self.optim, OptimConfig):

@@ -9,8 +9,16 @@ import torch
 
 from nemo_tlt.adaptive.config import SpecDecodingConfig
 from nemo_tlt.checks import check_float, check_int
+from nemo_tlt.registry import Registry
 
-ENGINES = ("torch", "trtllm", "vllm")
+# rollout.engine: a name here or an import path 'package.module:factory'. A factory is called as
+# factory(config, model_dir, placement, tp=, drafter=, max_batch=) and returns a RolloutEngine
+# (see nemo_tlt.rollout.factory, whose built-in factories these are; docs/extending.md).
+ENGINES = Registry("rollout engine", "rollout.engine", {
+    "torch": "nemo_tlt.rollout.factory:torch_engine",
+    "trtllm": "nemo_tlt.rollout.factory:trtllm_engine",
+    "vllm": "nemo_tlt.rollout.factory:vllm_engine",
+})
 COMPUTE_DTYPES = {"model": None, "float32": torch.float32}
 
 
@@ -67,8 +75,7 @@ class RolloutConfig(SpecDecodingConfig):
             raise ValueError(f"rollout.tensor_parallel={self.tensor_parallel} with rollout.engine={self.engine} is not "
                              "built (TensorRT-LLM places its own TP workers; the loop's replica ranks would have to "
                              "hand it their GPUs): use rollout.engine=torch or rollout.tensor_parallel=1")
-        if self.engine not in ENGINES:
-            raise ValueError(f"RolloutConfig.engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        ENGINES.check(self.engine)
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"RolloutConfig.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got "
                              f"{self.compute_dtype!r}")

@@ -1,4 +1,6 @@
-"""One factory from config to a rollout engine (the loop never names an engine class)."""
+"""One factory from config to a rollout engine (the loop never names an engine class):
+``build_rollout_engine`` calls the factory ``rollout.engine`` names in the engine registry
+(``rollout.config.ENGINES``: the built-in ones below, any registered one, or an import path)."""
 from __future__ import annotations
 
 import tempfile
@@ -6,7 +8,7 @@ import tempfile
 from nemo_tlt.device import Placement
 from nemo_tlt.drafter.base import Drafter
 from nemo_tlt.model.tensor_parallel import TensorParallel
-from nemo_tlt.rollout.config import RolloutConfig
+from nemo_tlt.rollout.config import ENGINES, RolloutConfig
 from nemo_tlt.rollout.protocol import RolloutEngine
 
 
@@ -27,18 +29,31 @@ def build_rollout_engine(config: RolloutConfig, model_dir: str, placement: Place
     ``drafter``: the drafter the engine will serve, for an engine that must be built with one
     (vLLM; the others load it with ``load_drafter``). ``max_batch``: the most requests one
     ``generate`` gets (vLLM's ``max_num_seqs`` unless ``rollout.vllm.max_num_seqs`` is set)."""
-    if config.engine == "torch":
-        from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
-        return TorchRolloutEngine.from_hf_folder(model_dir, device=placement.device, dtype=placement.dtype,
-                                                 tp=tp, compute_dtype=config.engine_compute_dtype)
-    if config.engine == "trtllm":
-        if tp is not None and tp.size > 1:
-            raise ValueError("rollout.tensor_parallel > 1 with rollout.engine=trtllm is not built (TensorRT-LLM "
-                             "places its own TP workers; the loop's replica ranks would have to hand it their GPUs)")
-        return _trtllm_engine(model_dir, placement, engine_tensor_parallel(config))
-    if config.engine == "vllm":
-        return _vllm_engine(config, model_dir, placement, drafter, max_batch)
-    raise ValueError(f"rollout.engine={config.engine!r} has no factory")  # RolloutConfig refuses it first
+    factory = ENGINES.get(config.engine)
+    return factory(config, model_dir, placement, tp=tp, drafter=drafter, max_batch=max_batch)
+
+
+def torch_engine(config: RolloutConfig, model_dir: str, placement: Placement, *, tp: TensorParallel | None = None,
+                 drafter: Drafter | None = None, max_batch: int | None = None) -> RolloutEngine:
+    """The embedded engine (``rollout.engine=torch``); it loads the drafter later (``load_drafter``)."""
+    from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
+    return TorchRolloutEngine.from_hf_folder(model_dir, device=placement.device, dtype=placement.dtype,
+                                             tp=tp, compute_dtype=config.engine_compute_dtype)
+
+
+def trtllm_engine(config: RolloutConfig, model_dir: str, placement: Placement, *, tp: TensorParallel | None = None,
+                  drafter: Drafter | None = None, max_batch: int | None = None) -> RolloutEngine:
+    """TensorRT-LLM (``rollout.engine=trtllm``): see `_trtllm_engine`."""
+    if tp is not None and tp.size > 1:
+        raise ValueError("rollout.tensor_parallel > 1 with rollout.engine=trtllm is not built (TensorRT-LLM "
+                         "places its own TP workers; the loop's replica ranks would have to hand it their GPUs)")
+    return _trtllm_engine(model_dir, placement, engine_tensor_parallel(config))
+
+
+def vllm_engine(config: RolloutConfig, model_dir: str, placement: Placement, *, tp: TensorParallel | None = None,
+                drafter: Drafter | None = None, max_batch: int | None = None) -> RolloutEngine:
+    """vLLM in this process (``rollout.engine=vllm``): see `_vllm_engine`."""
+    return _vllm_engine(config, model_dir, placement, drafter, max_batch)
 
 
 def _trtllm_engine(model_dir: str, placement: Placement, tensor_parallel: int) -> RolloutEngine:
