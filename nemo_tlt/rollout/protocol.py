@@ -133,6 +133,52 @@ class GenerateOutput:
     logprobs_from: str = "engine"
 
 
+SAMPLING_MODES = ("greedy", "rejection", "coupled")
+DRAFTER_KINDS = ("eagle", "eagle3", "medusa", "oracle", "adversarial")  # what the conformance suite drafts with
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What an engine declares it cannot do, on its class (``LIMITS``); the conformance suite
+    (``tests/conformance``) reads it there, skips the cases that need a declared limit, and
+    checks that each declared limit is refused by name.
+
+    ``modes``: the sampling modes it runs. ``hidden_states``: ``generate(return_hidden=True)``.
+    ``step_stats``: per-step ``GenerationStats`` (forwards, SD / plain steps, the trace).
+    ``drafter_kinds``: the drafter kinds it speculates with (the suite's names; ``oracle`` and
+    ``adversarial`` are test drafters). ``drafter_form``: what ``load_drafter`` takes, a torch
+    ``Drafter`` ("module") or an EAGLE-3 HF folder ("eagle3-hf"); ``eagle3_modules``: an
+    "eagle3-hf" engine that also takes an ``Eagle3Drafter`` module. ``sd_top_k``: rejection
+    top-k while it can speculate. ``sd_logprobs``: log-probs while a drafter is loaded (else
+    ``GenerateOutput.logprobs_from`` is "none"). ``why``: where the limits are explained."""
+
+    modes: tuple[str, ...] = SAMPLING_MODES
+    hidden_states: bool = True
+    step_stats: bool = True
+    drafter_kinds: tuple[str, ...] = DRAFTER_KINDS
+    drafter_form: str = "module"
+    eagle3_modules: bool = False
+    sd_top_k: bool = True
+    sd_logprobs: bool = True
+    why: str = ""
+
+    def __post_init__(self) -> None:
+        if not set(self.modes) <= set(SAMPLING_MODES):
+            raise ValueError(f"EngineLimits.modes must be among {list(SAMPLING_MODES)}, got {list(self.modes)}")
+        if self.drafter_form not in ("module", "eagle3-hf"):
+            raise ValueError(f"EngineLimits.drafter_form must be 'module' or 'eagle3-hf', got {self.drafter_form!r}")
+
+    def phrases(self) -> list[str]:
+        """What the engine cannot do, one phrase each."""
+        out = [f"mode {m!r}" for m in SAMPLING_MODES if m not in self.modes]
+        out += [] if self.hidden_states else ["return_hidden"]
+        out += [] if self.step_stats else ["per-step stats"]
+        out += [f"drafter kind {k!r}" for k in DRAFTER_KINDS if k not in self.drafter_kinds]
+        out += [] if self.sd_top_k else ["rejection top-k while it can speculate"]
+        out += [] if self.sd_logprobs else ["log-probs while a drafter is loaded"]
+        return out
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """A rollout engine serving one target model, optionally with a drafter.

@@ -72,7 +72,7 @@ from nemo_tlt.rollout.row_steps import commit_tokens, done_rows, longest_running
 from nemo_tlt.rollout.tp_lockstep import check_agreement, check_ready, lead_shape
 from nemo_tlt.rollout.weight_load import (canonical_shapes, check_weight, compute_copy, load_tp_folder, local_part,
                                           weight_pair)
-from nemo_tlt.rollout.protocol import (FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request,
+from nemo_tlt.rollout.protocol import (EngineLimits, FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request,
                                        RequestResult, StepTrace)
 from nemo_tlt.rollout.validate import validate_requests
 from nemo_tlt.speculative.acceptance import accept_greedy, accept_rejection
@@ -83,6 +83,7 @@ from nemo_tlt.speculative.tree_shape import TreeShape
 
 
 class TorchRolloutEngine:
+    LIMITS = EngineLimits()  # none: every mode, hidden states, per-step stats, every drafter kind
     """Implements `RolloutEngine` over a `DecoderLM` held in this process.
 
     ``drafter`` is a shortcut for `load_drafter`. ``max_tree_nodes`` bounds the cache

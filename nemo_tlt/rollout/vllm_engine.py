@@ -73,9 +73,9 @@ from nemo_tlt.model.hf_io import read_config, read_state_dict
 from nemo_tlt.model.lm import canonical_shapes
 from nemo_tlt.model.safetensors_folder import SafetensorsFolder
 from nemo_tlt.rollout import validate
-from nemo_tlt.rollout.protocol import FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
+from nemo_tlt.rollout.protocol import EngineLimits, FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
 from nemo_tlt.rollout.trtllm_engine import request_seed, weight_buckets
-from nemo_tlt.rollout.vllm_config import VLLM_PACKAGE, VLLMEngineConfig, missing_package_message
+from nemo_tlt.rollout.vllm_config import VLLM_PACKAGE, VLLMEngineConfig, missing_package_message, vllm_cpu_build
 from nemo_tlt.rollout.vllm_schedule import start_schedule
 from nemo_tlt.rollout.vllm_steps import StepControl, run_steps
 from nemo_tlt.speculative.sampling import SamplingParams
@@ -210,6 +210,11 @@ def _keep_default_group() -> Iterator[None]:
 # ---- the engine ----------------------------------------------------------------------------------
 class VLLMRolloutEngine:
     """Implements `RolloutEngine` through vLLM's ``LLM`` (see the module docstring)."""
+
+    # rejection top-k while it can speculate: not on vLLM's CPU backend (see generate)
+    LIMITS = EngineLimits(modes=("greedy", "rejection"), hidden_states=False, drafter_kinds=("eagle3",),
+                          drafter_form="eagle3-hf", eagle3_modules=True, sd_top_k=not vllm_cpu_build(),
+                          why="vLLM's limits, docs/vllm.md")
 
     def __init__(self, config: VLLMEngineConfig) -> None:
         if not isinstance(config, VLLMEngineConfig):

