@@ -296,7 +296,8 @@ class LoggerConfig:
 class DebugConfig:
     """The ``debug:`` block. ``weight_digests``: hash the weights each rank syncs to its engine
     (SHA-256 of every tensor's bytes, copied to the host) every N steps and at the run's last
-    step, so that ``replicas_identical`` (every rank the same policy and drafter bits) and the
+    configured step (``steps - 1``; a run stopped early by its time limit hashes its last
+    completed step only if it falls on a multiple of N), so that ``replicas_identical`` (every rank the same policy and drafter bits) and the
     report's ``final_policy_identical`` (TLT and baseline end with the same policy) are checked;
     0: never (those figures are then null). Its cost is in each record's ``weight_digest_s``,
     part of ``weight_sync_s``: it grows with the model (every byte hashed on the host)."""
@@ -427,8 +428,10 @@ def engine_overrides(path: str | Path | None, overrides: Sequence[str] = ()) -> 
     if not isinstance(block, DictConfig):
         raise ValueError(f"{where} must be a mapping from engine name to a list of key=value overrides")
     for engine, items in block.items():
-        if engine not in ENGINES:
-            raise ValueError(f"{where}.{engine}: not a rollout engine (one of {', '.join(ENGINES)})")
+        try:
+            ENGINES.check(engine)
+        except ValueError as err:
+            raise ValueError(f"{where}.{engine}: not a rollout engine ({err})") from None
         if not isinstance(items, ListConfig) or not all(isinstance(i, str) and "=" in i for i in items):
             raise ValueError(f"{where}.{engine} must be a list of key=value strings, got {items!r}")
         if any(parse_override(i)[1] == "rollout.engine" for i in items):

@@ -43,6 +43,8 @@ from typing import Any
 
 from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.config import TaskConfig, TLTConfig, load_config
+from nemo_tlt.policy.config import BACKENDS
+from nemo_tlt.rollout.config import ENGINES
 from nemo_tlt.rl.loop import run_rank
 from nemo_tlt.rl.run import RunSpec, prepare_run_dir
 from nemo_tlt.rl.task import build_task
@@ -203,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_argv(argv)
         config = load_config(args.config, args.overrides)
+        # an engine or backend named by import path is imported now, so a wrong path stops here,
+        # before any worker starts (the built-in ones import their optional packages only when built)
+        ENGINES.get(config.rollout.engine)
+        BACKENDS.get(config.policy.backend)
     except ValueError as err:
         print(f"nemo-tlt train: error: {err}\n{USAGE}", file=sys.stderr)
         return 2
@@ -307,9 +313,10 @@ def _print_comparison(report: dict[str, Any]) -> None:
           f"of update work per worker, baseline {report['baseline_update_s']:.2f} s of "
           f"{report['baseline_update_work_s']:.2f} s (policy.pipelined_update does the rest in the rollout's tail)")
     if not report["rollouts_identical"]:
-        print(f"per response token (the runs sampled different lengths: TLT {report['tlt_mean_tokens']:.1f}, "
-              f"baseline {report['baseline_mean_tokens']:.1f} tokens/step): speedup "
-              f"{report['speedup_per_token']:.2f}x, control ratio {report['control_ratio_per_token']:.2f}")
+        print(f"per token (the runs sampled different lengths: TLT {report['tlt_mean_tokens']:.1f}, "
+              f"baseline {report['baseline_mean_tokens']:.1f} response tokens/step): speedup per response token "
+              f"{report['speedup_per_token']:.2f}x, control ratio per prompt + response token "
+              f"{report['control_ratio_per_token']:.2f}")
     diff = report["reward_curves"]["reward_difference"]
     print(f"mean reward TLT - baseline over all steps, paired by prompt group: {diff['mean']:+.4f}, 95% interval "
           f"[{diff['low']:+.4f}, {diff['high']:+.4f}] ({'contains' if diff['interval_contains_zero'] else 'excludes'}"

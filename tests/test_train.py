@@ -155,7 +155,8 @@ def test_sampled_runs_report_per_token_figures_and_reward_intervals(tmp_path, mo
     assert report["reward_curves"]["reward_difference"]["mean"] == 0.0
     assert Path(report["plots"]["reward_curves"]).stat().st_size > 0
     out = capsys.readouterr().out
-    assert "per response token" in out and "control ratio 1.00" in out and "NOTE: the runs drew different" in out
+    assert "speedup per response token" in out and "control ratio per prompt + response token 1.00" in out
+    assert "NOTE: the runs drew different" in out
     assert "mean reward TLT - baseline over all steps" in out and "contains 0" in out
 
 

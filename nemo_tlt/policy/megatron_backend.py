@@ -89,8 +89,6 @@ class MegatronPolicy:
                                "with pip install -e \".[megatron]\" (or pip install megatron-core)")
         from nemo_tlt.megatron.parallel import default_backend
 
-        if config.backend != "megatron":
-            raise ValueError(f"MegatronPolicy: policy.backend is {config.backend!r}, not 'megatron'")
         if not temperature > 0:
             raise ValueError(f"MegatronPolicy: temperature must be > 0, got {temperature!r}")
         check_policy_model(config, model_config)  # before any collective: a bad TP fails alike on every rank

@@ -54,9 +54,9 @@ class TorchPolicy:
     """One rank's policy replica, its AdamW + schedule and the optional KL reference."""
 
     def __init__(self, model: DecoderLM, config: PolicyConfig, *, temperature: float) -> None:
-        if config.backend != "torch" or config.model_parallel != 1:
-            raise ValueError(f"TorchPolicy: policy.backend={config.backend!r} with TP x PP={config.model_parallel}; "
-                             "the torch backend is backend 'torch' at TP = PP = 1")
+        if config.model_parallel != 1:
+            raise ValueError(f"TorchPolicy: policy.tensor_parallel x pipeline_parallel={config.model_parallel}; "
+                             "the torch backend runs a whole replica per rank (TP = PP = 1)")
         if not temperature > 0:
             raise ValueError(f"TorchPolicy: temperature must be > 0, got {temperature!r}")
         self.model, self.config, self.temperature = model.train(), config, temperature

@@ -36,10 +36,13 @@ import torch
 
 from nemo_tlt.device import Placement, torch_dtype
 from nemo_tlt.dist import build_node_groups, gather_topology
+from nemo_tlt.drafter.base import CapturesLayers
 from nemo_tlt.policy.factory import build_policy_backend
+from nemo_tlt.policy.protocol import PipelinedAccumulation, ShardedCheckpoints, require
 from nemo_tlt.rl.boundary import StepBoundary
 from nemo_tlt.rl.decode_segments import decode_segments
 from nemo_tlt.rl.grpo import group_advantages
+from nemo_tlt.rl.harvest_rows import InOrderHarvest
 from nemo_tlt.rl.idle_drafter import IdleDrafter, idle_without_training
 from nemo_tlt.rl.logprob_gap import comparable, gap_sums
 from nemo_tlt.rl.policy_inputs import load_policy_inputs
@@ -53,10 +56,8 @@ from nemo_tlt.rl.sharded_run_checkpoint import ShardedRunCheckpointer, rank_stat
 from nemo_tlt.rl.task import build_task, check_eos, check_vocab
 from nemo_tlt.rl.validation import is_due, validate, validation_prompts, validation_sampling
 from nemo_tlt.rl.weight_stream import WeightStream
-from nemo_tlt.rollout.protocol import Request, RequestResult
-from nemo_tlt.policy.protocol import PipelinedAccumulation, ShardedCheckpoints, require
-from nemo_tlt.drafter.base import CapturesLayers
 from nemo_tlt.rollout.factory import build_rollout_engine
+from nemo_tlt.rollout.protocol import Request, RequestResult
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.spot.coordinator import WorkerCoordinator
 
@@ -253,32 +254,18 @@ class RLWorker:
         t0, t_gen = time.perf_counter(), self.coord.now()
         if on_finish is not None:
             on_finish.bind(requests, ids)
-        harvest = self.harvest_from == "rollout"
-        samples: dict[int, Any] = {}
-        if harvest:
+        harvest = None
+        if self.harvest_from == "rollout":
             self.drafter.buffer.advance_step(step)
-            on_finish = self._harvesting(step, requests, samples, on_finish)
-        out = self.engine.generate(requests, sampling, policy=self.sd_policy, return_hidden=harvest,
+            harvest = InOrderHarvest(requests, partial(self.drafter.sample, step), self.drafter.buffer.add_sample)
+            on_finish = _then(on_finish, harvest.take)
+        out = self.engine.generate(requests, sampling, policy=self.sd_policy, return_hidden=harvest is not None,
                                    on_finish=on_finish)
         seconds = time.perf_counter() - t0
-        for index in sorted(samples):  # in request order, as the buffer always received them
-            self.drafter.buffer.add_sample(samples[index])
+        if harvest is not None:
+            harvest.finish(out.results)
         segments = decode_segments(out.stats.trace, out.stats.prefill_s, out.stats.wall_s, t_gen)
         return Rollout(ids, requests, out, segments, seconds)
-
-    def _harvesting(self, step: int, requests: list[Request], samples: dict[int, Any],
-                    then: Callable | None) -> Callable:
-        """An ``on_finish`` sink that takes each finished row's features into the drafter's
-        compact host copy at once (so the engine's copy, on its device, is freed as the row
-        finishes, not when the rollout ends), then hands the row to ``then``."""
-        def sink(index: int, result: RequestResult) -> None:
-            sample = self.drafter.sample(step, list(requests[index].prompt) + result.tokens, result.hidden_states)
-            if sample is not None:
-                samples[index] = sample
-            result.hidden_states = None
-            if then is not None:
-                then(index, result)
-        return sink
 
     def idle_time(self, step: int, skip: bool = False) -> IdleResult:
         """This rank's share is done: train the drafter until every rank is (TLT), meet.
@@ -436,3 +423,14 @@ def close_all(*closables: Any) -> None:
 def run_rank(spec: RunSpec, comm: "Comm", stop: "StopFlag", on_step: Callable | None = None) -> dict[str, Any]:
     """Entry point of one rank (called by the launcher)."""
     return RLWorker(spec, comm, stop).run(on_step)
+
+
+def _then(first: Callable | None, second: Callable) -> Callable:
+    """An ``on_finish`` sink calling ``first`` (when given), then ``second``."""
+    if first is None:
+        return second
+
+    def both(index: int, result: RequestResult) -> None:
+        first(index, result)
+        second(index, result)
+    return both

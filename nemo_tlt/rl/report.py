@@ -236,13 +236,14 @@ def sampling_note(control_key: str) -> str:
             "the same draws, e.g. with grpo.acceptance: rejection; with coupled sampling this means the runs "
             "diverged), so rewards are compared as curves with 95% intervals (reward_curves), not bitwise, and "
             "step-time figures also reflect the sampled response lengths: the *_per_token figures normalise by "
-            f"response tokens, and the noise check uses {control_key}")
+            f"tokens (the step time by response tokens, the update's work by prompt + response tokens), and the "
+            f"noise check uses {control_key}")
 
 
 def noise_control_key(pairs: list[dict[str, Any]], rollouts_identical: bool) -> str:
     """The per-pair figure the noise check reads: ``control_ratio`` (identical work) when
-    the runs sampled identical tokens, else ``control_ratio_per_token`` (work per response
-    token, the closest control), unless a pair lacks it (records without ``tokens``)."""
+    the runs sampled identical tokens, else ``control_ratio_per_token`` (work per prompt +
+    response token, the closest control), unless a pair lacks it (records without ``tokens``)."""
     if rollouts_identical:
         return "control_ratio"
     values = [p.get(PER_TOKEN_CONTROL, float("nan")) for p in pairs]

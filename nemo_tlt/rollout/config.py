@@ -71,11 +71,11 @@ class RolloutConfig(SpecDecodingConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("rollout.tensor_parallel", self.tensor_parallel, 1)
-        if self.tensor_parallel > 1 and self.engine != "torch":
-            raise ValueError(f"rollout.tensor_parallel={self.tensor_parallel} with rollout.engine={self.engine} is not "
-                             "built (TensorRT-LLM places its own TP workers; the loop's replica ranks would have to "
-                             "hand it their GPUs): use rollout.engine=torch or rollout.tensor_parallel=1")
         ENGINES.check(self.engine)
+        if self.tensor_parallel > 1 and self.engine in ("trtllm", "vllm"):
+            raise ValueError(f"rollout.tensor_parallel={self.tensor_parallel} with rollout.engine={self.engine} is not "
+                             "built (the engine places its own TP workers; the loop's replica ranks would have to "
+                             "hand it their GPUs): use rollout.engine=torch or rollout.tensor_parallel=1")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"RolloutConfig.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got "
                              f"{self.compute_dtype!r}")

@@ -83,7 +83,6 @@ from nemo_tlt.speculative.tree_shape import TreeShape
 
 
 class TorchRolloutEngine:
-    LIMITS = EngineLimits()  # none: every mode, hidden states, per-step stats, every drafter kind
     """Implements `RolloutEngine` over a `DecoderLM` held in this process.
 
     ``drafter`` is a shortcut for `load_drafter`. ``max_tree_nodes`` bounds the cache
@@ -94,6 +93,8 @@ class TorchRolloutEngine:
     ``compute_dtype`` (None: the target's own dtype) is the dtype the engine computes
     and caches in (see the module docstring); a target in another dtype is copied and
     cast, the caller's model is left as it is."""
+
+    LIMITS = EngineLimits()  # none: every mode, hidden states, per-step stats, every drafter kind
 
     def __init__(self, target: DecoderLM, drafter: Drafter | None = None, *, max_tree_nodes: int = 256,
                  prefill_overhead_tokens: int = 64, initial_slots: int | None = 128,

@@ -8,7 +8,7 @@ from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.drafter.target_view import TargetView
 from nemo_tlt.drafter.train import drafter_loss
 from nemo_tlt.drafter.data import DrafterSample
-from tests.tiny import tiny_target
+from tiny import tiny_target
 
 
 def _batch(target, n=3, length=9, seed=0):

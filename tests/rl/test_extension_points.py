@@ -19,12 +19,23 @@ def test_an_engine_named_by_import_path_runs_the_loop(tiny_models, tmp_path, mon
     monkeypatch.setenv("TOY_ENGINE_LOG", str(log))
     run_dir = tmp_path / "run"
     yaml = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
-    overrides = [*tiny_overrides(target, drafter, run_dir, steps=2), "rollout.engine=toy_parts:counting_engine"]
+    # and the weight-sync digests off (the default outside the demo): nothing hashed, nothing compared
+    overrides = [*tiny_overrides(target, drafter, run_dir, steps=2), "rollout.engine=toy_parts:counting_engine",
+                 "debug.weight_digests=0"]
     assert main([str(yaml), *overrides]) == 0
     calls = [line.split() for line in log.read_text().splitlines()]
     assert len({pid for pid, _ in calls}) == 2 and len(calls) == 4  # each worker, each step
     records = [json.loads(line) for line in next(run_dir.rglob("metrics.jsonl")).read_text().splitlines()]
-    assert [r["step"] for r in records if "reward_mean" in r] == [0, 1]
+    steps = [r for r in records if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [0, 1]
+    assert all(r["replicas_identical"] is None and r["policy_digest"] is None and r["weight_digest_s"] == 0.0
+               for r in steps)
+
+
+def test_a_wrong_import_path_stops_before_any_worker_starts(tmp_path, capsys):
+    yaml = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
+    assert main([str(yaml), f"run_dir={tmp_path}", "rollout.engine=toy_parts:no_such_factory"]) == 2
+    assert "rollout.engine='toy_parts:no_such_factory': 'toy_parts' has no attribute" in capsys.readouterr().err
 
 
 def test_registry_names_built_ins_registered_ones_and_import_paths():

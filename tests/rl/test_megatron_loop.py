@@ -24,24 +24,33 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+YAML = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
+
+
+def _args(target: Path, drafter: Path, run_dir: Path, backend: str, *parallel: str) -> list[str]:
+    return [str(YAML), *tiny_overrides(target, drafter, run_dir, steps=2), f"policy.backend={backend}", *parallel,
+            "policy.pipelined_update=false", "policy.micro_batch_tokens=0"]
+
+
+@pytest.fixture(scope="module")
+def torch_run(tiny_models, tmp_path_factory) -> Path:
+    """The torch-backend run every layout below is compared with: its arguments do not depend on
+    the layout, so it runs once for the module (the tests only read its metrics and checkpoint)."""
+    run_dir = tmp_path_factory.mktemp("megatron_loop") / "torch"
+    assert main(_args(*tiny_models, run_dir, "torch")) == 0
+    return run_dir
+
+
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["dp2", "tp2", "pp2"])
-def test_megatron_backend_matches_torch_backend(tiny_models, tmp_path, tp, pp):
+def test_megatron_backend_matches_torch_backend(tiny_models, torch_run, tmp_path, tp, pp):
     target, drafter = tiny_models
-    yaml = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
-    runs = {}
-    for backend in ("torch", "megatron"):
-        run_dir = tmp_path / backend
-        parallel = [f"policy.tensor_parallel={tp}", f"policy.pipeline_parallel={pp}"] if backend == "megatron" else []
-        args = [str(yaml), *tiny_overrides(target, drafter, run_dir, steps=2), f"policy.backend={backend}", *parallel,
-                "policy.pipelined_update=false", "policy.micro_batch_tokens=0"]
-        assert main([*args, "--compare-baseline", "--pairs", "1"] if backend == "megatron" else args) == 0
-        runs[backend] = run_dir
-    mc = runs["megatron"]
+    mc = tmp_path / "megatron"
+    assert main([*_args(target, drafter, mc, "megatron", f"policy.tensor_parallel={tp}",
+                        f"policy.pipeline_parallel={pp}"), "--compare-baseline", "--pairs", "1"]) == 0
     report = json.loads((mc / "report.json").read_text())
     assert report["rollouts_identical"] and report["rewards_identical"]
     tlt = _metrics(mc / "pair1" / "tlt")
     assert all(r["replicas_identical"] for r in tlt)
-    torch_run = runs["torch"]
     torch_metrics = _metrics(torch_run / "tlt") if (torch_run / "tlt").is_dir() else _metrics(torch_run)
     # same initial weights and coupled sampling: the first rollout is the same tokens
     assert tlt[0]["rollout_digest"] == torch_metrics[0]["rollout_digest"]

@@ -10,7 +10,7 @@ from nemo_tlt.drafter.target_view import TargetView
 from nemo_tlt.model.hf_io import load_hf_folder, save_hf_folder
 from nemo_tlt.policy import PolicyConfig, build_policy_backend
 from nemo_tlt.rl.policy_inputs import load_policy_inputs
-from tests.tiny import tiny_target
+from tiny import tiny_target
 
 
 @pytest.fixture(params=[False, True], ids=["untied", "tied"])

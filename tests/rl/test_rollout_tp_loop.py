@@ -82,9 +82,12 @@ def test_rollout_tp2_with_megatron_policy_tp2(tiny_models, tmp_path):
     pytest.importorskip("megatron.core")
     target, drafter = tiny_models
     run = tmp_path / "mc"
+    # checkpoint.every=2: no checkpoint but the last (nothing here reads one; a sharded save costs
+    # ~2 s, twice per run). A save in flight during the next rollout at policy TP 2 x rollout TP 2
+    # is tested by tests/rl/test_resume.py[megatron_tp2_rollout_tp2] (its cut and resumed runs).
     assert main([str(DEMO), *tiny_overrides(target, drafter, run, steps=2), *NOT_PIPELINED,
                  "policy.backend=megatron", "policy.tensor_parallel=2", "rollout.tensor_parallel=2",
-                 "--compare-baseline", "--pairs", "1"]) == 0
+                 "checkpoint.every=2", "--compare-baseline", "--pairs", "1"]) == 0
     report = json.loads((run / "report.json").read_text())
     assert report["rollouts_identical"] and report["rewards_identical"] and report["final_policy_identical"]
     tlt = _metrics(run / "pair1" / "tlt")

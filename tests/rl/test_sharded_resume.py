@@ -34,9 +34,10 @@ STEPS = 3
 MEGATRON = ("policy.backend=megatron", "policy.pipelined_update=false", "policy.micro_batch_tokens=0")
 
 
-def _spec(run_dir, target, drafter, workers: int, tp: int = 2, resume: bool = False) -> RunSpec:
+def _spec(run_dir, target, drafter, workers: int, tp: int = 2, resume: bool = False, every: int = 1) -> RunSpec:
     overrides = tiny_overrides(target, drafter, run_dir, steps=STEPS, workers=workers)
-    cfg = load_config(None, overrides + [*MEGATRON, f"policy.tensor_parallel={tp}", f"resume={str(resume).lower()}"])
+    cfg = load_config(None, overrides + [*MEGATRON, f"policy.tensor_parallel={tp}", f"resume={str(resume).lower()}",
+                                         f"checkpoint.every={every}"])
     spec = RunSpec(cfg, "tlt", str(run_dir / "tlt"), str(target), str(drafter))
     prepare_run_dir(spec)
     return spec
@@ -49,7 +50,10 @@ def _weights(tensors: dict) -> dict:
 
 def test_checkpoint_at_four_workers_resumes_at_two(tiny_models, tmp_path):
     target, drafter = tiny_models
-    full = launch(_spec(tmp_path / "full", target, drafter, workers=4), run_rank)
+    # checkpoint.every=2: the step-1 checkpoint resumed from below and the last one, not step 0's,
+    # which nothing reads (a save of 4 ranks costs ~4 s here); step 1's save is still committed
+    # by the next one, as every=1's are
+    full = launch(_spec(tmp_path / "full", target, drafter, workers=4, every=2), run_rank)
     assert full["status"] == "completed" and [r["step"] for r in full["records"]] == [0, 1, 2]
     # the uninterrupted run's step-1 checkpoint alone, in a fresh run folder
     src = tmp_path / "full" / "tlt" / "checkpoints" / "sharded" / "step-00000001"

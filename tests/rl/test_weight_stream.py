@@ -5,7 +5,7 @@ import torch
 
 from nemo_tlt.drafter.target_view import TargetView
 from nemo_tlt.rl.weight_stream import WeightStream
-from tests.tiny import tiny_target
+from tiny import tiny_target
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
