@@ -16,7 +16,8 @@ from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_state_dict
 from nemo_tlt.convert import main
 
-from tests.weights.test_megatron_layout import random_canonical
+# tests/ is on sys.path (conftest.py); "tests." would find nemo-aligner's top-level tests package
+from weights.test_megatron_layout import random_canonical
 
 
 def _hf_folder(path, cfg: LMConfig, state: dict | None = None):
@@ -29,8 +30,16 @@ def _hf_folder(path, cfg: LMConfig, state: dict | None = None):
 
 
 @pytest.mark.timeout(180)
-def test_hf_torch_dist_hf_round_trip_is_bit_exact_bf16(tmp_path):
+def test_hf_torch_dist_hf_round_trip_is_bit_exact_bf16(tmp_path, monkeypatch):
     pytest.importorskip("megatron.core")
+    from nemo_tlt import convert as convert_cli
+    from ranks import launch_forked
+
+    # The gloo ranks forked where there is no CUDA (tests/ranks.py): they inherit megatron-core
+    # instead of importing it again (about 5 s a launch here). What this test checks, the values,
+    # dtypes and config through TP 2 and back, does not depend on how the ranks start; convert's
+    # own spawned ranks are run by test_torch_dist_round_trip_on_a_gpu_host (save and load).
+    monkeypatch.setattr(convert_cli, "launch_local", launch_forked)
     cfg = LMConfig(family="qwen2", vocab_size=100, num_heads=4, num_kv_heads=2)
     # bf16 weights: the round trip must keep the dtype (norms included), not only the values.
     src = _hf_folder(tmp_path / "hf", cfg, {k: v.bfloat16() for k, v in random_canonical(cfg).items()})

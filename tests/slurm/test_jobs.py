@@ -2,7 +2,7 @@
 the demo job completes and writes its report; a run on 2 nodes x 1 task (SLURM launch
 mode) equals the same run launched by the local spawn launcher, bit for bit; on 2 nodes x
 2 tasks the drafter is averaged through the node leaders, with the same rollouts and
-rewards as 4 spawned workers; USR1 sent
+rewards as 4 local workers; USR1 sent
 to the batch shell stops the run at a step boundary with a checkpoint, and a
 requeue by the script itself resumes it to the end, equal to an uninterrupted run; a job
 that cannot be requeued says so; a 1-minute job stops before its time limit with a
@@ -71,17 +71,18 @@ def test_demo_job_writes_its_report(cluster, tiny_models, tmp_path):
     assert "launcher: slurm" in (run / "config.yaml").read_text()
 
 
-def slurm_and_spawn(cluster, tiny_models, tmp_path, nodes: int, tasks_per_node: int, timeout_s: float = 240.0):
+def slurm_and_spawn(cluster, tiny_models, tmp_path, nodes: int, tasks_per_node: int, timeout_s: float = 240.0,
+                    start_method: str = "spawn"):
     """The tiny config (coupled sampling, 2 steps) as a SLURM job of `nodes` x `tasks_per_node`
-    tasks and, meanwhile, as as many spawned local workers. Both must end, with the same
-    rollouts, rewards and final policy, bit for bit. Returns (slurm run, local run,
-    their records)."""
+    tasks and, meanwhile, as as many local workers (spawned unless `start_method` says
+    otherwise). Both must end, with the same rollouts, rewards and final policy, bit for bit.
+    Returns (slurm run, local run, their records)."""
     slurm_run, local_run, workers = tmp_path / "slurm", tmp_path / "local", nodes * tasks_per_node
     job = submit(cluster, "tlt_multinode.sbatch", tmp_path / "multi.out", str(DEMO),
                  *tiny_overrides(*tiny_models, slurm_run, steps=2, workers=workers),
                  options=(f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}"))
     assert main([str(DEMO), *tiny_overrides(*tiny_models, local_run, steps=2, workers=workers),
-                 "workers.launcher=local", "workers.start_method=spawn"]) == 0
+                 "workers.launcher=local", f"workers.start_method={start_method}"]) == 0
     finished(cluster, job, tmp_path / "multi.out", timeout_s=timeout_s)
     info = cluster.run(["scontrol", "show", "job", "-o", str(job)]).stdout
     assert re.search(rf"NumNodes={nodes} ", info) and re.search(rf"NumTasks={workers} ", info), info
@@ -106,9 +107,12 @@ def drafter(run: Path) -> dict[str, torch.Tensor]:
 def test_two_nodes_of_two_average_the_drafter_through_node_leaders(cluster, tiny_models, tmp_path):
     # 4 ranks as 2 nodes x 2 tasks: the drafter average reduces inside each node, then
     # among the 2 leaders; rollouts never depend on the drafter (coupled sampling is
-    # lossless), so they equal a 4-worker spawn run's (one node, flat average).
+    # lossless), so they equal a 4-worker local run's (one node, flat average). Its workers are
+    # forked (the tests' default, tiny_overrides): 4 spawned ones would import torch again, about
+    # 6 s of this 2-core machine beside the job's 4 tasks; the spawn launcher's equality with a
+    # SLURM job is test_two_nodes_equal_the_spawn_launcher's (and the USR1 test's).
     slurm_run, local_run, a, b = slurm_and_spawn(cluster, tiny_models, tmp_path, nodes=2, tasks_per_node=2,
-                                                 timeout_s=500)
+                                                 timeout_s=500, start_method="fork")
     for r in a:
         assert r["rank_nodes"] == [0, 0, 1, 1]
         assert set(r["drafter_samples_per_node"]) == {"0", "1"}
