@@ -54,7 +54,7 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "rl/pipelined_update.py:group_term": (1, "rewards are host values"),
     "rl/boundary.py:StepBoundary.decide": (1, "stop flags summed over gloo"),
     "rl/logprob_gap.py:gap_sums": (2, "a metric: one read to the host"),
-    "rl/idle_drafter.py:IdleDrafter.harvest": (1, "the harvest buffer lives on the host"),
+    "rl/idle_drafter.py:IdleDrafter.sample": (1, "the harvest buffer lives on the host"),
     "rl/idle_drafter.py:IdleDrafter.restore": (1, "a torch.Generator state is a host byte tensor"),
     "rl/weight_stream.py:_bytes": (1, "bytes for the wire"),
     "rl/sharded_run_checkpoint.py:_write_run_part": (1, "safetensors writes host tensors"),
