@@ -61,13 +61,19 @@ class Placement:
         return cls(torch.device("cpu"), dtype)
 
 
+def cuda_uuid(index: int) -> str:
+    """CUDA device ``index``'s UUID in NVML's form, "GPU-" + the device properties' ``uuid``
+    (how TensorRT-LLM's ``get_device_uuid`` and NeMo-RL's workers name a GPU)."""
+    return "GPU-" + str(torch.cuda.get_device_properties(index).uuid)
+
+
 def cuda_device_of_uuid(uuid: str, what: str) -> torch.device:
     """The CUDA device of this process whose UUID is ``uuid`` in NVML's form ("GPU-" + the
     device properties' ``uuid``: how TensorRT-LLM's ``get_device_uuid`` and NeMo-RL's workers
     name a GPU); a ValueError naming ``what`` and the UUID when this process does not see it."""
     seen = []
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
-        seen.append("GPU-" + str(torch.cuda.get_device_properties(i).uuid))
+        seen.append(cuda_uuid(i))
         if seen[-1] == uuid:
             return torch.device("cuda", i)
     raise ValueError(f"{what}: GPU {uuid} is not one of this process's CUDA devices ({seen or 'none'}); CUDA IPC "

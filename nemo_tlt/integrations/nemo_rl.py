@@ -53,7 +53,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from nemo_tlt.adaptive.config import SpecDecodingConfig
 from nemo_tlt.adaptive.sd_policy import SpecPolicy
-from nemo_tlt.device import cuda_device_of_uuid
+from nemo_tlt.device import cuda_device_of_uuid, cuda_uuid
 from nemo_tlt.integrations import nemo_rl_refit
 from nemo_tlt.integrations.nemo_aligner import TLTBlock, build_engine
 from nemo_tlt.rollout.protocol import PolicyWeights, Request, RolloutEngine
@@ -83,7 +83,7 @@ def local_gpu_uuid(index: int | None = None) -> str:
     if not torch.cuda.is_available():
         raise ValueError("TLTGeneration.device_uuid: no CUDA device here to read a GPU UUID from; pass device_uuid")
     index = torch.cuda.current_device() if index is None else index
-    return "GPU-" + str(torch.cuda.get_device_properties(index).uuid)
+    return cuda_uuid(index)
 
 
 def rebuild_on(device: torch.device) -> Callable[[Any], torch.Tensor]:
@@ -186,15 +186,16 @@ class TLTGeneration(_interface_base()):  # type: ignore[misc]
             raise ValueError("update_weights_via_ipc_zmq: prepare_refit_info was not called (NeMo-RL calls it "
                              "at setup with the policy's {name: (shape, dtype)})")
         sock = self._refit_socket()
+        import zmq  # present: the socket is one
+
         receiver = nemo_rl_refit.Receiver(sock.recv, sock.send, self.state_dict_info, self._rebuild_handle)
         try:
             try:
                 self.engine.load_policy_weights(iter(receiver))
             finally:
                 receiver.drain()  # the rest of the stream, after a failure (or nothing)
-        except Exception as err:
-            if type(err).__module__.startswith("zmq"):
-                self.shutdown()
+        except zmq.ZMQError:  # a timeout (zmq.Again) or a broken socket: the next refit connects afresh
+            self.shutdown()
             raise
         return []
 

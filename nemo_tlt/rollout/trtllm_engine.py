@@ -87,7 +87,7 @@ from nemo_tlt.model.lm import canonical_shapes
 from nemo_tlt.rollout import validate
 from nemo_tlt.rollout.protocol import EngineLimits, FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
 from nemo_tlt.rollout.trtllm_config import TRTLLM_PACKAGE, TRTLLMEngineConfig, missing_package_message
-from nemo_tlt.rollout.trtllm_schedule import draft_len_schedule, schedule_length
+from nemo_tlt.rollout.trtllm_schedule import draft_len_schedule, same_schedule
 from nemo_tlt.rollout.trtllm_stats import SpeculationReport, speculation_report
 from nemo_tlt.speculative.sampling import SamplingParams
 
@@ -424,7 +424,7 @@ class TRTLLMRolloutEngine:
         """The policy's schedule must be the one the LLM was built with (by batch size)."""
         n = self.config.max_batch_size
         wanted = draft_len_schedule(policy, self._ceiling, n)
-        if all(schedule_length(wanted, b) == schedule_length(self._schedule, b) for b in range(1, n + 1)):
+        if same_schedule(wanted, self._schedule, n):
             return
         if not self._schedule:
             raise ValueError("generate: the policy asks for speculation but the LLM was built without a drafter "

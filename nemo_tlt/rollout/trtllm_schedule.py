@@ -101,6 +101,11 @@ def settings_for_schedule(schedule: dict[int, int]) -> dict[str, Any]:
     return {"max_draft_len": first, "draft_len_schedule": schedule, "max_concurrency": None}
 
 
+def same_schedule(a: dict[int, int], b: dict[int, int], max_batch_size: int) -> bool:
+    """Whether two schedules give every batch size 1..max_batch_size the same draft length."""
+    return all(schedule_length(a, n) == schedule_length(b, n) for n in range(1, max_batch_size + 1))
+
+
 def schedule_length(schedule: dict[int, int], batch_size: int) -> int:
     """The draft length TensorRT-LLM uses at ``batch_size`` under ``schedule`` (its
     documented reading: the smallest key >= batch_size; none: 0)."""

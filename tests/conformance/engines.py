@@ -205,12 +205,12 @@ class FollowingSchedule:
         return self.engine.generate(requests, sampling, policy=policy, **kwargs)
 
     def _follow(self, policy) -> None:
-        from nemo_tlt.rollout.trtllm_schedule import draft_len_schedule, schedule_length, settings_for_schedule
+        from nemo_tlt.rollout.trtllm_schedule import draft_len_schedule, same_schedule, settings_for_schedule
 
         n = self.engine.config.max_batch_size
         wanted = draft_len_schedule(policy, TRTLLM_MAX_DRAFT, n)
         built = self.engine.config.build_schedule()
-        if all(schedule_length(wanted, b) == schedule_length(built, b) for b in range(1, n + 1)):
+        if same_schedule(wanted, built, n):
             return
         if not wanted:
             self.engine.restart(drafter_dir=None, draft_len_schedule=None, max_concurrency=None)
