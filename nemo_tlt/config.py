@@ -29,6 +29,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from nemo_tlt.algorithms.registry import ALGORITHMS, check_algorithm
 from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.structured import load_structured, merge_structured, parse_override
 from nemo_tlt.device import DEVICES, DTYPES
@@ -323,6 +324,10 @@ class TLTConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    # the RL algorithm (nemo_tlt.algorithms.registry.ALGORITHMS: grpo | dapo | rloo, or an
+    # import path) and its factory's keyword arguments
+    algorithm: str = "grpo"
+    algorithm_options: Dict[str, Any] = field(default_factory=dict)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     drafter: IdleDrafterConfig = field(default_factory=IdleDrafterConfig)
@@ -337,6 +342,7 @@ class TLTConfig:
             raise ValueError("run_dir must not be empty")
         check_int("seed", self.seed, 0, 2**31 - 1)
         check_int("steps", self.steps, 1)
+        self._check_algorithm()
         world = self.workers.num_workers
         if self.policy.backend == "megatron":
             if world < 2:
@@ -363,6 +369,15 @@ class TLTConfig:
 
         if self.rollout.engine == "vllm":
             self._check_vllm()
+
+    def _check_algorithm(self) -> None:
+        """A registered algorithm is built now with its options and run on one group of the
+        run's size; one named by import path is when the run starts (``nemo_tlt.train``)."""
+        ALGORITHMS.check(self.algorithm)
+        _check_options("algorithm_options", self.algorithm_options)
+        object.__setattr__(self, "algorithm_options", dict(self.algorithm_options))
+        if self.algorithm in ALGORITHMS:
+            check_algorithm(self.algorithm, self.algorithm_options, self.grpo.group_size, self.grpo.max_new_tokens)
 
     def _check_vllm(self) -> None:
         """What vLLM cannot do, refused by the keys that ask for it (docs/vllm.md)."""

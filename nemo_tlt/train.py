@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from nemo_tlt.algorithms.registry import check_algorithm
 from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.config import TaskConfig, TLTConfig, load_config
 from nemo_tlt.policy.config import BACKENDS
@@ -205,10 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_argv(argv)
         config = load_config(args.config, args.overrides)
-        # an engine or backend named by import path is imported now, so a wrong path stops here,
-        # before any worker starts (the built-in ones import their optional packages only when built)
+        # an engine, backend or algorithm named by import path is imported now, so a wrong path
+        # stops here, before any worker starts (the built-in ones import their optional packages
+        # only when built)
         ENGINES.get(config.rollout.engine)
         BACKENDS.get(config.policy.backend)
+        check_algorithm(config.algorithm, config.algorithm_options, config.grpo.group_size,
+                        config.grpo.max_new_tokens)
     except ValueError as err:
         print(f"nemo-tlt train: error: {err}\n{USAGE}", file=sys.stderr)
         return 2

@@ -58,7 +58,7 @@ def test_end_to_end_report_and_drafter_folder(target_dir, prompts, tmp_path):
     assert cli_main(_args(target_dir, prompts, out)) == 0
     report = json.loads((out / "report.json").read_text())
     assert REPORT_KEYS <= set(report), REPORT_KEYS - set(report)
-    assert (report["type"], report["tree"], report["steps"], report["resumed_from_step"]) == ("eagle2", "3_2_4", 4, 0)
+    assert (report["type"], report["tree"], report["steps"], report["resumed_from_step"]) == ("eagle", "3_2_4", 4, 0)
     assert (report["train_prompts"], report["eval_prompts"], report["samples"]) == (3, 2, 6)
     target = load_hf_folder(target_dir)
     drafter = load_drafter(out, target)

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1] / "nemo_tlt"
 LAYERS = [
     {"checks", "atomic", "imports", "registry", "optim", "device", "structured"},
     {"model"}, {"speculative"}, {"drafter"}, {"adaptive"}, {"rollout"}, {"dist"}, {"spot"}, {"weights"},
-    {"megatron"}, {"policy"}, {"config"}, {"rl"}, {"demo"}, {"integrations"},
+    {"algorithms"}, {"megatron"}, {"policy"}, {"config"}, {"rl"}, {"demo"}, {"integrations"},
     {"cli", "train", "convert", "bench", "plan", "first_drafter", "selfcheck"},
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}

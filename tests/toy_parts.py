@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
+from nemo_tlt.drafter.kinds import EAGLE, DrafterKind
+from nemo_tlt.model.config import LMConfig
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 
 
@@ -20,3 +23,58 @@ def counting_engine(config, model_dir, placement, *, tp=None, drafter=None, max_
     """A rollout-engine factory (``rollout.engine: toy_parts:counting_engine``)."""
     return CountingEngine.from_hf_folder(model_dir, device=placement.device, dtype=placement.dtype, tp=tp,
                                          compute_dtype=config.engine_compute_dtype)
+
+
+class FirstHalfGRPO:
+    """An RL algorithm (``algorithm: toy_parts:FirstHalfGRPO``): GRPO's advantages + 1 for the
+    first half of each group, which alone counts. Its loss checks that no dropped row (advantage
+    exactly 0) reaches it with a token, and writes one line per call to ``$TOY_ALGORITHM_LOG``:
+    ``pid, rows dropped, counted tokens``."""
+
+    def advantages(self, outcomes):
+        import torch
+
+        from nemo_tlt.algorithms.grpo import group_advantages
+        from nemo_tlt.algorithms.protocol import Advantages
+
+        G = outcomes.group_size
+        first_half = (torch.arange(G) < G // 2).expand_as(outcomes.truncated)
+        return Advantages.of(group_advantages(outcomes.rewards, G) + 1.0, first_half, outcomes)
+
+    def policy_loss(self, logp_new, logp_old, advantages, mask, clip_eps):
+        from nemo_tlt.algorithms.loss import clipped_pg_loss
+
+        dropped = advantages.reshape(-1) == 0
+        if mask[dropped].sum() != 0:
+            raise AssertionError("FirstHalfGRPO: a dropped row reached the loss with tokens")
+        with open(os.environ["TOY_ALGORITHM_LOG"], "a") as log:
+            log.write(f"{os.getpid()} {int(dropped.sum())} {int(mask.sum())}\n")
+        return clipped_pg_loss(logp_new, logp_old, advantages, mask, clip_eps)
+
+
+
+def _log(line: str) -> None:
+    with open(os.environ["TOY_DRAFTER_LOG"], "a") as log:
+        log.write(f"{os.getpid()} {line}\n")
+
+
+class CountingEagle(EagleDrafter):
+    """The EAGLE drafter as a drafter kind of its own, named by import path (its
+    ``drafter.json``: ``"kind": "toy_parts:COUNTING_EAGLE"``), writing a line to
+    ``$TOY_DRAFTER_LOG`` per draft and per training loss."""
+
+    kind = "toy_parts:COUNTING_EAGLE"
+
+    def propose(self, state, ctx, shape):
+        _log("propose")
+        return super().propose(state, ctx, shape)
+
+
+def _counting_loss(drafter, target, batch, feat, reg_weight, ce_weight):
+    _log("loss")
+    return EAGLE.loss(drafter, target, batch, feat, reg_weight, ce_weight)
+
+
+COUNTING_EAGLE = DrafterKind("toy_parts:COUNTING_EAGLE",
+                             lambda config: CountingEagle(EagleConfig(LMConfig(**config["layer"]))),
+                             EAGLE.config_dict, _counting_loss)

@@ -120,7 +120,7 @@ def build_target(cfg: BenchConfig) -> DecoderLM:
         return DecoderLM(lm).eval()
 
 
-def build_drafter(target: DecoderLM, seed: int) -> EagleDrafter:
+def random_eagle_drafter(target: DecoderLM, seed: int) -> EagleDrafter:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return EagleDrafter(EagleConfig.from_target(target.config))
@@ -162,7 +162,7 @@ def bench_packing(cfg: BenchConfig, target: DecoderLM, pool: list[DrafterSample]
                for _ in range(cfg.train_steps + 1)]
     layouts = {"padded": lambda b: pad_eagle_batch(b),
                "packed": lambda b: pack_eagle_batch(b, cfg.token_budget)}
-    models = {name: build_drafter(target, cfg.seed) for name in layouts}
+    models = {name: random_eagle_drafter(target, cfg.seed) for name in layouts}
     opts = {name: torch.optim.AdamW(m.parameters(), lr=3e-4) for name, m in models.items()}
     seconds = dict.fromkeys(layouts, 0.0)
     tokens = dict.fromkeys(layouts, 0)
@@ -253,7 +253,7 @@ def bench_preemption(cfg: BenchConfig, target: DecoderLM, pool: list[DrafterSamp
                           wait_for_workers=False)
     worker = WorkerCoordinator(store, 0, 2, prefix="bench/preempt", timeout_s=60)
     rl_loop = WorkerCoordinator(store, 1, 2, prefix="bench/preempt", timeout_s=60)  # stays BUSY
-    trainer = SpotTrainer(build_drafter(target, cfg.seed), packed_loss_fn(target, cfg.token_budget),
+    trainer = SpotTrainer(random_eagle_drafter(target, cfg.seed), packed_loss_fn(target, cfg.token_budget),
                           TRAINER, rank=0)
     buffer = _fill_buffer(pool, cfg.hidden)
     rng = np.random.default_rng(cfg.seed + 3)
@@ -310,7 +310,7 @@ def _idle_worker(ctx: RankContext, cfg: BenchConfig, durations: list[list[float]
     rank, store = ctx.rank, ctx.store
     target = build_target(cfg)
     coord = WorkerCoordinator(store, rank, cfg.workers, prefix="bench/idle", timeout_s=120)
-    trainer = SpotTrainer(build_drafter(target, cfg.seed), packed_loss_fn(target, cfg.token_budget),
+    trainer = SpotTrainer(random_eagle_drafter(target, cfg.seed), packed_loss_fn(target, cfg.token_budget),
                           TRAINER, rank=rank)
     buffer = HarvestBuffer(HarvestConfig(hidden_size=cfg.hidden))
     rng = np.random.default_rng([cfg.seed, rank])

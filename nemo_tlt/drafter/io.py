@@ -8,39 +8,27 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from nemo_tlt.atomic import atomic_output_dir
-from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
-from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
-from nemo_tlt.drafter.medusa import MedusaConfig, MedusaDrafter
-from nemo_tlt.model.config import LMConfig
+from nemo_tlt.drafter.kinds import kind_named, kind_of
 from nemo_tlt.model.lm import DecoderLM
 
 
 def drafter_config_dict(drafter: torch.nn.Module) -> dict:
-    if isinstance(drafter, EagleDrafter):
-        return {"kind": "eagle", "layer": drafter.config.layer.to_dict()}
-    if isinstance(drafter, Eagle3Drafter):
-        return {"kind": "eagle3", **drafter.config.to_dict()}
-    if isinstance(drafter, MedusaDrafter):
-        return {"kind": "medusa", **asdict(drafter.config)}
-    raise ValueError(f"unsupported drafter type {type(drafter).__name__}")
+    """``drafter.json``'s contents: ``kind``, then what the kind saves (`nemo_tlt.drafter.kinds`)."""
+    return {"kind": drafter.kind, **kind_of(drafter).config_dict(drafter)}
 
 
-def build_drafter(config: dict, source: str = "drafter.json") -> torch.nn.Module:
+def drafter_from_config(config: dict, source: str = "drafter.json") -> torch.nn.Module:
+    """An untrained drafter of the kind and shape ``config`` (a ``drafter.json`` dict) names."""
     kind = config.get("kind")
-    if kind == "eagle":
-        return EagleDrafter(EagleConfig(LMConfig(**config["layer"])))
-    if kind == "eagle3":
-        return Eagle3Drafter(Eagle3Config.from_dict(config))
-    if kind == "medusa":
-        return MedusaDrafter(MedusaConfig(config["hidden_size"], config["vocab_size"], config["num_heads"]))
-    raise ValueError(f"{source}: unknown drafter kind {kind!r}; expected 'eagle', 'eagle3' or 'medusa'")
+    if not isinstance(kind, str):
+        raise ValueError(f"{source}: 'kind' must name a drafter kind, got {kind!r}")
+    return kind_named(kind, source)(config)
 
 
 def save_drafter(drafter: torch.nn.Module, path: str | os.PathLike, extra: dict | None = None) -> Path:
@@ -71,7 +59,7 @@ def load_drafter(path: str | os.PathLike, target: DecoderLM | None = None, *,
     cfg_path = folder / "drafter.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: no drafter.json in the drafter folder")
-    drafter = build_drafter(json.loads(cfg_path.read_text()), str(cfg_path))
+    drafter = drafter_from_config(json.loads(cfg_path.read_text()), str(cfg_path))
     state = load_file(str(folder / "drafter.safetensors"))
     check_weights(state, drafter.state_dict(), folder, "drafter.json")
     drafter.load_state_dict(state)

@@ -17,11 +17,7 @@ from tqdm.auto import tqdm
 
 from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.drafter.data import DrafterSample, EagleBatch, pad_eagle_batch
-from nemo_tlt.drafter.eagle import EagleDrafter
-from nemo_tlt.drafter.eagle3 import Eagle3Drafter
-from nemo_tlt.drafter.loss import eagle_loss, medusa_loss
-from nemo_tlt.drafter.medusa import MedusaDrafter
-from nemo_tlt.drafter.ttt import eagle3_loss
+from nemo_tlt.drafter.kinds import kind_of
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.optim import OptimConfig, build_optimizer
 
@@ -52,27 +48,14 @@ class DrafterTrainConfig:
 def drafter_loss(drafter: nn.Module, target: DecoderLM, batch: EagleBatch, reg_weight: float = 1.0,
                  ce_weight: float = 0.1, noise: float = 0.0, generator: torch.Generator | None = None
                  ) -> tuple[torch.Tensor, dict[str, float]]:
-    w = target.lm_head_weight.detach()
+    kind = kind_of(drafter)
     feat = batch.in_feat
     if noise > 0:
-        # EAGLE-3 features end with the final state, a training label only: noise the drafter's input part
-        width = drafter.fc.in_features if isinstance(drafter, Eagle3Drafter) else feat.shape[-1]
+        # only the columns the drafter reads (EAGLE-3's features end with a label: the final state)
+        width = kind.input_width(drafter, feat.shape[-1])
         jitter = (torch.rand((*feat.shape[:-1], width), generator=generator) * 2 - 1).to(feat.dtype) * noise
         feat = torch.cat((feat[..., :width] + jitter, feat[..., width:]), -1)
-    if isinstance(drafter, EagleDrafter):
-        pred = drafter(target, batch.next_tokens, feat, batch.positions, None, batch.new_mask)
-        return eagle_loss(pred, batch.target_feat, w, batch.mask, reg_weight, ce_weight)
-    if isinstance(drafter, Eagle3Drafter):
-        # cross-entropy against the target's distribution over the drafter's TTT steps;
-        # the feature-regression weights do not apply (EAGLE-3 dropped that loss)
-        return eagle3_loss(drafter, target, batch, feat)
-    if isinstance(drafter, MedusaDrafter):
-        if batch.new_mask is not None:
-            # head k at t is scored against t+k+1, which in a packed row may be the next sample
-            raise ValueError("drafter_loss: Medusa heads need a padded batch (one sample per row), got a packed one")
-        # Medusa reads f_t directly; in_feat holds f_0..f_{n-1} of each sample.
-        return medusa_loss(drafter(feat), batch.in_feat, w, batch.mask)
-    raise ValueError(f"drafter_loss: unsupported drafter type {type(drafter).__name__}")
+    return kind.loss(drafter, target, batch, feat, reg_weight, ce_weight)
 
 
 def optim_config(config: DrafterTrainConfig) -> OptimConfig:

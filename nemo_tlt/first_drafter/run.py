@@ -46,8 +46,7 @@ from tqdm.auto import tqdm
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.checks import check_float, check_int
-from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
-from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
+from nemo_tlt.drafter.kinds import DRAFTER_KINDS, kind_named
 from nemo_tlt.drafter.io import save_drafter
 from nemo_tlt.drafter.packing import pack_eagle_batch
 from nemo_tlt.drafter.train import DrafterTrainConfig, drafter_step, optim_config
@@ -63,7 +62,10 @@ from nemo_tlt.spot.checkpoint import CheckpointManager
 
 log = logging.getLogger(__name__)
 
-KINDS = ("eagle2", "eagle3")
+# the drafter kinds this command starts for a target (DrafterKind.for_target); "eagle2" is
+# accepted for "eagle" (the EAGLE-2 drafter's kind, as its drafter.json names it)
+KINDS = tuple(n for n in DRAFTER_KINDS.names() if kind_named(n).for_target is not None)
+ALIASES = {"eagle2": "eagle"}
 RUN_FILE, REPORT_FILE, SAMPLES_FILE, CHECKPOINTS = "run.json", "report.json", "data/samples.safetensors", "checkpoints"
 
 
@@ -72,7 +74,7 @@ class FirstDrafterConfig:
     target: str
     prompts: str
     out: str
-    kind: str = "eagle2"
+    kind: str = "eagle"
     prompt_key: str = "prompt"
     tokenizer: str = AUTO
     chat_template: bool = False
@@ -98,8 +100,9 @@ class FirstDrafterConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ALIASES.get(self.kind, self.kind))
         if self.kind not in KINDS:
-            raise ValueError(f"--type must be one of {KINDS}, got {self.kind!r}")
+            raise ValueError(f"--type must be one of {list(KINDS)}, got {self.kind!r}")
         check_float("--temperature", self.temperature, 0)
         check_float("--top-p", self.top_p, 0, 1, lo_open=True)
         for name, lo in (("top_k", 0), ("max_new_tokens", 1), ("responses", 1), ("gen_batch", 1), ("steps", 1),
@@ -175,14 +178,11 @@ def prepare_out(config: FirstDrafterConfig, overwrite: bool) -> Path:
     return out
 
 
-def build_drafter(config: FirstDrafterConfig, target) -> torch.nn.Module:
-    gen = torch.Generator().manual_seed(config.seed)
-    if config.kind == "eagle2":
-        return EagleDrafter(EagleConfig.from_target(target.config), generator=gen)
-    ttt = config.ttt_steps if config.ttt_steps is not None else config.shape.depth
-    drafter = Eagle3Drafter(Eagle3Config.from_target(target.config, ttt_steps=ttt), generator=gen)
-    drafter.init_head_from(target)  # its own head starts as the target's
-    return drafter
+def new_drafter(config: FirstDrafterConfig, target) -> torch.nn.Module:
+    """An untrained drafter of ``config.kind`` for ``target`` (seeded; EAGLE-3 unrolls
+    ``ttt_steps``, by default the tree's depth)."""
+    depth = config.ttt_steps if config.ttt_steps is not None else config.shape.depth
+    return kind_named(config.kind).for_target(target, torch.Generator().manual_seed(config.seed), depth)
 
 
 def train(drafter: torch.nn.Module, target, samples, config: FirstDrafterConfig, out: Path,
@@ -255,7 +255,7 @@ def make_first_drafter(config: FirstDrafterConfig, overwrite: bool = False, prog
     tokenizer = pick_tokenizer(config.target, config.tokenizer, config.chat_template, config.system_prompt)
     target = load_hf_folder(config.target)
     ids = encode_prompts(tokenizer, prompts, target, config.target)
-    drafter = build_drafter(config, target)
+    drafter = new_drafter(config, target)
     out = prepare_out(config, overwrite)
     samples_path = out / SAMPLES_FILE
     if samples_path.is_file():

@@ -26,6 +26,14 @@ class MicroBatch:
     mask: torch.Tensor        # [b, T-1] 1 where target input_ids[:, 1:] is a response token
 
 
+def counted_mask(mb: MicroBatch, counted: torch.Tensor | None) -> torch.Tensor:
+    """``mb.mask`` restricted to the counted sequences (``counted[B]`` bool over the whole
+    batch; None: all of them, ``mb.mask`` itself)."""
+    if counted is None:
+        return mb.mask
+    return mb.mask * counted.to(mb.mask.device)[mb.index.to(mb.mask.device)].unsqueeze(1).to(mb.mask.dtype)
+
+
 def plan_micro_batches(lengths: Sequence[int], size: int, max_tokens: int = 0) -> list[list[int]]:
     """The sequence indices of each micro-batch: sorted by (length, index), at most ``size``
     sequences each and, with ``max_tokens > 0``, at most ``max_tokens`` padded tokens

@@ -12,6 +12,7 @@ from typing import Mapping
 
 import torch
 
+from nemo_tlt.algorithms.protocol import RLAlgorithm
 from nemo_tlt.device import Placement
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.policy.config import BACKENDS, PolicyConfig
@@ -21,33 +22,39 @@ from nemo_tlt.weights.sources import CanonicalSource, check_source, expected_sha
 
 def build_policy_backend(config: PolicyConfig, canonical: Mapping[str, torch.Tensor] | CanonicalSource,
                          model_config: LMConfig, *, temperature: float, seed: int,
-                         placement: Placement = Placement()) -> PolicyBackend:
+                         placement: Placement = Placement(), algorithm: RLAlgorithm | None = None
+                         ) -> PolicyBackend:
     """The backend ``config.backend`` names, holding a copy of ``canonical`` (a state dict, or a
     ``CanonicalSource`` such as ``SafetensorsFolder``: the megatron backend then reads only its
     rank's slices; the torch backend, a whole replica, reads everything); ``temperature`` is the
     sampling temperature the log-probs are taken at; ``seed`` seeds megatron's RNG tracker;
-    ``placement`` is the rank's device and the weights dtype (fp32 master weights either way)."""
+    ``placement`` is the rank's device and the weights dtype (fp32 master weights either way);
+    ``algorithm`` the RL algorithm whose ``policy_loss`` the update minimises (None: GRPO). A
+    factory is called with ``algorithm=`` only when one is given."""
     factory = BACKENDS.get(config.backend)
-    return factory(config, canonical, model_config, temperature=temperature, seed=seed, placement=placement)
+    extra = {} if algorithm is None else {"algorithm": algorithm}
+    return factory(config, canonical, model_config, temperature=temperature, seed=seed, placement=placement,
+                   **extra)
 
 
 def torch_backend(config: PolicyConfig, canonical: Mapping[str, torch.Tensor] | CanonicalSource,
                   model_config: LMConfig, *, temperature: float, seed: int,
-                  placement: Placement = Placement()) -> PolicyBackend:
+                  placement: Placement = Placement(), algorithm: RLAlgorithm | None = None) -> PolicyBackend:
     """The torch backend: a whole replica per rank (reads every tensor of a source)."""
     from nemo_tlt.policy.torch_backend import TorchPolicy, build_decoder
 
     if isinstance(canonical, CanonicalSource):
         check_source(canonical, model_config)
         canonical = read_whole(canonical, expected_shapes(model_config), placement.dtype)
-    return TorchPolicy(build_decoder(canonical, model_config, placement), config, temperature=temperature)
+    return TorchPolicy(build_decoder(canonical, model_config, placement), config, temperature=temperature,
+                       algorithm=algorithm)
 
 
 def megatron_backend(config: PolicyConfig, canonical: Mapping[str, torch.Tensor] | CanonicalSource,
                      model_config: LMConfig, *, temperature: float, seed: int,
-                     placement: Placement = Placement()) -> PolicyBackend:
+                     placement: Placement = Placement(), algorithm: RLAlgorithm | None = None) -> PolicyBackend:
     """The megatron-core backend (imports megatron-core now; reads only its rank's slices of a source)."""
     from nemo_tlt.policy.megatron_backend import MegatronPolicy
 
     return MegatronPolicy(canonical, model_config, config, temperature=temperature, seed=seed,
-                          placement=placement)
+                          placement=placement, algorithm=algorithm)

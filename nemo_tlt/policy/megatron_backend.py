@@ -64,6 +64,8 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from nemo_tlt.algorithms.grpo import GRPO
+from nemo_tlt.algorithms.protocol import RLAlgorithm
 from nemo_tlt.device import Placement
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.optim import LRSchedule
@@ -71,7 +73,7 @@ from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, scatt
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.policy.megatron_checks import batch_digest, check_policy_model, check_policy_spec, policy_layout
 # megatron-core is imported inside these functions, so importing them here costs nothing
-from nemo_tlt.policy.megatron_forward import grpo_loss_fn, run_schedule, vocab_parallel_logprobs
+from nemo_tlt.policy.megatron_forward import policy_loss_fn, run_schedule, vocab_parallel_logprobs
 from nemo_tlt.policy.protocol import STATS, HiddenSink, LogprobSink, check_capture_layers, check_update_args
 from nemo_tlt.weights.sources import CanonicalSource, MappingSource
 
@@ -80,10 +82,11 @@ log = logging.getLogger(__name__)
 
 class MegatronPolicy:
     """One rank's policy shard in megatron's DDP, its distributed optimizer + schedule and the
-    optional frozen KL reference."""
+    optional frozen KL reference; ``algorithm``'s ``policy_loss`` is the loss (None: GRPO's)."""
 
     def __init__(self, canonical: Mapping[str, torch.Tensor] | CanonicalSource, model_config: LMConfig,
-                 config: PolicyConfig, *, temperature: float, seed: int, placement: Placement = Placement()) -> None:
+                 config: PolicyConfig, *, temperature: float, seed: int, placement: Placement = Placement(),
+                 algorithm: RLAlgorithm | None = None) -> None:
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             raise RuntimeError("policy.backend=megatron needs megatron-core, which is not installed; install it "
                                "with pip install -e \".[megatron]\" (or pip install megatron-core)")
@@ -100,6 +103,7 @@ class MegatronPolicy:
                                f"(backend {default_backend()!r}); the launcher (nemo_tlt.dist / torchrun / SLURM) "
                                "owns it")
         self._model_config, self.config, self.temperature, self.seed = model_config, config, temperature, seed
+        self.algorithm = GRPO() if algorithm is None else algorithm
         self.layout = policy_layout(config)
         self.dtype = placement.dtype
         self.device = placement.device
@@ -253,11 +257,11 @@ class MegatronPolicy:
     # ---- update --------------------------------------------------------------------------
     def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None,
-               capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None
-               ) -> dict[str, float]:
+               capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None,
+               counted: torch.Tensor | None = None) -> dict[str, float]:
         from nemo_tlt.megatron.ddp_optimizer import zero_grads
 
-        check_update_args("MegatronPolicy", batch, advantages, global_tokens)
+        check_update_args("MegatronPolicy", batch, advantages, global_tokens, counted)
         capture_layers = check_capture_layers("MegatronPolicy.update", capture_layers, self.model_config.num_layers)
         with self._device_context():
             self._check_same_batch(batch)
@@ -265,7 +269,7 @@ class MegatronPolicy:
             totals = torch.zeros(len(STATS), dtype=torch.float64, device=self.device)
             for mb in micro_batches(batch, self.config.micro_batch):
                 self._schedule(self.ddp, mb, self._loss_fn(mb, advantages, logp_old, logp_ref, global_tokens,
-                                                             totals, on_logprobs), False, batch, on_hidden,
+                                                             totals, on_logprobs, counted), False, batch, on_hidden,
                                capture_layers)
             self._from_last_stage(totals)
             norm, lr = self._optimizer_step()
@@ -286,10 +290,10 @@ class MegatronPolicy:
 
     def _loss_fn(self, mb: MicroBatch, advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                  logp_ref: list[torch.Tensor] | None, global_tokens: int, totals: torch.Tensor,
-                 on_logprobs: LogprobSink | None = None) -> Callable:
-        return grpo_loss_fn(mb, advantages, logp_old, logp_ref, global_tokens, totals, on_logprobs,
-                            device=self.device, token_logprobs=self._token_logprobs, clip_eps=self.config.clip_eps,
-                            kl_coef=self.config.kl_coef)
+                 on_logprobs: LogprobSink | None = None, counted: torch.Tensor | None = None) -> Callable:
+        return policy_loss_fn(mb, advantages, logp_old, logp_ref, global_tokens, totals, on_logprobs,
+                              device=self.device, token_logprobs=self._token_logprobs, algorithm=self.algorithm,
+                              clip_eps=self.config.clip_eps, kl_coef=self.config.kl_coef, counted=counted)
 
     # ---- weights out / in ----------------------------------------------------------------
     def canonical_weights(self, rollout_tp: int = 1) -> Iterator[tuple[str, torch.Tensor]]:

@@ -9,8 +9,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from nemo_tlt.model.config import LMConfig
-from nemo_tlt.policy.batching import MicroBatch, Sequence2, padded
-from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty
+from nemo_tlt.policy.batching import MicroBatch, Sequence2, counted_mask, padded
+from nemo_tlt.algorithms.loss import kl_penalty
+from nemo_tlt.algorithms.protocol import RLAlgorithm
 from nemo_tlt.policy.protocol import HiddenSink, LogprobSink
 from nemo_tlt.weights.layout import ParallelLayout
 
@@ -82,28 +83,30 @@ def run_schedule(model: torch.nn.Module, mb: MicroBatch, loss_fn: Callable, forw
     return out
 
 
-def grpo_loss_fn(mb: MicroBatch, advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
-                 logp_ref: list[torch.Tensor] | None, global_tokens: int, totals: torch.Tensor,
-                 on_logprobs: LogprobSink | None, *, device: torch.device,
-                 token_logprobs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], clip_eps: float,
-                 kl_coef: float) -> Callable:
-    """The last stage's loss for one micro-batch; accumulates the step stats into ``totals``
-    and hands ``on_logprobs`` each sequence's response log-probs."""
+def policy_loss_fn(mb: MicroBatch, advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
+                   logp_ref: list[torch.Tensor] | None, global_tokens: int, totals: torch.Tensor,
+                   on_logprobs: LogprobSink | None, *, device: torch.device,
+                   token_logprobs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], algorithm: RLAlgorithm,
+                   clip_eps: float, kl_coef: float, counted: torch.Tensor | None = None) -> Callable:
+    """The last stage's loss for one micro-batch (``algorithm.policy_loss`` over the counted
+    sequences, + KL); accumulates the step stats into ``totals`` and hands ``on_logprobs``
+    each sequence's response log-probs."""
     idx = mb.index.tolist()
-    mask = mb.mask.to(device)
+    all_tokens = mb.mask.to(device)
+    mask = counted_mask(mb, counted).to(device)
     ids = mb.input_ids.to(device)
-    old = None if logp_old is None else padded([logp_old[i].to(mask) for i in idx], mask)
-    ref = padded([logp_ref[i].to(mask) for i in idx], mask) if logp_ref is not None else None
+    old = None if logp_old is None else padded([logp_old[i].to(all_tokens) for i in idx], all_tokens)
+    ref = padded([logp_ref[i].to(all_tokens) for i in idx], all_tokens) if logp_ref is not None else None
     adv = advantages[mb.index].to(mask)
-    share = float(mb.mask.sum()) / global_tokens
+    share = float(mask.sum()) / global_tokens
 
     def loss_fn(output: torch.Tensor, non_loss_data: bool = False):
         new = token_logprobs(output, ids)
         if on_logprobs is not None:
             detached = new.detach()
             for row, i in enumerate(idx):
-                on_logprobs(i, detached[row][mask[row].bool()])
-        pg, stats = clipped_pg_loss(new, new.detach() if old is None else old, adv, mask, clip_eps)
+                on_logprobs(i, detached[row][all_tokens[row].bool()])
+        pg, stats = algorithm.policy_loss(new, new.detach() if old is None else old, adv, mask, clip_eps)
         loss, kl = pg, None
         if ref is not None:
             kl = kl_penalty(new, ref, mask)

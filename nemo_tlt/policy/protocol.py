@@ -8,9 +8,11 @@ Contract (every implementation)
   ended with included), one ``[len(response)]`` tensor per sequence.
 * ``logprobs(batch, current)`` returns ``(old, ref)``: the current policy's log-probs
   (None unless ``current``) and the frozen reference's (None without ``kl_coef > 0``).
-* ``update(batch, advantages, logp_old, logp_ref, global_tokens)`` makes exactly one
-  optimizer step on the clipped PG loss (+ KL) as a token mean over ``global_tokens``
-  response tokens of the whole step: each micro-batch adds ``sum(loss) / global_tokens``,
+* ``update(batch, advantages, logp_old, logp_ref, global_tokens, counted=None)`` makes exactly
+  one optimizer step on the run's algorithm's policy loss (``RLAlgorithm.policy_loss``, built
+  in by the factory's ``algorithm``; + KL) as a token mean over ``global_tokens`` counted
+  response tokens of the whole step; ``counted[B]`` (bool, None: all) restricts the loss, the
+  KL and the stats to those sequences: each micro-batch adds ``sum(loss) / global_tokens``,
   and the backend sums gradients over its data-parallel replicas itself, so every
   replica takes the same step and stays identical. ``logp_old=None``: the update
   forward's own log-probs, detached (ratio 1). Returns ``loss, pg_loss, kl, clip_frac,
@@ -80,8 +82,8 @@ class PolicyBackend(Protocol):
 
     def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None,
-               capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None
-               ) -> dict[str, float]: ...
+               capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None,
+               counted: torch.Tensor | None = None) -> dict[str, float]: ...
 
     def canonical_weights(self, rollout_tp: int = 1) -> Iterator[tuple[str, torch.Tensor]]: ...
 
@@ -106,7 +108,7 @@ class PipelinedAccumulation(Protocol):
     def accumulate(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                    logp_ref: list[torch.Tensor] | None, *, on_hidden: HiddenSink | None = None,
                    capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None,
-                   part: int | None = None) -> dict[str, float]: ...
+                   part: int | None = None, counted: torch.Tensor | None = None) -> dict[str, float]: ...
 
     def apply_accumulated(self, global_tokens: int) -> dict[str, float]: ...
 
@@ -142,9 +144,13 @@ def require(policy: PolicyBackend, part: type, backend: str, setting: str) -> No
                          f"(nemo_tlt.policy.protocol; missing {missing})")
 
 
-def check_update_args(owner: str, batch: Sequence[Sequence2], advantages: torch.Tensor, global_tokens: int) -> None:
+def check_update_args(owner: str, batch: Sequence[Sequence2], advantages: torch.Tensor, global_tokens: int,
+                      counted: torch.Tensor | None = None) -> None:
     if advantages.shape != (len(batch),):
         raise ValueError(f"{owner}.update: advantages must be [{len(batch)}], got {tuple(advantages.shape)}")
+    if counted is not None and (counted.shape != (len(batch),) or counted.dtype != torch.bool):
+        raise ValueError(f"{owner}.update: counted must be a bool [{len(batch)}] tensor, got "
+                         f"{counted.dtype} {tuple(counted.shape)}")
     if global_tokens < 1:
         raise ValueError(f"{owner}.update: global_tokens must be >= 1, got {global_tokens}")
 

@@ -23,16 +23,19 @@ from typing import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from nemo_tlt.algorithms.grpo import GRPO
+from nemo_tlt.algorithms.loss import kl_penalty, token_logprobs
+from nemo_tlt.algorithms.protocol import RLAlgorithm
 from nemo_tlt.device import Placement
 from nemo_tlt.dist import allreduce_flat
 from nemo_tlt.drafter.features import join_features
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.optim import build_optimizer
-from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, padded, plan_micro_batches, scatter
+from nemo_tlt.policy.batching import (MicroBatch, Sequence2, counted_mask, micro_batches, padded, plan_micro_batches,
+                                     scatter)
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.policy.fixed_point import FixedPointGrads
-from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty, token_logprobs
 from nemo_tlt.policy.master_weights import MasterWeights
 from nemo_tlt.policy.protocol import STATS, HiddenSink, LogprobSink, check_capture_layers, check_update_args
 
@@ -51,15 +54,18 @@ def build_decoder(canonical: Mapping[str, torch.Tensor], model_config: LMConfig,
 
 
 class TorchPolicy:
-    """One rank's policy replica, its AdamW + schedule and the optional KL reference."""
+    """One rank's policy replica, its AdamW + schedule and the optional KL reference;
+    ``algorithm``'s ``policy_loss`` is the loss it minimises (None: GRPO's)."""
 
-    def __init__(self, model: DecoderLM, config: PolicyConfig, *, temperature: float) -> None:
+    def __init__(self, model: DecoderLM, config: PolicyConfig, *, temperature: float,
+                 algorithm: RLAlgorithm | None = None) -> None:
         if config.model_parallel != 1:
             raise ValueError(f"TorchPolicy: policy.tensor_parallel x pipeline_parallel={config.model_parallel}; "
                              "the torch backend runs a whole replica per rank (TP = PP = 1)")
         if not temperature > 0:
             raise ValueError(f"TorchPolicy: temperature must be > 0, got {temperature!r}")
         self.model, self.config, self.temperature = model.train(), config, temperature
+        self.algorithm = GRPO() if algorithm is None else algorithm
         self.device = model.lm_head_weight.device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.master = MasterWeights(self.params)
@@ -125,36 +131,39 @@ class TorchPolicy:
     def _micro_loss(self, mb: MicroBatch, batch: Sequence[Sequence2], advantages: torch.Tensor,
                     logp_old: list[torch.Tensor] | None, logp_ref: list[torch.Tensor] | None,
                     on_hidden: HiddenSink | None, capture_layers: tuple[int, ...] | None,
-                    on_logprobs: LogprobSink | None) -> tuple[torch.Tensor, dict[str, float], float]:
-        """One micro-batch's loss (its token mean), its token-mean stats and its token count."""
+                    on_logprobs: LogprobSink | None, counted: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, dict[str, float], float]:
+        """One micro-batch's loss (its token mean over counted sequences), its token-mean stats
+        and its counted token count."""
         idx = mb.index.tolist()
         new = self._token_logprobs(self.model, mb, batch, on_hidden, capture_layers)
         if on_logprobs is not None:
             _emit_logprobs(on_logprobs, new, mb)
         old = new.detach() if logp_old is None else padded([logp_old[i].to(mb.mask) for i in idx], mb.mask)
-        pg, stats = clipped_pg_loss(new, old, advantages[mb.index], mb.mask, self.config.clip_eps)
+        mask = counted_mask(mb, counted)
+        pg, stats = self.algorithm.policy_loss(new, old, advantages[mb.index], mask, self.config.clip_eps)
         means = {"pg_loss": float(pg.detach()), "kl": 0.0, "clip_frac": stats["clip_frac"],
                  "approx_kl": stats["approx_kl"]}
         loss = pg
         if logp_ref is not None:
-            kl = kl_penalty(new, padded([logp_ref[i].to(mb.mask) for i in idx], mb.mask), mb.mask)
+            kl = kl_penalty(new, padded([logp_ref[i].to(mb.mask) for i in idx], mb.mask), mask)
             loss = loss + self.config.kl_coef * kl
             means["kl"] = float(kl.detach())
         means["loss"] = float(loss.detach())
-        return loss, means, float(mb.mask.sum())
+        return loss, means, float(mask.sum())
 
     def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                logp_ref: list[torch.Tensor] | None, global_tokens: int, *, on_hidden: HiddenSink | None = None,
-               capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None
-               ) -> dict[str, float]:
-        check_update_args("TorchPolicy", batch, advantages, global_tokens)
+               capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None,
+               counted: torch.Tensor | None = None) -> dict[str, float]:
+        check_update_args("TorchPolicy", batch, advantages, global_tokens, counted)
         capture_layers = check_capture_layers("TorchPolicy.update", capture_layers, self.model_config.num_layers)
         self.master.zero_grads()
         totals = dict.fromkeys(STATS, 0.0)
         advantages = advantages.to(self.device)
         for mb in micro_batches(batch, self.config.micro_batch, self.device, self.config.micro_batch_tokens):
             loss, means, n_local = self._micro_loss(mb, batch, advantages, logp_old, logp_ref, on_hidden,
-                                                    capture_layers, on_logprobs)
+                                                    capture_layers, on_logprobs, counted)
             # micro-batch token mean -> its share of the global token mean
             (loss * (n_local / global_tokens)).backward()
             for k in STATS:  # (x * n) / g, not x * (n / g): the logged stats keep their exact bits
@@ -183,7 +192,7 @@ class TorchPolicy:
     def accumulate(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,
                    logp_ref: list[torch.Tensor] | None, *, on_hidden: HiddenSink | None = None,
                    capture_layers: tuple[int, ...] | None = None, on_logprobs: LogprobSink | None = None,
-                   part: int | None = None) -> dict[str, float]:
+                   part: int | None = None, counted: torch.Tensor | None = None) -> dict[str, float]:
         """Add one term (one GRPO group) to the step's gradient: each of its micro-batches
         (``micro_batches`` of ``batch`` alone, so they depend on the term's tokens only; with
         ``part``, that micro-batch alone) adds the gradient of its token-sum loss over the
@@ -191,14 +200,14 @@ class TorchPolicy:
         weights do not change."""
         if getattr(self, "_sums", None) is None:
             raise RuntimeError("TorchPolicy.accumulate: call begin_accumulation first")
-        check_update_args("TorchPolicy", batch, advantages, 1)
+        check_update_args("TorchPolicy", batch, advantages, 1, counted)
         capture_layers = check_capture_layers("TorchPolicy.accumulate", capture_layers, self.model_config.num_layers)
         sums = dict.fromkeys((*STATS, "tokens"), 0.0)
         advantages = advantages.to(self.device)
         for mb in self._micro_batches(batch, part):
             self.master.zero_grads(set_to_none=True)  # one micro-batch's gradient alone: nothing to add to
             loss, means, n_local = self._micro_loss(mb, batch, advantages, logp_old, logp_ref, on_hidden,
-                                                    capture_layers, on_logprobs)
+                                                    capture_layers, on_logprobs, counted)
             (loss * (n_local / self._sums.token_budget)).backward()
             self.master.grads_to_masters()
             self._sums.add([m.grad for m in self.master.masters], int(n_local))

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
+from nemo_tlt.algorithms.protocol import Advantages, Outcomes, counted_kwarg
+from nemo_tlt.algorithms.registry import build_algorithm
 from nemo_tlt.device import Placement, torch_dtype
 from nemo_tlt.dist import build_node_groups, gather_topology
 from nemo_tlt.drafter.base import CapturesLayers
@@ -41,7 +43,6 @@ from nemo_tlt.policy.factory import build_policy_backend
 from nemo_tlt.policy.protocol import PipelinedAccumulation, ShardedCheckpoints, require
 from nemo_tlt.rl.boundary import StepBoundary
 from nemo_tlt.rl.decode_segments import decode_segments
-from nemo_tlt.rl.grpo import group_advantages
 from nemo_tlt.rl.harvest_rows import InOrderHarvest
 from nemo_tlt.rl.idle_drafter import IdleDrafter, idle_without_training
 from nemo_tlt.rl.logprob_gap import comparable, gap_sums
@@ -83,8 +84,10 @@ class RLWorker:
         self.validation_prompts = validation_prompts(cfg) if cfg.validation.every > 0 else []
         check_vocab(self.task.tokenizer, model_config.vocab_size, spec.target_dir)
         check_eos(self.task.tokenizer, model_config.eos_token_id, spec.target_dir)
+        self.algorithm = build_algorithm(cfg.algorithm, cfg.algorithm_options)
         self.policy = build_policy_backend(cfg.policy, inputs.weights, model_config,
-                                           temperature=cfg.grpo.temperature, seed=cfg.seed, placement=placement)
+                                           temperature=cfg.grpo.temperature, seed=cfg.seed, placement=placement,
+                                           algorithm=self.algorithm)
         # rollout replicas: consecutive ranks whose engine is tensor-parallel over them (collective)
         self.replicas = RolloutReplicas(comm.rank, comm.world, cfg.rollout.tensor_parallel)
         self.share = training_share(comm.gather(self.policy.train_ranks), comm.rank, self.replicas.tp)
@@ -116,7 +119,8 @@ class RLWorker:
             require(self.policy, PipelinedAccumulation, cfg.policy.backend, "policy.pipelined_update=true")
         self.pipeline = (PipelinedStep(cfg, spec.mode, self.policy, comm, self.task,
                                        partial(self._harvest_sink, own=None) if self.harvest_from == "policy" else None,
-                                       self.capture_layers, self.replicas) if cfg.policy.pipelined_update else None)
+                                       self.capture_layers, self.replicas, self.algorithm)
+                         if cfg.policy.pipelined_update else None)
         self.coord = WorkerCoordinator(comm.store, comm.rank, comm.world, cfg.drafter.min_idle_workers,
                                        prefix=f"tlt/{spec.mode}", timeout_s=cfg.workers.timeout_s)
         # a sharded policy state is checkpointed by every rank (its shard); else rank 0 writes it all
@@ -292,9 +296,10 @@ class RLWorker:
         (``nemo_tlt.rl.rollout_replicas.training_share``); with ``gen_logprobs`` (this rank's
         rollout's) the logprob_gap sums go into the update's dict (one member per replica reports)."""
         replicas, share, G = self.replicas, self.share, self.cfg.grpo.group_size
-        # every response token of the step, counted once (each replica's leader counts its rollout)
-        counted = replicas.counted_tokens(sum(len(r) for _, r in batch))
-        global_tokens = int(self.comm.sum_(torch.tensor([float(counted)], device="cpu")).item())
+        # every response token the algorithm counts, once (each replica's leader counts its rollout)
+        counted = replicas.counted_tokens(self.advantages(batch, rewards).tokens)
+        # (at least 1: a step whose every sequence is dropped steps on a zero gradient)
+        global_tokens = max(1, int(self.comm.sum_(torch.tensor([float(counted)], device="cpu")).item()))
         # the rollouts this rank's model replica trains on (nemo_tlt.rl.rollout_replicas)
         shares = (by_replica(self.comm.gather((batch, rewards)), replicas.tp, share.replicas)
                   if len(share.replicas) > 1 else {replicas.replica: (batch, rewards)})
@@ -307,20 +312,26 @@ class RLWorker:
         t0 = time.perf_counter()
         logp_old, logp_ref = self.policy.logprobs(batch, self.cfg.policy.separate_logprob_pass)
         t_logprob, t0 = time.perf_counter() - t0, time.perf_counter()
-        advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32, device="cpu"), self.cfg.grpo.group_size)
+        advantages = self.advantages(batch, rewards)
         # health metric (nemo_tlt.rl.logprob_gap): the policy's log-probs of this rank's own
         # sequences, from the separate pass or else from the update forward (before its step)
         policy_lp: dict[int, torch.Tensor] = {}
         wanted = gen_logprobs is not None and comparable(self.cfg.grpo.acceptance, self.cfg.grpo.temperature)
         sink = policy_lp.__setitem__ if wanted and logp_old is None else None
-        update = self.policy.update(batch, advantages, logp_old, logp_ref, global_tokens, on_hidden=on_hidden,
+        update = self.policy.update(batch, advantages.values, logp_old, logp_ref, global_tokens, on_hidden=on_hidden,
                                     capture_layers=self.capture_layers if on_hidden is not None else None,
-                                    on_logprobs=sink)
+                                    on_logprobs=sink, **counted_kwarg(advantages))
         if wanted and logp_old is not None:
             policy_lp = {i: logp_old[i] for i in own}
         if wanted and all(i in policy_lp for i in own):  # a megatron rank off the last stage has none
             update = {**update, **gap_sums(gen_logprobs, [policy_lp[i] for i in own])}
-        return update, t_logprob, time.perf_counter() - t0
+        return {**update, "loss_tokens": global_tokens}, t_logprob, time.perf_counter() - t0
+
+    def advantages(self, batch: list, rewards: list[float]) -> Advantages:
+        """The run's algorithm's advantages of whole groups (``batch``'s responses, ``rewards``)."""
+        g = self.cfg.grpo
+        return self.algorithm.advantages(Outcomes.of(rewards, [r for _, r in batch], g.group_size, g.max_new_tokens,
+                                                     self.task.tokenizer.eos_id))
 
     def _harvest_sink(self, step: int, own: range | None) -> Callable:
         """Drafter data from the policy's own forward: this rank's sequences of the batch (None: all)."""

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from nemo_tlt.algorithms.grpo import GRPO
+from nemo_tlt.algorithms.protocol import Advantages, Outcomes, RLAlgorithm
 from nemo_tlt.policy.protocol import STATS, HiddenSink
 from nemo_tlt.rl.group_board import Group, GroupBoard, board_prefix, cleanup
 from nemo_tlt.rl.logprob_gap import comparable
@@ -35,8 +37,10 @@ Sums = dict[tuple[int, int], dict[str, float]]
 class PipelinedStep:
     def __init__(self, cfg: Any, mode: str, policy: Any, comm: Any, task: Any,
                  harvest: Callable[[int], HiddenSink] | None = None,
-                 capture_layers: tuple[int, ...] | None = None, replicas: RolloutReplicas | None = None) -> None:
+                 capture_layers: tuple[int, ...] | None = None, replicas: RolloutReplicas | None = None,
+                 algorithm: RLAlgorithm | None = None) -> None:
         self.cfg, self.mode, self.policy, self.comm, self.task = cfg, mode, policy, comm, task
+        self.algorithm = GRPO() if algorithm is None else algorithm
         self.harvest, self.capture_layers = harvest, capture_layers
         self.replicas = replicas if replicas is not None else RolloutReplicas(comm.rank, comm.world)
 
@@ -63,8 +67,14 @@ class PipelinedStep:
         computes), or None; made once per step (it moves the harvest buffer to ``step``)."""
         return self.harvest(step) if self.harvest is not None else None
 
+    def advantages(self, group: Group) -> Advantages:
+        """The algorithm's advantages of one group (the same on whichever rank computes them)."""
+        g = self.cfg.grpo
+        return self.algorithm.advantages(Outcomes.of(group.rewards, group.responses, g.group_size,
+                                                     g.max_new_tokens, self.task.tokenizer.eos_id))
+
     def term(self, group: Group, part: int | None = None, on_hidden: HiddenSink | None = None) -> dict[str, float]:
-        return group_term(self.policy, group, part, group_size=self.cfg.grpo.group_size,
+        return group_term(self.policy, group, self.advantages(group), part,
                           separate_logprob_pass=self.cfg.policy.separate_logprob_pass,
                           gap=comparable(self.cfg.grpo.acceptance, self.cfg.grpo.temperature),
                           on_hidden=on_hidden, capture_layers=self.capture_layers if on_hidden else None)
@@ -93,15 +103,17 @@ class PipelinedStep:
                 for part in range(self.parts(group)):
                     sums[(group.gid, part)] = self.term(group, part, on_hidden)
         t_groups = time.perf_counter() - t0
-        own_tokens = self.replicas.counted_tokens(sum(len(r.tokens) for r in rollout.out.results))
-        global_tokens = int(self.comm.sum_(torch.tensor([float(own_tokens)], device="cpu")).item())
+        # the response tokens the algorithm counts, each replica's once; at least 1 (a step whose
+        # every sequence is dropped steps on a zero gradient)
+        own_tokens = self.replicas.counted_tokens(sum(self.advantages(g).tokens for g in collector.own_groups()))
+        global_tokens = max(1, int(self.comm.sum_(torch.tensor([float(own_tokens)], device="cpu")).item()))
         t1 = time.perf_counter()
         out = self.policy.apply_accumulated(global_tokens)
         t_step = time.perf_counter() - t1
         parts = self.comm.gather(sums)
         # rank 0 logs the step's totals (the record sums the ranks' shares)
         stats = combine(parts, global_tokens) if self.comm.rank == 0 else dict.fromkeys(STATS, 0.0)
-        return {**stats, **out}, time.perf_counter() - t0, t_groups + t_step
+        return {**stats, **out, "loss_tokens": global_tokens}, time.perf_counter() - t0, t_groups + t_step
 
     def cleanup(self, step: int) -> None:
         """Delete the board of ``step`` (rank 0, once every rank is past it)."""

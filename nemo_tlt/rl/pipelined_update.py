@@ -6,9 +6,9 @@ Contract
   rollout's requests and sequence ids first): it collects
   rows by group (sequence id ``gid * G + g``), scores a group once its G rows are final and
   publishes it (``GroupBoard.publish``); ``rewards(ids)`` returns the scores in id order.
-* ``group_term(policy, group, part, ...)`` computes one group's gradient term, or that of
-  its micro-batch ``part`` (``accumulate``: log-probs as the non-pipelined update would
-  compute them, group advantages from the whole group's rewards, the clipped PG loss) and
+* ``group_term(policy, group, advantages, part, ...)`` computes one group's gradient term, or
+  that of its micro-batch ``part`` (``accumulate``: log-probs as the non-pipelined update would
+  compute them, the algorithm's advantages of the whole group, its policy loss) and
   returns its token sums (``STATS``, ``tokens``, and the logprob_gap sums when asked).
 * ``combine(parts)`` folds every rank's ``{(gid, part): sums}`` into the step's token means,
   adding pieces in key order, so the logged stats do not depend on which rank computed what.
@@ -25,9 +25,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from nemo_tlt.algorithms.protocol import Advantages, counted_kwarg
 from nemo_tlt.policy.protocol import STATS, HiddenSink
 from nemo_tlt.rl.group_board import Group, GroupBoard
-from nemo_tlt.rl.grpo import group_advantages
 from nemo_tlt.rl.logprob_gap import GAP_SUMS, gap_sums
 from nemo_tlt.rollout.protocol import Request, RequestResult
 
@@ -71,18 +71,18 @@ class GroupCollector:
         return [self.groups[g] for g in sorted(self.groups)]
 
 
-def group_term(policy: Any, group: Group, part: int | None = None, *, group_size: int,
+def group_term(policy: Any, group: Group, advantages: Advantages, part: int | None = None, *,
                separate_logprob_pass: bool, gap: bool, on_hidden: HiddenSink | None = None,
                capture_layers: tuple[int, ...] | None = None) -> dict[str, float]:
     """One group's gradient term (or of its micro-batch ``part`` alone) added to ``policy``'s
-    fixed-point sums; its token sums back."""
+    fixed-point sums, with the algorithm's ``advantages`` of the group; its token sums back."""
     batch = [(group.prompt, r) for r in group.responses]
     logp_old, logp_ref = policy.logprobs(batch, separate_logprob_pass, part=part)
-    advantages = group_advantages(torch.tensor(group.rewards, dtype=torch.float32, device="cpu"), group_size)
     seen: dict[int, torch.Tensor] = {}
     sink = seen.__setitem__ if gap and logp_old is None else None
-    sums = policy.accumulate(batch, advantages, logp_old, logp_ref, on_hidden=on_hidden,
-                             capture_layers=capture_layers, on_logprobs=sink, part=part)
+    sums = policy.accumulate(batch, advantages.values, logp_old, logp_ref, on_hidden=on_hidden,
+                             capture_layers=capture_layers, on_logprobs=sink, part=part,
+                             **counted_kwarg(advantages))
     if gap:
         rows = sorted(seen) if logp_old is None else [i for i, lp in enumerate(logp_old) if lp is not None]
         lps = [seen[i] if logp_old is None else logp_old[i] for i in rows]

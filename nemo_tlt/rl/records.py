@@ -131,6 +131,8 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
         "accept_by_arm": _sum_arms(ranks),
         **{k: sum(r.update[k] for r in ranks) for k in UPDATE_SUMS},
         "grad_norm": ranks[0].update["grad_norm"],
+        # the response tokens the algorithm counted in the loss's token mean (every rank's figure)
+        "loss_tokens": int(ranks[0].update["loss_tokens"]),
         # generation vs policy log-probs of the step's tokens (nemo_tlt.rl.logprob_gap); None without them
         **gap_metrics([r.update for r in ranks]),
         # data parallelism must keep every rank's policy and drafter bit-identical

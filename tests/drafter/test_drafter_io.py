@@ -69,3 +69,17 @@ def test_training_does_not_touch_target_and_lowers_loss(target):
 def test_sample_shape_errors():
     with pytest.raises(ValueError, match="len\\(tokens\\) - 1"):
         DrafterSample(torch.zeros(5, dtype=torch.long), torch.zeros(5, 8))
+
+
+def test_drafter_kinds_are_a_registry_and_errors_name_the_file(tmp_path, target):
+    from nemo_tlt.drafter.kinds import DRAFTER_KINDS, EAGLE3, kind_of
+    from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
+
+    assert DRAFTER_KINDS.names() == ("eagle", "eagle3", "medusa")
+    assert kind_of(Eagle3Drafter(Eagle3Config.from_target(target.config))) is EAGLE3
+    folder = save_drafter(EagleDrafter(EagleConfig.from_target(target.config)), tmp_path / "d")
+    (folder / "drafter.json").write_text('{"kind": "eagle4"}')
+    with pytest.raises(ValueError, match=r"drafter.json: drafter kind must be one of \['eagle', 'eagle3', 'medusa'\]"):
+        load_drafter(folder)
+    with pytest.raises(ValueError, match="has no `kind` naming a drafter kind"):
+        kind_of(torch.nn.Linear(2, 2))

@@ -69,7 +69,7 @@ def test_the_engine_and_the_policy_agree_at_the_same_temperature(mode):
 
 
 def test_the_step_record_carries_the_metrics():
-    base = {**dict.fromkeys(("loss", "pg_loss", "kl", "clip_frac", "approx_kl"), 0.0), "grad_norm": 0.0}
+    base = {**dict.fromkeys(("loss", "pg_loss", "kl", "clip_frac", "approx_kl"), 0.0), "grad_norm": 0.0, "loss_tokens": 2}
     ranks = [RankStep(rank=k, node=0, ids=[k], tokens=[[1, 2]], rewards=[1.0], gen_s=1.0, sd_steps=0, plain_steps=2,
                       accept_lengths=[], segments=[], idle=IdleResult(), state=RankState(), weights="w",
                       update={**base, **gap_sums([[-1.0, -2.0]], [torch.tensor([-1.0, -2.0 - k])])})

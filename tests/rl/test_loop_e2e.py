@@ -1,8 +1,9 @@
 """End to end: `nemo-tlt train ... --compare-baseline` (two pairs of runs, alternating
-order) on a tiny SFT'd model with 2 worker processes. TLT must train the drafter on
-idle workers and accept drafted tokens with SD in the tail, and with coupled sampling
-every run must produce exactly the same rollouts, rewards and policy weights;
-checkpoints, metrics, TensorBoard events and plots are written."""
+order) on a tiny SFT'd model with 2 worker processes, with GRPO in both update paths and
+with DAPO and RLOO. TLT must train the drafter on idle workers and accept drafted tokens
+with SD in the tail, and with coupled sampling every run must produce exactly the same
+rollouts, rewards and policy weights; checkpoints, metrics, TensorBoard events and plots
+are written."""
 from __future__ import annotations
 
 import json
@@ -39,12 +40,14 @@ def _rollout_span(timeline: list, rank: int) -> tuple[float, float]:
 RUNS = [(1, "tlt"), (1, "baseline"), (2, "baseline"), (2, "tlt")]  # two pairs, alternating order
 
 
-@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined_update", "update_after_rollout"])
-def test_tlt_vs_baseline_two_workers(tiny_models, tmp_path, pipelined):
+@pytest.mark.parametrize("pipelined,algorithm", [(True, "grpo"), (False, "grpo"), (True, "dapo"), (False, "rloo")],
+                         ids=["pipelined_update", "update_after_rollout", "dapo_pipelined", "rloo"])
+def test_tlt_vs_baseline_two_workers(tiny_models, tmp_path, pipelined, algorithm):
     target, drafter = tiny_models
     run_dir = tmp_path / "run"
     yaml = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
-    overrides = [*tiny_overrides(target, drafter, run_dir), f"policy.pipelined_update={str(pipelined).lower()}"]
+    overrides = [*tiny_overrides(target, drafter, run_dir), f"policy.pipelined_update={str(pipelined).lower()}",
+                 f"algorithm={algorithm}"]
     assert main([str(yaml), *overrides, "--compare-baseline"]) == 0
 
     report = json.loads((run_dir / "report.json").read_text())
@@ -68,6 +71,13 @@ def test_tlt_vs_baseline_two_workers(tiny_models, tmp_path, pipelined):
             assert r["replicas_identical"]  # both ranks hold the same policy (and drafter) bits
     # rewards vary inside groups, so the update is not vacuous
     assert any(r["reward_std"] > 0 for r in tlts[0])
+    # the loss's token mean: every response token (GRPO, RLOO); DAPO drops the groups without
+    # signal and the truncated rows, and did so at some step here
+    counted = [(r["loss_tokens"], sum(r["resp_lens"])) for r in tlts[0]]
+    if algorithm == "dapo":
+        assert all(0 < n <= total for n, total in counted) and any(n < total for n, total in counted), counted
+    else:
+        assert all(n == total for n, total in counted), counted
     for tlt in tlts:
         # TLT: the drafter trained on an idle worker, SD ran in the tail and accepted
         # drafted tokens (an accepted length of 1 is the target's own token alone)

@@ -6,7 +6,7 @@ from nemo_tlt.rl.records import IdleResult, RankState, RankStep, arm_accept_coun
 from nemo_tlt.rollout.protocol import StepTrace
 
 TIMES = {"step_s": 1.0, "rollout_s": 0.5, "logprob_s": 0.1, "update_s": 0.1, "weight_sync_s": 0.1}
-UPDATE = {**{u: 0.0 for u in ("loss", "pg_loss", "kl", "clip_frac", "approx_kl")}, "grad_norm": 0.0}
+UPDATE = {**{u: 0.0 for u in ("loss", "pg_loss", "kl", "clip_frac", "approx_kl")}, "grad_norm": 0.0, "loss_tokens": 0}
 
 
 def _rank(k: int, ids: list[int], tokens: list[list[int]], arms: dict) -> RankStep:

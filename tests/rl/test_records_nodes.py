@@ -10,7 +10,7 @@ TIMES = {"step_s": 1.0, "rollout_s": 0.5, "logprob_s": 0.1, "update_s": 0.1, "we
 def _rank(k: int, node: int, idle: IdleResult) -> RankStep:
     return RankStep(rank=k, node=node, ids=[k], tokens=[[1, 2]], rewards=[1.0], gen_s=1.0, sd_steps=0,
                     plain_steps=2, accept_lengths=[], segments=[], idle=idle,
-                    update={**{u: 0.0 for u in ("loss", "pg_loss", "kl", "clip_frac", "approx_kl")}, "grad_norm": 0.0},
+                    update={**{u: 0.0 for u in ("loss", "pg_loss", "kl", "clip_frac", "approx_kl")}, "grad_norm": 0.0, "loss_tokens": 2},
                     state=RankState(), weights="w")
 
 

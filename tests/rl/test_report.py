@@ -292,7 +292,7 @@ def test_the_step_record_maps_ranks_to_nodes():
         return RankStep(rank=k, node=node, ids=[k], tokens=[[1, 2]], rewards=[1.0], gen_s=1.0, sd_steps=0,
                         plain_steps=2, accept_lengths=[], segments=[], idle=IdleResult(idle_s=k + 1.0),
                         update={**{u: 0.0 for u in ("loss", "pg_loss", "kl", "clip_frac", "approx_kl")},
-                                "grad_norm": 0.0},
+                                "grad_norm": 0.0, "loss_tokens": 2},
                         state=RankState(), weights="w")
 
     times = {"step_s": 1.0, "rollout_s": 0.5, "logprob_s": 0.1, "update_s": 0.1, "weight_sync_s": 0.1}

@@ -1,8 +1,13 @@
-"""GRPO's group advantages (pure); the loss math the policy backends minimise is in
-``nemo_tlt.policy.loss``."""
+"""GRPO: group-normalised advantages and the clipped policy-gradient loss (the default
+``algorithm``). ``group_advantages`` is the pure math DAPO shares."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from nemo_tlt.algorithms.loss import clipped_pg_loss
+from nemo_tlt.algorithms.protocol import Advantages, Outcomes
 
 
 def group_advantages(
@@ -44,3 +49,24 @@ def group_advantages(
     constant = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
     advantages = torch.where(constant, torch.zeros_like(centred), centred)
     return advantages.reshape(rewards.shape)
+
+
+@dataclass(frozen=True)
+class GRPO:
+    """GRPO (Shao et al., 2024) with the token-mean loss: every sequence counts, advantages
+    ``group_advantages`` (std-scaled; ``scale_by_std=false``: Dr. GRPO's centred rewards), the
+    symmetric clip ``policy.clip_eps``."""
+
+    scale_by_std: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scale_by_std, bool):
+            raise ValueError(f"algorithm_options.scale_by_std must be a bool, got {self.scale_by_std!r}")
+
+    def advantages(self, outcomes: Outcomes) -> Advantages:
+        values = group_advantages(outcomes.rewards, outcomes.group_size, scale_by_std=self.scale_by_std)
+        return Advantages.of(values, torch.ones_like(outcomes.truncated), outcomes)
+
+    def policy_loss(self, logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, clip_eps: float) -> tuple[torch.Tensor, dict[str, float]]:
+        return clipped_pg_loss(logp_new, logp_old, advantages, mask, clip_eps)

@@ -1,7 +1,7 @@
 """Policy-gradient loss math: token log-probs, the clipped policy-gradient loss, KL penalties.
 
 Pure functions over tensors; the policy backends hold the state (GRPO's group
-advantages are in ``nemo_tlt.rl.grpo``). Shapes: ``B`` sequences,
+advantages are in ``nemo_tlt.algorithms``). Shapes: ``B`` sequences,
 ``T`` response tokens, ``V`` vocabulary. ``mask[B, T]`` is 1 on response tokens
 that count (generated, not padding) and 0 elsewhere; every token average is a
 *token mean* over the masked tokens of the whole batch,

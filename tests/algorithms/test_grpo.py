@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from nemo_tlt.policy.loss import clipped_pg_loss, kl_penalty, kl_per_token, masked_mean, token_logprobs
-from nemo_tlt.rl.grpo import group_advantages
+from nemo_tlt.algorithms.loss import clipped_pg_loss, kl_penalty, kl_per_token, masked_mean, token_logprobs
+from nemo_tlt.algorithms.grpo import group_advantages
 
 
 def test_group_advantages_matches_formula_and_shapes():
