@@ -49,7 +49,7 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "spot/averaging.py:average_replicas": (1, "only when there are no parameters"),
     "spot/averaging.py:_max_step": (1, "only when there are no parameters"),
     "spot/averaging.py:_set_step": (1, "Adam keeps a non-capturable step on the host"),
-    "rl/loop.py:RLWorker.update_policy": (1, "a gloo sum"),
+    "rl/sync_update.py:SyncUpdate.global_tokens": (1, "a gloo sum"),
     "rl/pipelined_step.py:PipelinedStep.finish": (1, "a gloo sum"),
     "rl/boundary.py:StepBoundary.decide": (1, "stop flags summed over gloo"),
     "rl/logprob_gap.py:gap_sums": (2, "a metric: one read to the host"),

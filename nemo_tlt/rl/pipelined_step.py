@@ -103,16 +103,16 @@ class PipelinedStep:
                 for part in range(self.parts(group)):
                     sums[(group.gid, part)] = self.term(group, part, on_hidden)
         t_groups = time.perf_counter() - t0
-        # the response tokens the algorithm counts, each replica's once; at least 1 (a step whose
-        # every sequence is dropped steps on a zero gradient)
+        # the response tokens the algorithm counts, each replica's once
         own_tokens = self.replicas.counted_tokens(sum(self.advantages(g).tokens for g in collector.own_groups()))
-        global_tokens = max(1, int(self.comm.sum_(torch.tensor([float(own_tokens)], device="cpu")).item()))
+        global_tokens = int(self.comm.sum_(torch.tensor([float(own_tokens)], device="cpu")).item())
         t1 = time.perf_counter()
-        out = self.policy.apply_accumulated(global_tokens)
+        # (a step whose every sequence is dropped steps on a zero gradient: a mean over at least 1)
+        out = self.policy.apply_accumulated(max(1, global_tokens))
         t_step = time.perf_counter() - t1
         parts = self.comm.gather(sums)
         # rank 0 logs the step's totals (the record sums the ranks' shares)
-        stats = combine(parts, global_tokens) if self.comm.rank == 0 else dict.fromkeys(STATS, 0.0)
+        stats = combine(parts, max(1, global_tokens)) if self.comm.rank == 0 else dict.fromkeys(STATS, 0.0)
         return {**stats, **out, "loss_tokens": global_tokens}, time.perf_counter() - t0, t_groups + t_step
 
     def cleanup(self, step: int) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 
@@ -83,3 +83,25 @@ class WeightStream:
 def _bytes(tensor: torch.Tensor) -> bytes:
     """The tensor's raw bytes, for any dtype (numpy has no bfloat16)."""
     return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def sync_weights(policy: Any, engine: Any, drafter: Any, sd_policy: Any, idle: Any, *,
+                 tp: "TensorParallel | None", keep: bool, digest: bool) -> tuple[WeightStream, str | None]:
+    """One step's weight sync: the policy's canonical weights (``tp``: the rollout replica's
+    ``TensorParallel``, None for one rank; at TP > 1 a model-parallel policy may send only this
+    rank's slices) to the engine and the drafter's view, then the drafter (an ``IdleDrafter``, or None) to the engine, timed into
+    ``idle.drafter_sync_s`` (the SD policy is told when the drafter trained). Returns the
+    stream (its ``kept`` weights, ``hexdigest()`` of policy and drafter, ``digest_s``) and the
+    policy's digest alone (None without ``digest``)."""
+    stream = WeightStream(policy.canonical_weights(rollout_tp=tp.size if tp is not None else 1), keep=keep,
+                          view=drafter.view if drafter is not None else None, tp=tp, digest=digest)
+    engine.load_policy_weights(stream)
+    policy_digest = stream.hexdigest()
+    if drafter is not None:
+        t0 = time.perf_counter()
+        engine.load_drafter(drafter.drafter)
+        idle.drafter_sync_s = time.perf_counter() - t0
+        if idle.drafter_steps and sd_policy is not None:
+            sd_policy.drafter_updated()  # it discounts what it measured of the old drafter
+        stream.add(drafter.drafter)
+    return stream, policy_digest

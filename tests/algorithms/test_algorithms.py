@@ -193,3 +193,11 @@ def test_megatron_loss_counts_only_counted_rows():
     want, _ = DAPO().policy_loss(new.detach(), padded([old[i] for i in rows], mb.mask), adv[mb.index], mask, 0.2)
     assert float(loss) == pytest.approx(float(want), rel=1e-6)
     assert new.grad[~keep].abs().sum() == 0 and new.grad[keep].abs().sum() > 0
+
+
+def test_a_step_with_every_row_dropped_has_a_zero_gradient():
+    batch, adv, _ = _batch()
+    policy = _policy(DAPO(), kl_coef=0.05)
+    old, ref = policy.logprobs(batch)
+    stats = policy.update(batch, adv, old, ref, 1, counted=torch.zeros(len(batch), dtype=torch.bool))
+    assert stats["grad_norm"] == 0.0 and stats["loss"] == 0.0 and stats["kl"] == 0.0

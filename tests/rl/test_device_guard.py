@@ -36,7 +36,7 @@ def steps_on_meta(spec, comm, stop, on_step):
     finally:
         if worker.drafter is not None:
             worker.drafter.close()
-        worker.ckpt.close()
+        worker.saver.close()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

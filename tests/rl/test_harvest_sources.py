@@ -36,7 +36,7 @@ def first_step_harvest(spec, comm, stop, on_step):
         return comm.gather(mine)
     finally:
         worker.drafter.close()
-        worker.ckpt.close()
+        worker.saver.close()
 
 
 def _harvest(tmp_path: Path, target: Path, drafter: Path, name: str, extra: list[str]) -> dict:
