@@ -197,6 +197,46 @@ def run_plan(plan: list[PlannedRun], primary: bool = True) -> list[tuple[Planned
     return done
 
 
+def _check_engine(config: TLTConfig) -> str | None:
+    """What the chosen engine refuses of this run, or its missing package, before any model is
+    loaded or worker started (None: nothing)."""
+    if config.rollout.engine == "trtllm":
+        from nemo_tlt.rollout.trtllm_run import TrainRunAsks, train_run_refusal
+        return train_run_refusal(TrainRunAsks(config.grpo.acceptance, config.rollout.sd_enabled,
+                                              config.drafter.train_on_idle, config.drafter.harvest_from))
+    if config.rollout.engine == "vllm":
+        from nemo_tlt.rollout.vllm_config import missing_package_message, vllm_installed
+        if not vllm_installed():
+            return missing_package_message("rollout.engine=vllm")
+    return None
+
+
+def _load(argv: list[str]) -> tuple[TrainArgs, TLTConfig]:
+    """The arguments and the checked config; an engine, backend or algorithm named by import
+    path is imported now, so a wrong path stops here, before any worker starts (the built-in
+    ones import their optional packages only when built)."""
+    args = parse_argv(argv)
+    config = load_config(args.config, args.overrides)
+    ENGINES.get(config.rollout.engine)
+    BACKENDS.get(config.policy.backend)
+    check_algorithm(config.algorithm, config.algorithm_options, config.grpo.group_size,
+                    config.grpo.max_new_tokens)
+    return args, config
+
+
+def _prepare(config: TLTConfig, args: TrainArgs, primary: bool) -> list[PlannedRun]:
+    """The runs to make, their folders prepared (rank 0), everything a run reads checked once."""
+    target_dir, drafter_dir = resolve_models(config)
+    build_task(config.task, target_dir)  # imports the user's source, reward and tokenizer now, once
+    check_available(config.logger)  # a chosen W&B / MLflow logger is installed
+    if config.validation.every > 0:
+        validation_prompts(config)  # the validation split can be read (a bad file or count fails here)
+    plan = build_plan(config, args, target_dir, drafter_dir)
+    for run in plan if primary else ():
+        prepare_run_dir(run.spec)
+    return plan
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):
@@ -204,53 +244,26 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     try:
-        args = parse_argv(argv)
-        config = load_config(args.config, args.overrides)
-        # an engine, backend or algorithm named by import path is imported now, so a wrong path
-        # stops here, before any worker starts (the built-in ones import their optional packages
-        # only when built)
-        ENGINES.get(config.rollout.engine)
-        BACKENDS.get(config.policy.backend)
-        check_algorithm(config.algorithm, config.algorithm_options, config.grpo.group_size,
-                        config.grpo.max_new_tokens)
+        args, config = _load(argv)
     except ValueError as err:
         print(f"nemo-tlt train: error: {err}\n{USAGE}", file=sys.stderr)
         return 2
-    if config.rollout.engine == "trtllm":  # before any model is loaded or worker started
-        from nemo_tlt.rollout.trtllm_run import TrainRunAsks, train_run_refusal
-        refusal = train_run_refusal(TrainRunAsks(config.grpo.acceptance, config.rollout.sd_enabled,
-                                                 config.drafter.train_on_idle, config.drafter.harvest_from))
-        if refusal is not None:
-            print(f"nemo-tlt train: error: {refusal}", file=sys.stderr)
-            return 2
-    if config.rollout.engine == "vllm":
-        from nemo_tlt.rollout.vllm_config import missing_package_message, vllm_installed
-        if not vllm_installed():
-            print(f"nemo-tlt train: error: {missing_package_message('rollout.engine=vllm')}", file=sys.stderr)
-            return 2
+    refusal = _check_engine(config)
+    if refusal is not None:
+        print(f"nemo-tlt train: error: {refusal}", file=sys.stderr)
+        return 2
     try:
         # The launcher (local, SLURM or torchrun) and the device kind are chosen here, once:
         # the runs and their config.yaml get what is used, never `auto`.
         config = replace(config, workers=resolved_workers(config.workers))
         primary = process_rank(config.workers) == 0
-    except ValueError as err:
-        print(f"nemo-tlt train: error: {err}", file=sys.stderr)
-        return 2
-    run_dir = Path(config.run_dir)
-    if primary:
-        resolved = config.to_yaml()
-        print(resolved)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(resolved)
-    try:
-        target_dir, drafter_dir = resolve_models(config)
-        build_task(config.task, target_dir)  # imports the user's source, reward and tokenizer now, once
-        check_available(config.logger)  # a chosen W&B / MLflow logger is installed
-        if config.validation.every > 0:
-            validation_prompts(config)  # the validation split can be read (a bad file or count fails here)
-        plan = build_plan(config, args, target_dir, drafter_dir)
-        for run in plan if primary else ():
-            prepare_run_dir(run.spec)
+        run_dir = Path(config.run_dir)
+        if primary:
+            resolved = config.to_yaml()
+            print(resolved)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(resolved)
+        plan = _prepare(config, args, primary)
     except ValueError as err:
         print(f"nemo-tlt train: error: {err}", file=sys.stderr)
         return 2

@@ -35,7 +35,8 @@ class DAPO:
     ``dynamic_sampling``: a group whose (shaped) rewards are all equal does not count. DAPO
     then samples more prompts to fill the batch; here the step's prompts are fixed by
     (seed, step), so the step trains on the groups that carry a signal and its token mean is
-    over theirs. A step with no counted sequence takes a step on a zero gradient."""
+    over theirs. A step with no counted sequence still takes its optimizer step, on a zero
+    gradient (AdamW's momentum and weight decay still move the weights; the schedule advances)."""
 
     clip_eps_high: float = 0.28
     overlong_filter: bool = True

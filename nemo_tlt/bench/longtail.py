@@ -89,8 +89,26 @@ NOT_LONGTAIL = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The parsed, checked options, with each engine's and policy's defaults filled in
+    (`arm_shapes`, `edges` added); a bad option exits with argparse's usage error."""
     p = argparse.ArgumentParser(prog="nemo-tlt bench rollout --workload longtail", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_engine_args(p)
+    _add_rollout_args(p)
+    _add_policy_args(p)
+    _add_run_args(p)
+    _add_refused_args(p)
+    args = p.parse_args(argv)
+    _refuse_default_workload_args(p, args)
+    _check_counts(p, args)
+    _resolve_engine_args(p, args)
+    _resolve_arms(p, args)
+    _resolve_policy_args(p, args)
+    return args
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The output file, and the engine with its sampling mode and vLLM-only options."""
     p.add_argument("--out", required=True)
     p.add_argument("--workload", choices=["longtail"], default="longtail")
     p.add_argument("--engine", choices=["torch", "vllm"], default="torch",
@@ -105,12 +123,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"vllm: also run {NO_DRAFTER}, plain decoding on a second vLLM engine built without a "
                         "drafter (vLLM plain proper: the shared engine's plain steps still carry the drafter's "
                         "cost), and report adaptive_vs_plain_no_drafter")
+
+
+def _add_rollout_args(p: argparse.ArgumentParser) -> None:
+    """The rollout's size and the fixed arms every SD method draws from."""
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--group-size", type=int, default=4, help="samples per prompt (G)")
     p.add_argument("--max-new-tokens", type=int, default=400)
     p.add_argument("--arms", default=None,
                    help=f"comma-separated depth_topk_numverify (default: torch {','.join(DEFAULT_ARMS)}; "
                         f"vllm {','.join(VLLM_DEFAULT_ARMS)}, chains d_1_d only)")
+
+
+def _add_policy_args(p: argparse.ArgumentParser) -> None:
+    """The adaptive method: its policy, the drafter it speculates with, and each policy's knobs."""
     p.add_argument("--policy", choices=["learned", "threshold"], default="learned",
                    help="the adaptive method: learned plain-or-tree per step, or threshold + BEG-MAB")
     p.add_argument("--drafter", choices=["trained", "untrained"], default="trained",
@@ -129,6 +155,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reward", choices=list(REWARDS), default="scaled",
                    help="threshold: bandit reward, tokens/s over running**(1-b) (b fitted), per running row, "
                         "or tokens/s")
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """Sampling, the warm policy, the rounds, and where and how the process runs."""
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm", action="store_true",
@@ -139,15 +169,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="rounds over all methods (round-robin); each method reports its median round")
     p.add_argument("--cache-dir", default=None, help=f"default {default_cache_dir()}")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    # Options of the default workload that mean nothing here: parsed only to refuse them
-    # by name (below) instead of with argparse's bare "unrecognized arguments".
+
+
+def _add_refused_args(p: argparse.ArgumentParser) -> None:
+    """Options of the default workload that mean nothing here: parsed (hidden from --help)
+    only to refuse them by name instead of with argparse's bare "unrecognized arguments"."""
     p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
     p.add_argument("--batch-size", default=None, help=argparse.SUPPRESS)
     p.add_argument("--no-hf", action="store_const", const=True, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+
+
+def _refuse_default_workload_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Drops the options of `_add_refused_args` from `args`; exits naming the first one given."""
     for flag, instead in NOT_LONGTAIL.items():
         if vars(args).pop(flag[2:].replace("-", "_")) is not None:
             p.error(f"{flag} is an option of the default workload; the longtail workload {instead}")
+
+
+def _check_counts(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exits unless every count and the temperature are in range."""
     if args.warm_up < 0:
         p.error(f"--warm-up must be >= 0, got {args.warm_up}")
     if args.repeats < 1:
@@ -159,6 +199,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.temperature <= 0:
         p.error(f"--temperature must be > 0, got {args.temperature}")
+
+
+def _resolve_engine_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fills in the engine's default `--mode` and `--kv-cache-gib`; exits on an option the
+    engine lacks (coupled sampling on vLLM, a vLLM-only option on torch)."""
     vllm = args.engine == "vllm"
     if args.mode is None:
         args.mode = DEFAULT_MODE[args.engine]
@@ -174,6 +219,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
     if args.plain_engine and not vllm:
         p.error("--plain-engine is an option of --engine vllm")
+
+
+def _resolve_arms(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fills in the engine's default `--arms` and sets `args.arm_shapes`; exits on a tree
+    arm on vLLM or an arm listed twice."""
+    vllm = args.engine == "vllm"
     if args.arms is None:
         args.arms = ",".join(VLLM_DEFAULT_ARMS if vllm else DEFAULT_ARMS)
     args.arm_shapes = [TreeShape.parse(s, field=f"--arms[{i}]") for i, s in enumerate(args.arms.split(","))]
@@ -183,6 +234,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "give chains depth_1_depth (e.g. 4_1_4)")
     if len({s.name for s in args.arm_shapes}) != len(args.arm_shapes):
         p.error(f"--arms lists an arm twice: {args.arms}")
+
+
+def _resolve_policy_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fills in the policy's default `--bucket-edges` and `--min-pulls` and sets `args.edges`;
+    exits on edges that are not integers."""
     learned = args.policy == "learned"
     if args.bucket_edges is None:
         args.bucket_edges = ",".join(map(str, (2, 4, 8, 16, 32, 64, 128) if learned else (2, 4, 8, 16)))
@@ -192,7 +248,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.edges = tuple(int(x) for x in args.bucket_edges.split(","))
     except ValueError:
         p.error(f"--bucket-edges must be comma-separated integers, got {args.bucket_edges!r}")
-    return args
 
 
 def make_adaptive(args: argparse.Namespace) -> AdaptiveSDPolicy | LearnedSDPolicy:
@@ -436,71 +491,111 @@ def compare(args, engines: Engines, reqs: list[Request], warm_up_reqs: list[Requ
     sp = SamplingParams(args.mode, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                         seed=args.seed)
     rounds, outputs, adaptive, runs = run_rounds(args, engines, reqs, sp, warm_up_reqs)
-    # Each method reports its median round: on a noisy machine the fastest of several
-    # rounds favours whichever method drew a quiet moment, and "best fixed arm" (a
-    # minimum over arms too) would be a minimum over arms x rounds.
+    payload = report(args, engines, rounds, outputs, adaptive, runs, len(reqs))
+    write_json_atomic(args.out, payload)
+    _print_summary(payload, args.out)
+    return payload
+
+
+def report(args, engines: Engines, rounds: dict[str, list], outputs: dict[str, list[list[int]]],
+           adaptive: AdaptiveSDPolicy | LearnedSDPolicy, runs: list[tuple[str, str]], num_seqs: int
+           ) -> dict[str, Any]:
+    """The JSON payload of `run_rounds`' rounds (drawing the timeline PNG beside `args.out`)."""
+    results, traces = median_results(rounds, runs)
+    identical = all(o == outputs["plain"] for o in outputs.values())
+    lengths = sorted(len(o) for o in outputs["plain"])
+    best_fixed = _best_fixed(results)
+    per_round = round_ratios(rounds, best_fixed[1])
+    warm = warm_ratios(rounds, results, best_fixed) if args.warm else None
+    headroom = headroom_of(args, traces, traces["adaptive"])
+    png = plot_rollout_timeline({k: traces[k] for k in ("plain", "adaptive")} |
+                                {f"fixed {best_fixed[1][len('longtail_fixed_'):]}": traces[best_fixed[1]]},
+                                Path(args.out).with_suffix(".png"),
+                                title=f"{num_seqs} sequences, response length median {lengths[len(lengths) // 2]}"
+                                      f", max {lengths[-1]}")
+    return {"benchmark": "rollout", "workload": "longtail", "engine": {"name": engines.name, **engines.info},
+            "mode": args.mode, "results": results, "outputs_identical": identical,
+            "ratios": wall_ratios(results, best_fixed), "ratios_rounds": per_round["rounds"],
+            "ratios_round_median": per_round["median"], "noise": per_round["noise"], "headroom": headroom,
+            "timeline_png": str(png),
+            **cpu_ratios(args, rounds),
+            **({} if warm is None else {
+                "ratios_warm": warm["median_of_medians"], "ratios_warm_rounds": warm["rounds"],
+                "ratios_warm_round_median": warm["median"],
+                "trace_warm": [vars(t) for t in traces["adaptive_warm"]]}),
+            **_policy_log(args, adaptive),
+            "response_lengths": {"median": lengths[len(lengths) // 2], "max": lengths[-1], "min": lengths[0],
+                                 "samples": lengths},  # sorted; `nemo-tlt plan --measured` reads them
+            "trace": [vars(t) for t in traces["adaptive"]], "machine": machine_info(),
+            "config": {k: v for k, v in vars(args).items() if k not in ("arm_shapes",)}}
+
+
+def median_results(rounds: dict[str, list], runs: list[tuple[str, str]]
+                   ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Each method's median round: (results by method name, with every round's wall and CPU
+    times added; traces by run key). On a noisy machine the fastest of several rounds
+    favours whichever method drew a quiet moment, and "best fixed arm" (a minimum over
+    arms too) would be a minimum over arms x rounds."""
     results, traces = {}, {}
     for name, key in runs:
         res, traces[key] = median_round(rounds[name])
         results[name] = res | {"wall_s_rounds": [r["wall_s"] for r, _ in rounds[name]],
                                "wall_s_min": min(r["wall_s"] for r, _ in rounds[name]),
                                "cpu_s_rounds": [r["cpu_s"] for r, _ in rounds[name]]}
-    trace = traces["adaptive"]
-    identical = all(o == outputs["plain"] for o in outputs.values())
-    lengths = sorted(len(o) for o in outputs["plain"])
-    best_fixed = min((r["wall_s"], n) for n, r in results.items() if n.startswith("longtail_fixed_"))
-    ada = results["longtail_adaptive"]["wall_s"]
-    ratios = {"adaptive_vs_plain": ada / results["longtail_plain"]["wall_s"],
-              "adaptive_vs_best_fixed": ada / best_fixed[0], "best_fixed": best_fixed[1],
-              "speedup_vs_plain": results["longtail_plain"]["wall_s"] / ada,
-              "best_fixed_vs_plain": best_fixed[0] / results["longtail_plain"]["wall_s"],
-              **({"adaptive_vs_plain_no_drafter": ada / results[NO_DRAFTER]["wall_s"],
-                  "plain_vs_plain_no_drafter": results["longtail_plain"]["wall_s"] / results[NO_DRAFTER]["wall_s"]}
-                 if NO_DRAFTER in results else {})}
-    per_round = round_ratios(rounds, best_fixed[1])
-    warm = None
-    if args.warm:
-        ada_warm = results["longtail_adaptive_warm"]["wall_s"]
-        warm = round_ratios(rounds, best_fixed[1], "longtail_adaptive_warm")
-        warm["median_of_medians"] = {"adaptive_vs_best_fixed": ada_warm / best_fixed[0],
-                                     "adaptive_vs_plain": ada_warm / results["longtail_plain"]["wall_s"],
-                                     **({"adaptive_vs_plain_no_drafter": ada_warm / results[NO_DRAFTER]["wall_s"]}
-                                        if NO_DRAFTER in results else {})}
-    headroom = headroom_of(args, traces, trace)
-    png = plot_rollout_timeline({k: traces[k] for k in ("plain", "adaptive")} |
-                                {f"fixed {best_fixed[1][len('longtail_fixed_'):]}": traces[best_fixed[1]]},
-                                Path(args.out).with_suffix(".png"),
-                                title=f"{len(reqs)} sequences, response length median {lengths[len(lengths) // 2]}"
-                                      f", max {lengths[-1]}")
+    return results, traces
+
+
+def _best_fixed(results: dict[str, dict[str, Any]]) -> tuple[float, str]:
+    """(wall_s, name) of the fixed arm with the least median-round wall time."""
+    return min((r["wall_s"], n) for n, r in results.items() if n.startswith("longtail_fixed_"))
+
+
+def wall_ratios(results: dict[str, dict[str, Any]], best_fixed: tuple[float, str]) -> dict[str, Any]:
+    """`ratios`: the cold adaptive run against plain decoding and the best fixed arm (and,
+    where run, plain decoding without a drafter), on median-round wall times."""
+    ada, plain = results["longtail_adaptive"]["wall_s"], results["longtail_plain"]["wall_s"]
+    return {"adaptive_vs_plain": ada / plain,
+            "adaptive_vs_best_fixed": ada / best_fixed[0], "best_fixed": best_fixed[1],
+            "speedup_vs_plain": plain / ada,
+            "best_fixed_vs_plain": best_fixed[0] / plain,
+            **({"adaptive_vs_plain_no_drafter": ada / results[NO_DRAFTER]["wall_s"],
+                "plain_vs_plain_no_drafter": plain / results[NO_DRAFTER]["wall_s"]}
+               if NO_DRAFTER in results else {})}
+
+
+def warm_ratios(rounds: dict[str, list], results: dict[str, dict[str, Any]], best_fixed: tuple[float, str]
+                ) -> dict[str, Any]:
+    """`round_ratios` of `longtail_adaptive_warm`, with its ratios on median-round wall
+    times (`median_of_medians`)."""
+    ada_warm = results["longtail_adaptive_warm"]["wall_s"]
+    warm = round_ratios(rounds, best_fixed[1], "longtail_adaptive_warm")
+    warm["median_of_medians"] = {"adaptive_vs_best_fixed": ada_warm / best_fixed[0],
+                                 "adaptive_vs_plain": ada_warm / results["longtail_plain"]["wall_s"],
+                                 **({"adaptive_vs_plain_no_drafter": ada_warm / results[NO_DRAFTER]["wall_s"]}
+                                    if NO_DRAFTER in results else {})}
+    return warm
+
+
+def cpu_ratios(args, rounds: dict[str, list]) -> dict[str, Any]:
+    """The same ratios on CPU time (one thread: the work each method did), which other
+    processes taking the cores inflate far less than wall time, with their bootstrap
+    intervals; the warm policy's too with --warm."""
+    return {"control_of": _controlled(rounds),  # the fixed arm the control repeats
+            "ratios_cpu": median_ratios(rounds, "cpu_s", "longtail_adaptive"),
+            "ratios_cpu_interval": ratio_intervals(rounds, "cpu_s", "longtail_adaptive", args.seed),
+            **({} if not args.warm else {
+                "ratios_warm_cpu": median_ratios(rounds, "cpu_s", "longtail_adaptive_warm"),
+                "ratios_warm_cpu_interval": ratio_intervals(rounds, "cpu_s", "longtail_adaptive_warm",
+                                                            args.seed)})}
+
+
+def _policy_log(args, adaptive: AdaptiveSDPolicy | LearnedSDPolicy) -> dict[str, Any]:
+    """The logged policy's state: its bandit (or learned costs) and fitted step-time exponents."""
     learned = isinstance(adaptive, LearnedSDPolicy)
-    payload = {"benchmark": "rollout", "workload": "longtail", "engine": {"name": engines.name, **engines.info},
-               "mode": args.mode, "results": results, "outputs_identical": identical,
-               "ratios": ratios, "ratios_rounds": per_round["rounds"], "ratios_round_median": per_round["median"],
-               "noise": per_round["noise"], "headroom": headroom, "timeline_png": str(png),
-               # The same ratios on CPU time (one thread: the work each method did), which
-               # other processes taking the cores inflate far less than wall time.
-               "control_of": _controlled(rounds),  # the fixed arm the control repeats
-               "ratios_cpu": median_ratios(rounds, "cpu_s", "longtail_adaptive"),
-               "ratios_cpu_interval": ratio_intervals(rounds, "cpu_s", "longtail_adaptive", args.seed),
-               **({} if warm is None else {
-                   "ratios_warm_cpu": median_ratios(rounds, "cpu_s", "longtail_adaptive_warm"),
-                   "ratios_warm_cpu_interval": ratio_intervals(rounds, "cpu_s", "longtail_adaptive_warm",
-                                                               args.seed)}),
-               **({} if warm is None else {
-                   "ratios_warm": warm["median_of_medians"], "ratios_warm_rounds": warm["rounds"],
-                   "ratios_warm_round_median": warm["median"],
-                   "trace_warm": [vars(t) for t in traces["adaptive_warm"]]}),
-               "bandit": adaptive.log_dict() if learned else adaptive.bandit.log_dict(),
-               "step_time_exponent": (adaptive.costs.pooled_exponent() if learned else adaptive.step_cost.exponent()),
-               "step_time_exponents": ({"plain" if a is None else a.name: adaptive.costs.exponent(i)
-                                        for i, a in enumerate((None, *args.arm_shapes))} if learned else None),
-               "response_lengths": {"median": lengths[len(lengths) // 2], "max": lengths[-1], "min": lengths[0],
-                                    "samples": lengths},  # sorted; `nemo-tlt plan --measured` reads them
-               "trace": [vars(t) for t in trace], "machine": machine_info(),
-               "config": {k: v for k, v in vars(args).items() if k not in ("arm_shapes",)}}
-    write_json_atomic(args.out, payload)
-    _print_summary(payload, args.out)
-    return payload
+    return {"bandit": adaptive.log_dict() if learned else adaptive.bandit.log_dict(),
+            "step_time_exponent": (adaptive.costs.pooled_exponent() if learned else adaptive.step_cost.exponent()),
+            "step_time_exponents": ({"plain" if a is None else a.name: adaptive.costs.exponent(i)
+                                     for i, a in enumerate((None, *args.arm_shapes))} if learned else None)}
 
 
 def _print_summary(payload: dict[str, Any], out: str) -> None:

@@ -30,7 +30,8 @@ def build_policy_backend(config: PolicyConfig, canonical: Mapping[str, torch.Ten
     sampling temperature the log-probs are taken at; ``seed`` seeds megatron's RNG tracker;
     ``placement`` is the rank's device and the weights dtype (fp32 master weights either way);
     ``algorithm`` the RL algorithm whose ``policy_loss`` the update minimises (None: GRPO). A
-    factory is called with ``algorithm=`` only when one is given."""
+    factory is called with ``algorithm=`` only when one is given; the RL loop always gives the
+    run's, so a backend factory takes it (docs/extending.md)."""
     factory = BACKENDS.get(config.backend)
     extra = {} if algorithm is None else {"algorithm": algorithm}
     return factory(config, canonical, model_config, temperature=temperature, seed=seed, placement=placement,

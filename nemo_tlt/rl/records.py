@@ -98,8 +98,6 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
             rewards[i], tokens[i] = rew, toks
     lengths = [len(t) for t in tokens]
     accept = [a for r in ranks for a in r.accept_lengths]
-    losses = [r.idle.drafter_loss for r in ranks if r.idle.drafter_loss is not None]
-    latencies = [r.idle.stop_latency_s for r in ranks if r.idle.stop_latency_s is not None]
     other = times["step_s"] - sum(times[k] for k in PHASES)
     return {
         "step": step, "mode": mode,
@@ -111,19 +109,7 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
         "resp_lens": lengths,  # per sequence (id order): the length distribution `nemo-tlt plan --measured` reads
         **times, "other_s": other,
         "rollout_gen_s": [r.gen_s for r in ranks],
-        "drafter_train_s": float(sum(r.idle.train_s for r in ranks)),
-        "idle_s": float(sum(r.idle.idle_s for r in ranks)),
-        # worker-seconds per node (keys: node ids), where the cluster's gaps were
-        "idle_s_per_node": _per_node(ranks, lambda r: r.idle.idle_s),
-        "drafter_train_s_per_node": _per_node(ranks, lambda r: r.idle.train_s),
-        "drafter_samples_per_node": {k: int(v) for k, v in _per_node(ranks, lambda r: r.idle.drafter_samples).items()},
-        "drafter_sync_hierarchical": any(r.idle.sync_hierarchical for r in ranks),
-        "rank_nodes": [r.node for r in sorted(ranks, key=lambda r: r.rank)],  # node of rank 0, 1, ...
-        "drafter_sync_s": float(max(r.idle.drafter_sync_s for r in ranks)),
-        "drafter_samples": int(sum(r.idle.drafter_samples for r in ranks)),
-        "drafter_steps": int(sum(r.idle.drafter_steps for r in ranks)),
-        "drafter_loss": float(np.mean(losses)) if losses else None,
-        "preempt_latency_ms": 1000 * max(latencies) if latencies else None,
+        **_idle_fields(ranks),
         "sd_steps": int(sum(r.sd_steps for r in ranks)),
         "plain_steps": int(sum(r.plain_steps for r in ranks)),
         "mean_accept_len": float(np.mean(accept)) if accept else 0.0,
@@ -149,6 +135,27 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
                             for r in ranks for a, b, choice in r.segments],
         "t_end": now - t0,
         "run_started": t0,  # this process's run start: a resumed run's records differ here
+    }
+
+
+def _idle_fields(ranks: list[RankStep]) -> dict[str, Any]:
+    """The idle time and the drafter's training of every rank, totals and per node."""
+    losses = [r.idle.drafter_loss for r in ranks if r.idle.drafter_loss is not None]
+    latencies = [r.idle.stop_latency_s for r in ranks if r.idle.stop_latency_s is not None]
+    return {
+        "drafter_train_s": float(sum(r.idle.train_s for r in ranks)),
+        "idle_s": float(sum(r.idle.idle_s for r in ranks)),
+        # worker-seconds per node (keys: node ids), where the cluster's gaps were
+        "idle_s_per_node": _per_node(ranks, lambda r: r.idle.idle_s),
+        "drafter_train_s_per_node": _per_node(ranks, lambda r: r.idle.train_s),
+        "drafter_samples_per_node": {k: int(v) for k, v in _per_node(ranks, lambda r: r.idle.drafter_samples).items()},
+        "drafter_sync_hierarchical": any(r.idle.sync_hierarchical for r in ranks),
+        "rank_nodes": [r.node for r in sorted(ranks, key=lambda r: r.rank)],  # node of rank 0, 1, ...
+        "drafter_sync_s": float(max(r.idle.drafter_sync_s for r in ranks)),
+        "drafter_samples": int(sum(r.idle.drafter_samples for r in ranks)),
+        "drafter_steps": int(sum(r.idle.drafter_steps for r in ranks)),
+        "drafter_loss": float(np.mean(losses)) if losses else None,
+        "preempt_latency_ms": 1000 * max(latencies) if latencies else None,
     }
 
 

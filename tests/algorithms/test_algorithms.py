@@ -10,6 +10,7 @@ import torch
 
 from nemo_tlt.algorithms.dapo import DAPO
 from nemo_tlt.algorithms.grpo import GRPO, group_advantages
+from nemo_tlt.algorithms.loss import kl_penalty
 from nemo_tlt.algorithms.protocol import Outcomes, RLAlgorithm, counted_kwarg
 from nemo_tlt.algorithms.registry import ALGORITHMS, build_algorithm
 from nemo_tlt.algorithms.rloo import RLOO
@@ -138,10 +139,19 @@ def _batch():
     return batch, torch.randn(6, generator=g), torch.tensor([True, False, True, True, False, True])
 
 
-def _policy(algorithm, kl_coef=0.05):
+def _policy(algorithm, kl_coef=0.05, lr=1e-3):
     model = DecoderLM(tiny_config()).init_weights_(torch.Generator().manual_seed(0))
-    config = PolicyConfig(micro_batch=6, kl_coef=kl_coef, optim=PolicyOptimConfig(lr=1e-3))
+    config = PolicyConfig(micro_batch=6, kl_coef=kl_coef, optim=PolicyOptimConfig(lr=lr))
     return TorchPolicy(model, config, temperature=0.8, algorithm=algorithm)
+
+
+def _warmed(batch, adv):
+    """A policy one large step away from its KL reference, and the log-probs from before that
+    step: the update after it has a ratio off 1 (DAPO's clips apply) and a non-zero KL."""
+    policy = _policy(DAPO(), lr=0.05)
+    stale, ref = policy.logprobs(batch)
+    policy.update(batch, -adv, stale, ref, sum(len(r) for _, r in batch))
+    return policy, stale
 
 
 def _assert_same_weights(a, b):
@@ -153,21 +163,25 @@ def _assert_same_weights(a, b):
 def test_torch_backend_counted_rows_equal_training_on_them_alone(pipelined):
     batch, adv, counted = _batch()
     keep = [i for i in range(len(batch)) if counted[i]]
-    sub = [batch[i] for i in keep]
-    tokens = sum(len(r) for _, r in sub)
+    tokens = sum(len(batch[i][1]) for i in keep)
     runs = []
-    for rows, a, c in ((batch, adv, counted), (sub, adv[keep], None)):
-        policy = _policy(DAPO())
-        old, ref = policy.logprobs(rows)
+    for sub in (False, True):
+        policy, stale = _warmed(batch, adv)
+        _, ref = policy.logprobs(batch, current=False)
+        rows, a, old, c = batch, adv, stale, {"counted": counted}
+        if sub:
+            rows, a, old, ref, c = [batch[i] for i in keep], adv[keep], [stale[i] for i in keep], \
+                [ref[i] for i in keep], {}
         if pipelined:
             policy.begin_accumulation(10 * tokens)
-            sums = policy.accumulate(rows, a, old, ref, **({} if c is None else {"counted": c}))
+            sums = policy.accumulate(rows, a, old, ref, **c)
             stats = {**{k: sums[k] / tokens for k in ("loss", "kl", "clip_frac")}, **policy.apply_accumulated(tokens)}
             assert sums["tokens"] == tokens
         else:
-            stats = policy.update(rows, a, old, ref, tokens, **({} if c is None else {"counted": c}))
+            stats = policy.update(rows, a, old, ref, tokens, **c)
         runs.append((policy, stats))
     (a, sa), (b, sb) = runs
+    assert sa["kl"] > 0 and sa["clip_frac"] > 0  # the KL term and the clips are in play
     for key in ("loss", "kl", "clip_frac", "grad_norm"):
         assert sa[key] == pytest.approx(sb[key], rel=1e-5, abs=1e-7), key
     _assert_same_weights(a, b)
@@ -180,18 +194,20 @@ def test_megatron_loss_counts_only_counted_rows():
     g = torch.Generator().manual_seed(5)
     new = (torch.randn(mb.mask.shape, generator=g) * 0.1 - 2.0).requires_grad_(True)
     old = [torch.randn(len(r), generator=g) * 0.1 - 2.0 for _, r in batch]
+    ref = [torch.randn(len(r), generator=g) * 0.1 - 2.0 for _, r in batch]
     tokens = int(sum(len(r) for (_, r), c in zip(batch, counted) if c))
     totals = torch.zeros(5, dtype=torch.float64)
-    fn = policy_loss_fn(mb, adv, old, None, tokens, totals, None, device=torch.device("cpu"),
-                        token_logprobs=lambda out, ids: out, algorithm=DAPO(), clip_eps=0.2, kl_coef=0.0,
+    fn = policy_loss_fn(mb, adv, old, ref, tokens, totals, None, device=torch.device("cpu"),
+                        token_logprobs=lambda out, ids: out, algorithm=DAPO(), clip_eps=0.2, kl_coef=0.1,
                         counted=counted)
     loss, _ = fn(new)
     loss.backward()
     rows = mb.index.tolist()
     keep = torch.tensor([bool(counted[i]) for i in rows])
     mask = mb.mask * keep.unsqueeze(1)
-    want, _ = DAPO().policy_loss(new.detach(), padded([old[i] for i in rows], mb.mask), adv[mb.index], mask, 0.2)
-    assert float(loss) == pytest.approx(float(want), rel=1e-6)
+    pg, _ = DAPO().policy_loss(new.detach(), padded([old[i] for i in rows], mb.mask), adv[mb.index], mask, 0.2)
+    kl = kl_penalty(new.detach(), padded([ref[i] for i in rows], mb.mask), mask)
+    assert float(kl) > 0 and float(loss) == pytest.approx(float(pg + 0.1 * kl), rel=1e-6)
     assert new.grad[~keep].abs().sum() == 0 and new.grad[keep].abs().sum() > 0
 
 

@@ -19,6 +19,16 @@ def _algorithm_calls(log: Path) -> list[tuple[str, int, int]]:
     return [(pid, int(dropped), int(tokens)) for pid, dropped, tokens in map(str.split, log.read_text().splitlines())]
 
 
+def _assert_first_half_counted(run_dir: Path, losses: list[tuple[str, int, int]]) -> None:
+    """Each step's token mean is over the first half of each group of 4 (FirstHalfGRPO), and
+    the loss calls saw exactly those tokens."""
+    records = [json.loads(line) for line in next(run_dir.rglob("metrics.jsonl")).read_text().splitlines()]
+    steps = [r for r in records if "reward_mean" in r]
+    for r in steps:
+        assert r["loss_tokens"] == sum(n for i, n in enumerate(r["resp_lens"]) if i % 4 < 2)
+    assert sum(t for _, _, t in losses) == sum(r["loss_tokens"] for r in steps)
+
+
 def _toy_drafter(drafter: Path, folder: Path) -> Path:
     """The tiny EAGLE drafter's weights as a ``toy_parts:COUNTING_EAGLE`` drafter."""
     from toy_parts import CountingEagle
@@ -47,9 +57,11 @@ def test_an_engine_a_drafter_kind_and_an_algorithm_named_by_import_path_run_the_
     assert main([str(yaml), *overrides]) == 0
     calls = [line.split() for line in log.read_text().splitlines()]
     assert len({pid for pid, _ in calls}) == 2 and len(calls) == 4  # each worker, each step
-    # the pipelined update (demo.yaml's): every loss call saw the dropped half with no token
+    # the pipelined update (demo.yaml's): every loss call saw the dropped half with no token,
+    # and the step's token mean is over the counted half alone
     losses = _algorithm_calls(algo_log)
     assert {pid for pid, _, _ in losses} <= {pid for pid, _ in calls} and any(d > 0 for _, d, _ in losses)
+    _assert_first_half_counted(run_dir, losses)
     # the drafter kind drafted in the rollouts and trained in the idle time
     drafted = [line.split() for line in drafter_log.read_text().splitlines()]
     assert {what for _, what in drafted} == {"propose", "loss"}
@@ -71,13 +83,7 @@ def test_an_algorithm_named_by_import_path_in_the_synchronous_update(tiny_models
     assert main([str(yaml), *overrides]) == 0
     losses = _algorithm_calls(algo_log)
     assert len({pid for pid, _, _ in losses}) == 2 and any(d > 0 for _, d, _ in losses)
-    records = [json.loads(line) for line in next(run_dir.rglob("metrics.jsonl")).read_text().splitlines()]
-    steps = [r for r in records if "reward_mean" in r]
-    # the first half of each group of 4 counts: its response tokens alone
-    for r in steps:
-        halves = [n for i, n in enumerate(r["resp_lens"]) if i % 4 < 2]
-        assert r["loss_tokens"] == sum(halves)
-    assert sum(t for _, _, t in losses) == sum(r["loss_tokens"] for r in steps)  # the loss saw those alone
+    _assert_first_half_counted(run_dir, losses)
 
 
 def test_a_wrong_import_path_stops_before_any_worker_starts(tmp_path, capsys):
