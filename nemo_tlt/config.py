@@ -33,6 +33,7 @@ from nemo_tlt.algorithms.registry import ALGORITHMS, check_algorithm
 from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.structured import load_structured, merge_structured, parse_override
 from nemo_tlt.device import DEVICES, DTYPES
+from nemo_tlt.dist.launchers import BUILT_IN_MODES, LAUNCHERS
 from nemo_tlt.imports import check_import_path, is_import_path
 from nemo_tlt.policy.config import PolicyConfig
 from nemo_tlt.rollout.config import ENGINES, RolloutConfig
@@ -41,7 +42,6 @@ from nemo_tlt.speculative.tree_shape import TreeShape
 from nemo_tlt.spot.config import IdleDrafterConfig
 
 START_METHODS = ("spawn", "fork", "forkserver")
-LAUNCHERS = ("auto", "local", "slurm", "torchrun")
 TASK_JSONL, TASK_DATASETS, TASK_HF = "jsonl", "datasets", "hf"  # built-in sources and tokenizer (nemo_tlt.rl.task)
 # the options each built-in source takes (order / shuffle_seed: nemo_tlt.rl.task.draw_rows)
 TASK_SOURCE_OPTIONS = {
@@ -199,8 +199,9 @@ class WorkersConfig:
                              f"got {self.start_method!r}")
         check_float("WorkersConfig.timeout_s", self.timeout_s, 0.0, lo_open=True)
         check_float("WorkersConfig.time_limit_margin_s", self.time_limit_margin_s, 0.0)
-        if self.launcher not in LAUNCHERS:
-            raise ValueError(f"WorkersConfig.launcher must be one of {list(LAUNCHERS)}, got {self.launcher!r}")
+        if self.launcher not in BUILT_IN_MODES and self.launcher not in LAUNCHERS and not is_import_path(self.launcher):
+            raise ValueError(f"WorkersConfig.launcher must be one of {[*BUILT_IN_MODES, *LAUNCHERS]} or an import "
+                             f"path 'package.module:LAUNCHER', got {self.launcher!r}")
         if self.device not in DEVICES:
             raise ValueError(f"WorkersConfig.device must be one of {list(DEVICES)}, got {self.device!r}")
         if self.device == "cuda" and self.start_method == "fork" and self.num_workers > 1:

@@ -1,9 +1,12 @@
 """Parts defined outside the package and named by import path from a config only (no edit of
-nemo_tlt): tests/rl/test_extension_points.py runs the demo loop with them."""
+nemo_tlt): a rollout engine, an RL algorithm, a drafter kind and a cluster launcher;
+tests/rl/test_extension_points.py runs the demo loop with them."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
+from nemo_tlt.dist.launchers import ClusterLauncher
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.drafter.kinds import EAGLE, DrafterKind
 from nemo_tlt.model.config import LMConfig
@@ -78,3 +81,20 @@ def _counting_loss(drafter, target, batch, feat, reg_weight, ce_weight):
 COUNTING_EAGLE = DrafterKind("toy_parts:COUNTING_EAGLE",
                              lambda config: CountingEagle(EagleConfig(LMConfig(**config["layer"]))),
                              EAGLE.config_dict, _counting_loss)
+
+
+def _local_as_cluster(fn, world_size, *args, collective_timeout_s=300.0, threads=1, device="cpu"):
+    """Start the ranks as local processes, log the launch to ``$TOY_LAUNCHER_LOG``; rank 0's value."""
+    from nemo_tlt.dist import launch_local
+
+    with open(os.environ["TOY_LAUNCHER_LOG"], "a") as log:
+        log.write(f"{os.getpid()} {world_size}\n")
+    return launch_local(fn, world_size, *args, timeout_s=None, collective_timeout_s=collective_timeout_s,
+                        threads=threads, start_method="fork", device=device)[0]
+
+
+# A cluster launcher (``workers.launcher: toy_parts:TOY_LAUNCHER``) whose "cluster" is this
+# machine: this process stands for task 0 of 1 and starts the ranks itself.
+TOY_LAUNCHER = ClusterLauncher("toy_parts:TOY_LAUNCHER", claims=lambda env: False,
+                               task=lambda env: SimpleNamespace(rank=0, world=1, local_rank=0),
+                               local_refusal=lambda env, num_workers: None, launch=_local_as_cluster)

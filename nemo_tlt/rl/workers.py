@@ -2,7 +2,8 @@
 
 Contract
 --------
-* ``launch_mode(workers, env)``: ``"local"``, ``"slurm"`` or ``"torchrun"`` from
+* ``launch_mode(workers, env)``: ``"local"``, ``"slurm"``, ``"torchrun"`` (or the name of
+  another cluster launcher: ``nemo_tlt.dist.launchers.LAUNCHERS``) from
   ``workers.launcher`` and the environment (``auto``: ``torchrun`` when torchrun's
   ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` are all set,
   else ``slurm`` inside an srun step of more than one task, else ``local``).
@@ -47,69 +48,38 @@ from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
-from nemo_tlt.dist import (Comm, RankContext, SlurmEnvError, StopFlag, in_srun_step, in_torchrun, launch_local,
-                           launch_slurm, launch_torchrun)
 from nemo_tlt.device import resolve_device
+from nemo_tlt.dist import Comm, RankContext, StopFlag, launch_local
 from nemo_tlt.dist.launch import local_device_kind
-from nemo_tlt.dist.slurm import SlurmTask
-from nemo_tlt.dist.torchrun import TorchrunEnvError, TorchrunTask
+from nemo_tlt.dist.launchers import choose_launcher
 
 RunFn = Callable[[Any, Comm, StopFlag, Callable | None], dict]
 
 
-def _srun_tasks(env: Mapping[str, str]) -> int:
-    if not in_srun_step(env):
-        return 0
-    try:
-        return int(env.get("SLURM_NTASKS", "1"))
-    except ValueError:
-        raise SlurmEnvError(f"SLURM_NTASKS={env['SLURM_NTASKS']!r} is not an integer") from None
-
-
 def launch_mode(workers: Any, env: Mapping[str, str] | None = None) -> str:
-    """``"local"``, ``"slurm"`` or ``"torchrun"``: how this process runs `workers` (see the
-    module docstring)."""
-    env = os.environ if env is None else env
-    if workers.launcher == "torchrun" or (workers.launcher == "auto" and in_torchrun(env)):
-        TorchrunTask.from_env(env)  # names what is missing
-        return "torchrun"
-    tasks = _srun_tasks(env)
-    if workers.launcher == "slurm" or (workers.launcher == "auto" and tasks > 1):
-        SlurmTask.from_env(env)  # names what is missing
-        return "slurm"
-    if tasks > 1:
-        raise SlurmEnvError(f"workers.launcher=local, but this process is task {env.get('SLURM_PROCID')} of "
-                            f"SLURM_NTASKS={tasks} srun tasks: each would start its own run of "
-                            f"{workers.num_workers} workers; set workers.launcher=slurm (or auto), or start "
-                            "one task")
-    if workers.launcher == "local" and in_torchrun(env) and TorchrunTask.from_env(env).world > 1:
-        raise TorchrunEnvError(f"workers.launcher=local, but this process is torchrun worker {env['RANK']} of "
-                               f"WORLD_SIZE={env['WORLD_SIZE']}: each would start its own run of "
-                               f"{workers.num_workers} workers; set workers.launcher=torchrun (or auto), or start "
-                               "one torchrun worker")
-    return "local"
+    """``"local"`` or the name of the cluster launcher (``nemo_tlt.dist.launchers``) this process
+    runs `workers` under (see the module docstring)."""
+    found = choose_launcher(workers.launcher, workers.num_workers, env)
+    return "local" if found is None else found.name
 
 
 def process_rank(workers: Any, env: Mapping[str, str] | None = None) -> int:
-    """This process's rank in the launch: SLURM_PROCID or RANK in those modes, else 0."""
+    """This process's rank in the launch: its task's (SLURM_PROCID, RANK, ...), or 0 locally."""
     env = os.environ if env is None else env
-    mode = launch_mode(workers, env)
-    if mode == "slurm":
-        return SlurmTask.from_env(env).rank
-    return TorchrunTask.from_env(env).rank if mode == "torchrun" else 0
+    found = choose_launcher(workers.launcher, workers.num_workers, env)
+    return 0 if found is None else found.task(env).rank
 
 
 def resolved_workers(workers: Any, env: Mapping[str, str] | None = None) -> Any:
     """`workers` with the launcher and device kind this process runs (see the module docstring)."""
     env = os.environ if env is None else env
-    mode = launch_mode(workers, env)
-    if mode == "local":
+    found = choose_launcher(workers.launcher, workers.num_workers, env)
+    if found is None:
         start = workers.start_method if workers.num_workers > 1 else None  # one worker runs in this process
         kind = local_device_kind(workers.device, workers.num_workers, hide_cuda=False, start_method=start)
-    else:
-        local_rank = (SlurmTask.from_env(env) if mode == "slurm" else TorchrunTask.from_env(env)).local_rank
-        kind = resolve_device(workers.device, local_rank).type
-    return replace(workers, launcher=mode, device=kind)
+        return replace(workers, launcher="local", device=kind)
+    kind = resolve_device(workers.device, found.task(env).local_rank).type
+    return replace(workers, launcher=found.name, device=kind)
 
 
 def _comm(ctx: RankContext) -> Comm:
@@ -136,11 +106,10 @@ def launch(spec: Any, run: RunFn, on_step: Callable | None = None) -> dict:
     `on_step(step, record)` is called by every rank after each RL step (a hook for
     tests, e.g. to raise a signal after step k; it must pickle under 'spawn')."""
     workers = spec.config.workers
-    mode = launch_mode(workers)
-    if mode != "local":
-        cluster_launch = launch_slurm if mode == "slurm" else launch_torchrun
-        return cluster_launch(_task_main, workers.num_workers, spec, run, on_step, device=workers.device,
-                              collective_timeout_s=workers.timeout_s, threads=workers.threads_per_worker)
+    found = choose_launcher(workers.launcher, workers.num_workers)
+    if found is not None:
+        return found.launch(_task_main, workers.num_workers, spec, run, on_step, device=workers.device,
+                            collective_timeout_s=workers.timeout_s, threads=workers.threads_per_worker)
     summaries = launch_local(
         _rank_main, workers.num_workers, spec, run, on_step, timeout_s=None,
         collective_timeout_s=workers.timeout_s, threads=workers.threads_per_worker,

@@ -5,6 +5,7 @@ and the registries' own rules."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -72,15 +73,20 @@ def test_an_engine_a_drafter_kind_and_an_algorithm_named_by_import_path_run_the_
                for r in steps)
 
 
-def test_an_algorithm_named_by_import_path_in_the_synchronous_update(tiny_models, tmp_path, monkeypatch):
+def test_an_algorithm_and_a_launcher_named_by_import_path_in_the_synchronous_update(tiny_models, tmp_path,
+                                                                                    monkeypatch):
     target, drafter = tiny_models
-    algo_log = tmp_path / "algorithm.log"
+    algo_log, launcher_log = tmp_path / "algorithm.log", tmp_path / "launcher.log"
     monkeypatch.setenv("TOY_ALGORITHM_LOG", str(algo_log))
+    monkeypatch.setenv("TOY_LAUNCHER_LOG", str(launcher_log))
     run_dir = tmp_path / "run"
     yaml = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
     overrides = [*tiny_overrides(target, drafter, run_dir, steps=2), "policy.pipelined_update=false",
-                 "algorithm=toy_parts:FirstHalfGRPO", "debug.weight_digests=0"]
+                 "algorithm=toy_parts:FirstHalfGRPO", "debug.weight_digests=0",
+                 "workers.launcher=toy_parts:TOY_LAUNCHER"]
     assert main([str(yaml), *overrides]) == 0
+    assert launcher_log.read_text().split() == [str(os.getpid()), "2"]  # one launch of 2 ranks, from here
+    assert "launcher: toy_parts:TOY_LAUNCHER" in (run_dir / "config.yaml").read_text()
     losses = _algorithm_calls(algo_log)
     assert len({pid for pid, _, _ in losses}) == 2 and any(d > 0 for _, d, _ in losses)
     _assert_first_half_counted(run_dir, losses)
