@@ -42,8 +42,8 @@ from nemo_tlt.speculative.tree_shape import TreeShape
 from nemo_tlt.spot.config import IdleDrafterConfig
 
 START_METHODS = ("spawn", "fork", "forkserver")
-TASK_JSONL, TASK_DATASETS, TASK_HF = "jsonl", "datasets", "hf"  # built-in sources and tokenizer (nemo_tlt.rl.task)
-# the options each built-in source takes (order / shuffle_seed: nemo_tlt.rl.task.draw_rows)
+TASK_JSONL, TASK_DATASETS, TASK_HF = "jsonl", "datasets", "hf"  # built-in sources and tokenizer (nemo_tlt.rl.data.task)
+# the options each built-in source takes (order / shuffle_seed: nemo_tlt.rl.data.task.draw_rows)
 TASK_SOURCE_OPTIONS = {
     TASK_JSONL: ("path", "prompt_key", "answer_key", "order", "shuffle_seed"),
     TASK_DATASETS: ("path", "format", "prompt_key", "answer_key", "order", "shuffle_seed"),
@@ -212,7 +212,7 @@ class WorkersConfig:
 @dataclass(frozen=True)
 class ValidationConfig:
     """Evaluation on held-out prompts every ``every`` RL steps (0: never); see
-    ``nemo_tlt.rl.validation``. The validation source is ``task.source`` built with
+    ``nemo_tlt.rl.data.validation``. The validation source is ``task.source`` built with
     ``options`` merged over ``task.options`` (e.g. ``{path: data/val.parquet}``).
     ``num_prompts``: how many of its prompts, the same ones at every evaluation (null:
     every row; the source must have a length). ``greedy``: decode greedily (else with

@@ -15,7 +15,7 @@
   the machine's first (or last) slot. Run k of mode m writes ``<run_dir>/pair<k>/<m>/``
   (an absolute ``checkpoint.dir`` gets the same ``pair<k>/<m>`` subfolders).
   ``<run_dir>/report.json`` holds every run and the medians over pairs
-  (``nemo_tlt.rl.report.compare_pairs``); a per-pair table is printed, with the
+  (``nemo_tlt.rl.reporting.report.compare_pairs``); a per-pair table is printed, with the
   TLT - baseline reward difference and its 95% interval, and, where the runs sampled
   different tokens, the per-token figures and the report's ``sampling_note``; the reward
   curves with their intervals go to ``<run_dir>/reward_curves.png``.
@@ -48,11 +48,11 @@ from nemo_tlt.policy.config import BACKENDS
 from nemo_tlt.rollout.config import ENGINES
 from nemo_tlt.rl.loop import run_rank
 from nemo_tlt.rl.run import RunSpec, prepare_run_dir
-from nemo_tlt.rl.task import build_task
-from nemo_tlt.rl.validation import validation_prompts
-from nemo_tlt.rl.loggers import check_available
-from nemo_tlt.rl.plots import plot_reward_curves, write_plots
-from nemo_tlt.rl.report import compare_pairs, format_pairs, read_validation, run_block
+from nemo_tlt.rl.data.task import build_task
+from nemo_tlt.rl.data.validation import validation_prompts
+from nemo_tlt.rl.reporting.loggers import check_available
+from nemo_tlt.rl.reporting.plots import plot_reward_curves, write_plots
+from nemo_tlt.rl.reporting.report import compare_pairs, format_pairs, read_validation, run_block
 from nemo_tlt.rl.workers import launch, process_rank, resolved_workers
 
 log = logging.getLogger(__name__)

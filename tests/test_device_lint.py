@@ -49,15 +49,15 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "spot/averaging.py:average_replicas": (1, "only when there are no parameters"),
     "spot/averaging.py:_max_step": (1, "only when there are no parameters"),
     "spot/averaging.py:_set_step": (1, "Adam keeps a non-capturable step on the host"),
-    "rl/sync_update.py:SyncUpdate.global_tokens": (1, "a gloo sum"),
-    "rl/pipelined_step.py:PipelinedStep.finish": (1, "a gloo sum"),
+    "rl/update/sync_update.py:SyncUpdate.global_tokens": (1, "a gloo sum"),
+    "rl/update/pipelined_step.py:PipelinedStep.finish": (1, "a gloo sum"),
     "algorithms/protocol.py:Outcomes.of": (1, "rewards and lengths are host values"),
     "rl/boundary.py:StepBoundary.decide": (1, "stop flags summed over gloo"),
-    "rl/logprob_gap.py:gap_sums": (2, "a metric: one read to the host"),
+    "rl/reporting/logprob_gap.py:gap_sums": (2, "a metric: one read to the host"),
     "rl/idle_drafter.py:IdleDrafter.sample": (1, "the harvest buffer lives on the host"),
     "rl/idle_drafter.py:IdleDrafter.restore": (1, "a torch.Generator state is a host byte tensor"),
     "rl/weight_stream.py:_bytes": (1, "bytes for the wire"),
-    "rl/sharded_run_checkpoint.py:_write_run_part": (1, "safetensors writes host tensors"),
+    "rl/state/sharded_run_checkpoint.py:_write_run_part": (1, "safetensors writes host tensors"),
 }
 
 

@@ -16,7 +16,7 @@ together by one method:
   memory of writing the shard from where it lies, which checks the measure itself;
 * ``async_update``: ``start_save_sharded``, then the same GRPO update again (log-probs and
   update, same batch), then ``wait()``: the run checkpoint's case, where the policy's next
-  updates run while the forked writers still write (``nemo_tlt.rl.sharded_run_checkpoint``);
+  updates run while the forked writers still write (``nemo_tlt.rl.state.sharded_run_checkpoint``);
 * ``update_alone``: that update with no save in flight, the second control;
 * ``async_step``: ``start_save_sharded``, then the update's optimizer step again at once
   (``MegatronPolicy._optimizer_step``: gradients finalised, Adam step, weights copied from the

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from nemo_tlt.demo.tasks import Problem
-from nemo_tlt.rl.task import Prompt
+from nemo_tlt.rl.data.task import Prompt
 
 _ANSWER_CHARS = frozenset("0123456789,")
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from nemo_tlt.checks import check_float, check_int
-from nemo_tlt.rl.task import Prompt
+from nemo_tlt.rl.data.task import Prompt
 
 TASK_NAMES = ("arith", "count", "sort")
 _COUNT_LETTERS = "abcde"

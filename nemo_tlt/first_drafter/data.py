@@ -5,7 +5,7 @@ Contract
 --------
 * `read_prompts(path, prompt_key)`: the prompt texts of a JSONL file (one object per
   line, ``prompt_key`` a non-empty string) or a local ``datasets`` file (.json,
-  .parquet), read by the RL task sources (nemo_tlt.rl.task), so a file that trains
+  .parquet), read by the RL task sources (nemo_tlt.rl.data.task), so a file that trains
   a policy trains its drafter; errors name the file, the line and the key.
 * `pick_tokenizer(target_dir, spec, ...)`: ``auto`` is the HF tokenizer saved in the
   target folder when there is one, else the demo's character tokenizer when the
@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from nemo_tlt.config import TASK_DATASETS, TASK_HF, TASK_JSONL, TaskConfig
 from nemo_tlt.drafter.data import DrafterSample
 from nemo_tlt.model.lm import DecoderLM
-from nemo_tlt.rl.task import TOKENIZER_FILES, Tokenizer, _build_tokenizer, build_source, check_eos, check_vocab
+from nemo_tlt.rl.data.task import TOKENIZER_FILES, Tokenizer, _build_tokenizer, build_source, check_eos, check_vocab
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams

@@ -96,7 +96,7 @@ class PolicyBackend(Protocol):
 
 @runtime_checkable
 class PipelinedAccumulation(Protocol):
-    """What a backend adds for ``policy.pipelined_update`` (``nemo_tlt.rl.pipelined_step``): a
+    """What a backend adds for ``policy.pipelined_update`` (``nemo_tlt.rl.update.pipelined_step``): a
     step's gradient built in terms (GRPO groups, or one micro-batch of one: ``part``) while
     the rollout's tail runs, summed in fixed point so that the order of the terms does not
     change a bit, then applied once."""
@@ -115,7 +115,7 @@ class PipelinedAccumulation(Protocol):
 
 @runtime_checkable
 class ShardedCheckpoints(Protocol):
-    """What a backend whose ``sharded_state`` is true adds (``nemo_tlt.rl.sharded_run_checkpoint``):
+    """What a backend whose ``sharded_state`` is true adds (``nemo_tlt.rl.state.sharded_run_checkpoint``):
     each rank writes and reads its own shard of the policy state, collectively; a write may
     run in the background (``start_save_sharded`` returns what to wait on, ``finish_writes``
     waits for every write started)."""

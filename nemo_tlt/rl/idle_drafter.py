@@ -36,7 +36,7 @@ from nemo_tlt.device import Placement
 from nemo_tlt.drafter.features import feature_width
 from nemo_tlt.drafter.io import load_drafter
 from nemo_tlt.drafter.target_view import TargetView
-from nemo_tlt.rl.records import IdleResult
+from nemo_tlt.rl.reporting.records import IdleResult
 from nemo_tlt.spot.config import IdleDrafterConfig
 from nemo_tlt.spot.coordinator import WorkerCoordinator
 from nemo_tlt.drafter.base import CapturesLayers

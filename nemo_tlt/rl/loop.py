@@ -1,8 +1,8 @@
 """The RL loop with TLT, as run by every rank (SPMD): one step is rollout, idle time
 (drafter training), scores and advantages, the policy update (synchronous:
-``nemo_tlt.rl.sync_update``, or pipelined into the rollout's tail:
-``nemo_tlt.rl.pipelined_step``), the weight sync, logging and checkpoints
-(``nemo_tlt.rl.run_saver``); docs/architecture.md follows the data through one step.
+``nemo_tlt.rl.update.sync_update``, or pipelined into the rollout's tail:
+``nemo_tlt.rl.update.pipelined_step``), the weight sync, logging and checkpoints
+(``nemo_tlt.rl.state.run_saver``); docs/architecture.md follows the data through one step.
 
 The loop sees contracts only: ``RolloutEngine``, ``PolicyBackend``, ``RLAlgorithm`` and the
 task. Prompts, sampling seed and sequence ids are functions of (seed, step), so with
@@ -28,16 +28,16 @@ from nemo_tlt.policy.protocol import PipelinedAccumulation, require
 from nemo_tlt.rl.boundary import StepBoundary
 from nemo_tlt.rl.idle_drafter import IdleDrafter, idle_without_training
 from nemo_tlt.rl.policy_inputs import load_policy_inputs
-from nemo_tlt.rl.pipelined_step import PipelinedStep
-from nemo_tlt.rl.records import IdleResult, RankState, RankStep, Rollout, arm_accept_counts, step_record
-from nemo_tlt.rl.report import MetricsWriter, progress_bar
+from nemo_tlt.rl.update.pipelined_step import PipelinedStep
+from nemo_tlt.rl.reporting.records import IdleResult, RankState, RankStep, Rollout, arm_accept_counts, step_record
+from nemo_tlt.rl.reporting.report import MetricsWriter, progress_bar
 from nemo_tlt.rl.rollout_replicas import RolloutReplicas, rollout_tp_group, training_share
 from nemo_tlt.rl.run import RunSpec, step_rng
 from nemo_tlt.rl.rollout_phase import rollout_phase
-from nemo_tlt.rl.run_saver import RunSaver, close_all
-from nemo_tlt.rl.sync_update import SyncUpdate
-from nemo_tlt.rl.task import build_task, check_eos, check_vocab
-from nemo_tlt.rl.validation import is_due, validate, validation_prompts, validation_sampling
+from nemo_tlt.rl.state.run_saver import RunSaver, close_all
+from nemo_tlt.rl.update.sync_update import SyncUpdate
+from nemo_tlt.rl.data.task import build_task, check_eos, check_vocab
+from nemo_tlt.rl.data.validation import is_due, validate, validation_prompts, validation_sampling
 from nemo_tlt.rl.weight_stream import sync_weights
 from nemo_tlt.rollout.factory import build_rollout_engine
 from nemo_tlt.spot.coordinator import WorkerCoordinator
@@ -277,7 +277,7 @@ class RLWorker:
         return RankState(sd, gen)
 
     def checkpoint(self, step: int, final: bool) -> None:
-        """Every rank at the same point (``nemo_tlt.rl.run_saver``)."""
+        """Every rank at the same point (``nemo_tlt.rl.state.run_saver``)."""
         self.saver.save(step, final, self.records, self.drafter)
 
     def resume(self) -> None:

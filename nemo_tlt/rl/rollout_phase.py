@@ -14,9 +14,9 @@ import time
 from functools import partial
 from typing import Any, Callable
 
-from nemo_tlt.rl.decode_segments import decode_segments
+from nemo_tlt.rl.reporting.decode_segments import decode_segments
 from nemo_tlt.rl.harvest_rows import InOrderHarvest
-from nemo_tlt.rl.records import Rollout
+from nemo_tlt.rl.reporting.records import Rollout
 from nemo_tlt.rl.rollout_replicas import RolloutReplicas
 from nemo_tlt.rl.run import step_seed
 from nemo_tlt.rollout.protocol import Request, RequestResult

@@ -87,8 +87,8 @@ def megatron_check(device_kind: str, cfg, tolerance: float = 1e-4) -> dict[str, 
 
 
 def checkpoint_check(device: torch.device, folder: Path) -> dict[str, Any]:
-    from nemo_tlt.rl.records import RankState
-    from nemo_tlt.rl.run_checkpoint import RunCheckpointer, RunState
+    from nemo_tlt.rl.reporting.records import RankState
+    from nemo_tlt.rl.state.run_checkpoint import RunCheckpointer, RunState
 
     gen = torch.Generator().manual_seed(5)
     weights = {f"w{i}": torch.randn(64, 32, generator=gen).to(device, torch.bfloat16) for i in range(3)}

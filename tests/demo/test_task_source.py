@@ -16,7 +16,7 @@ import pytest
 from nemo_tlt.demo.rewards import arith_reward, reward
 from nemo_tlt.demo.tasks import DEMO_TASK_OPTIONS, ArithTaskSource, TaskConfig, make_problems
 from nemo_tlt.demo.tokenizer import CharTokenizer
-from nemo_tlt.rl.task import Prompt, TaskSource, Tokenizer
+from nemo_tlt.rl.data.task import Prompt, TaskSource, Tokenizer
 
 # (seed, step, task.options, digest of [[prompt, answer], ...] for n=8, first prompt, first answer)
 PINNED = [

@@ -14,7 +14,7 @@ import pytest
 
 from nemo_tlt.plan.calibrate import calibrate
 from nemo_tlt.plan.cli import main
-from nemo_tlt.rl.report import pair_figures, summarize_pairs
+from nemo_tlt.rl.reporting.report import pair_figures, summarize_pairs
 
 ROWS = 8        # per worker: 2 workers x 2 prompts x group 4
 ACCEPT = 4      # accepted tokens per SD step; every length is a multiple, so SD steps are whole

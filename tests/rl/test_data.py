@@ -1,5 +1,5 @@
 """task.source: datasets (local json / jsonl / parquet with column mapping) and the
-validation pass (nemo_tlt.rl.validation) with its config block."""
+validation pass (nemo_tlt.rl.data.validation) with its config block."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ import pytest
 
 from nemo_tlt.config import TaskConfig, load_config
 from nemo_tlt.rl.run import shard_prompts
-from nemo_tlt.rl.task import Prompt, build_task
-from nemo_tlt.rl.validation import (
+from nemo_tlt.rl.data.task import Prompt, build_task
+from nemo_tlt.rl.data.validation import (
     ValidationShard,
     _decode_share,
     is_due,
@@ -61,7 +61,7 @@ def test_datasets_files_with_column_mapping(files, name):
 
 
 def test_datasets_source_errors_name_file_row_and_column(files, tmp_path):
-    from nemo_tlt.rl.data_sources import DatasetsTaskSource
+    from nemo_tlt.rl.data.data_sources import DatasetsTaskSource
     with pytest.raises(ValueError, match=r"train\.jsonl: no column 'prompt' \(task\.options\.prompt_key.*"
                                          r"columns: \['question', 'solution', 'source'\]"):
         DatasetsTaskSource(files / "train.jsonl")
@@ -79,7 +79,7 @@ def test_datasets_source_errors_name_file_row_and_column(files, tmp_path):
 
 
 def test_datasets_source_without_the_package_names_the_extra(files, monkeypatch):
-    from nemo_tlt.rl.data_sources import DatasetsTaskSource
+    from nemo_tlt.rl.data.data_sources import DatasetsTaskSource
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ImportError, match=r"pip install 'nemo-tlt\[datasets\]'"):
         DatasetsTaskSource(files / "train.jsonl", prompt_key="question")

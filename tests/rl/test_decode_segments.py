@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_tlt.rl.decode_segments import cap_segments, decode_segments
-from nemo_tlt.rl.plots import decode_colors, decode_strips, plot_worker_timeline
+from nemo_tlt.rl.reporting.decode_segments import cap_segments, decode_segments
+from nemo_tlt.rl.reporting.plots import decode_colors, decode_strips, plot_worker_timeline
 from nemo_tlt.rollout.protocol import StepTrace
 
 

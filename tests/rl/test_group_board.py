@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from nemo_tlt.rl.group_board import Group, GroupBoard, board_prefix, cleanup
-from nemo_tlt.rl.pipelined_update import GroupCollector, claim_all, combine
+from nemo_tlt.rl.update.group_board import Group, GroupBoard, board_prefix, cleanup
+from nemo_tlt.rl.update.pipelined_update import GroupCollector, claim_all, combine
 from nemo_tlt.rollout.protocol import Request, RequestResult
 
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from nemo_tlt.config import load_config
-from nemo_tlt.rl.loggers import LoggerConfig, MlflowConfig, WandbConfig, check_available
-from nemo_tlt.rl.report import MetricsWriter, read_metrics, record_scalars
+from nemo_tlt.rl.reporting.loggers import LoggerConfig, MlflowConfig, WandbConfig, check_available
+from nemo_tlt.rl.reporting.report import MetricsWriter, read_metrics, record_scalars
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -11,8 +11,8 @@ import torch
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.policy import PolicyConfig, build_policy_backend
-from nemo_tlt.rl.logprob_gap import comparable, gap_metrics, gap_sums
-from nemo_tlt.rl.records import IdleResult, RankState, RankStep, step_record
+from nemo_tlt.rl.reporting.logprob_gap import comparable, gap_metrics, gap_sums
+from nemo_tlt.rl.reporting.records import IdleResult, RankState, RankStep, step_record
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams

@@ -2,7 +2,7 @@
 length (in sequence-id order) and, per tree shape, the tokens and row-steps of its SD steps."""
 from __future__ import annotations
 
-from nemo_tlt.rl.records import IdleResult, RankState, RankStep, arm_accept_counts, step_record
+from nemo_tlt.rl.reporting.records import IdleResult, RankState, RankStep, arm_accept_counts, step_record
 from nemo_tlt.rollout.protocol import StepTrace
 
 TIMES = {"step_s": 1.0, "rollout_s": 0.5, "logprob_s": 0.1, "update_s": 0.1, "weight_sync_s": 0.1}

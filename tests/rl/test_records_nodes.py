@@ -2,7 +2,7 @@
 and whether the average went through the node leaders."""
 from __future__ import annotations
 
-from nemo_tlt.rl.records import IdleResult, RankState, RankStep, step_record
+from nemo_tlt.rl.reporting.records import IdleResult, RankState, RankStep, step_record
 
 TIMES = {"step_s": 1.0, "rollout_s": 0.5, "logprob_s": 0.1, "update_s": 0.1, "weight_sync_s": 0.1}
 

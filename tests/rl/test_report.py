@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from nemo_tlt.rl.plots import decode_strips, plot_worker_timeline, process_runs, resume_times, timeline_segments, \
+from nemo_tlt.rl.reporting.plots import decode_strips, plot_worker_timeline, process_runs, resume_times, timeline_segments, \
     worker_labels
-from nemo_tlt.rl.report import compare_pairs, control_is_noisy, format_pairs, median_over_pairs, pair_figures, \
+from nemo_tlt.rl.reporting.report import compare_pairs, control_is_noisy, format_pairs, median_over_pairs, pair_figures, \
     reward_curves, summarize_pairs
 
 
@@ -232,7 +232,7 @@ def test_rewards_that_are_not_whole_prompt_groups_are_refused():
 
 
 def test_identical_runs_differ_by_exactly_zero_reward(tmp_path):
-    from nemo_tlt.rl.plots import plot_reward_curves
+    from nemo_tlt.rl.reporting.plots import plot_reward_curves
     rewards = [[0.0, 1.0, 0.5, 1.0], [1.0, 0.25, 0.0, 0.0]]
     out = compare_pairs([(("tlt", "baseline"), summary(records([2.0, 2.0], rewards=rewards)),
                           summary(records([3.0, 3.0], rewards=rewards)))], group_size=2)
@@ -286,7 +286,7 @@ def test_timeline_rows_name_their_node_on_several_nodes(tmp_path):
 
 
 def test_the_step_record_maps_ranks_to_nodes():
-    from nemo_tlt.rl.records import IdleResult, RankState, RankStep, step_record
+    from nemo_tlt.rl.reporting.records import IdleResult, RankState, RankStep, step_record
 
     def rank(k, node):
         return RankStep(rank=k, node=node, ids=[k], tokens=[[1, 2]], rewards=[1.0], gen_s=1.0, sd_steps=0,
@@ -316,7 +316,7 @@ def _validation(step: int, accuracy: bool = True) -> dict:
 
 
 def test_validation_records_make_a_validation_curve_mixed_in_or_apart(tmp_path):
-    from nemo_tlt.rl.plots import write_plots
+    from nemo_tlt.rl.reporting.plots import write_plots
     steps = [_plot_record(k) for k in range(4)]
     mixed = steps[:2] + [_validation(1)] + steps[2:] + [_validation(3)]
     plots = write_plots({"tlt": mixed}, tmp_path / "a")
@@ -329,8 +329,8 @@ def test_validation_records_make_a_validation_curve_mixed_in_or_apart(tmp_path):
 
 
 def test_a_resumed_metrics_file_keeps_the_validation_records_of_the_kept_steps(tmp_path):
-    from nemo_tlt.rl.loggers import LoggerConfig
-    from nemo_tlt.rl.report import MetricsWriter, read_metrics, read_validation
+    from nemo_tlt.rl.reporting.loggers import LoggerConfig
+    from nemo_tlt.rl.reporting.report import MetricsWriter, read_metrics, read_validation
     first = MetricsWriter(tmp_path, logger=LoggerConfig(tensorboard=False))
     for rec in [_plot_record(0), _plot_record(1), _validation(1), _plot_record(2), _plot_record(3), _validation(3)]:
         first.write(rec)

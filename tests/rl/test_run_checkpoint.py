@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from nemo_tlt.rl.records import RankState
-from nemo_tlt.rl.run_checkpoint import RunCheckpointer, RunState
+from nemo_tlt.rl.reporting.records import RankState
+from nemo_tlt.rl.state.run_checkpoint import RunCheckpointer, RunState
 
 
 def _state(mode="tlt", world=2):
@@ -41,7 +41,7 @@ def test_a_sharded_checkpoint_is_refused_by_name_not_ignored(tmp_path):
 
 
 def test_close_all_closes_every_one_and_reraises_the_first_error():
-    from nemo_tlt.rl.run_saver import close_all
+    from nemo_tlt.rl.state.run_saver import close_all
 
     closed = []
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from nemo_tlt.config import TaskConfig
 from nemo_tlt.imports import load_object
-from nemo_tlt.rl.task import (
+from nemo_tlt.rl.data.task import (
     HFTokenizer,
     JsonlTaskSource,
     Prompt,
@@ -228,17 +228,17 @@ def test_hf_tokenizer_without_transformers_names_the_extra(hf_folder, monkeypatc
 # ---- load_object ------------------------------------------------------------
 
 def test_load_object_resolves_dotted_attributes():
-    assert load_object("nemo_tlt.rl.task:JsonlTaskSource", "task.source") is JsonlTaskSource
-    assert load_object("nemo_tlt.rl.task:HFTokenizer.from_folder", "task.tokenizer") == HFTokenizer.from_folder
+    assert load_object("nemo_tlt.rl.data.task:JsonlTaskSource", "task.source") is JsonlTaskSource
+    assert load_object("nemo_tlt.rl.data.task:HFTokenizer.from_folder", "task.tokenizer") == HFTokenizer.from_folder
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("nemo_tlt.rl.task", "must be an import path"),
-    ("nemo_tlt.rl.task:a:b", "must be an import path"),
+    ("nemo_tlt.rl.data.task", "must be an import path"),
+    ("nemo_tlt.rl.data.task:a:b", "must be an import path"),
     ("nemo_tlt..task:x", "must be an import path"),
     ("", "must be an import path"),
     ("nemo_tlt.no_such_module:x", "cannot import module 'nemo_tlt.no_such_module'"),
-    ("nemo_tlt.rl.task:no_such_attr", "has no attribute 'no_such_attr'"),
+    ("nemo_tlt.rl.data.task:no_such_attr", "has no attribute 'no_such_attr'"),
 ])
 def test_load_object_errors_name_field_and_spec(spec, message):
     with pytest.raises(ValueError, match=f"task.reward.*{message}") as err:
@@ -315,12 +315,12 @@ def test_build_task_jsonl_with_a_user_reward_and_hf_tokenizer(tmp_path, hf_folde
     ({"source": f"{HERE}:HERE"}, "task.source=.* is not callable"),
     ({"source": f"{HERE}:not_a_source"}, "task.source=.* returned object, which has no prompts"),
     ({"options": {"nme": "arith"}}, r"task.options has keys \['nme'\]"),
-    ({"source": "nemo_tlt.rl.task:JsonlTaskSource", "options": {"file": "x"}}, "task.options: .* cannot be called"),
+    ({"source": "nemo_tlt.rl.data.task:JsonlTaskSource", "options": {"file": "x"}}, "task.options: .* cannot be called"),
     ({"options": {"max_value": 5}}, r"task.options.max_value must be an int in \[9, 999\]"),
     ({"reward": "nemo_tlt.demo.rewards:no_such"}, "task.reward=.*has no attribute"),
     ({"reward_options": {"bonus": 0.1}}, "task.reward_options: .*arith_reward.* cannot be called"),
     ({"tokenizer": "hf"}, "task.tokenizer='hf': no tokenizer in"),
-    ({"tokenizer": "nemo_tlt.rl.task:Prompt"}, "task.tokenizer: .* cannot be called"),
+    ({"tokenizer": "nemo_tlt.rl.data.task:Prompt"}, "task.tokenizer: .* cannot be called"),
     ({"tokenizer": "nemo_tlt.demo.tasks:ArithTaskSource"}, "task.tokenizer=.* lacks the Tokenizer interface"),
 ])
 def test_build_task_errors_name_the_key(tmp_path, kwargs, message):
@@ -367,14 +367,14 @@ def test_check_vocab_names_both_sizes(tmp_path):
 def test_the_task_interfaces_do_not_import_the_demo():
     import subprocess
 
-    code = ("import sys, nemo_tlt.rl.task; "
+    code = ("import sys, nemo_tlt.rl.data.task; "
             "sys.exit(sorted(m for m in sys.modules if m.startswith('nemo_tlt.demo')) or 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
 
 def test_check_eos_refuses_a_tokenizer_whose_eos_is_not_the_models():
-    from nemo_tlt.rl.task import check_eos
+    from nemo_tlt.rl.data.task import check_eos
 
     class Tok:
         eos_id = 3

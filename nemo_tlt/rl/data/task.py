@@ -19,7 +19,7 @@ user's own task) plugs in without the framework importing it:
 import path (``"package.module:attr"``); construction checks only the forms, and
 :func:`build_task` does the imports. Built in: ``task.source: jsonl``
 (:class:`JsonlTaskSource`), ``task.source: datasets`` (local json / jsonl / parquet
-files read with HF ``datasets``: :class:`~nemo_tlt.rl.data_sources.DatasetsTaskSource`,
+files read with HF ``datasets``: :class:`~nemo_tlt.rl.data.data_sources.DatasetsTaskSource`,
 the ``datasets`` extra) and ``task.tokenizer: hf`` (:class:`HFTokenizer`, the tokenizer
 saved in the model folder, rendering prompts through its chat template with
 ``task.chat_template: true``; needs the ``hf`` extra).
@@ -46,9 +46,9 @@ import numpy as np
 
 from nemo_tlt.config import TASK_DATASETS, TASK_HF, TASK_JSONL, TaskConfig
 from nemo_tlt.imports import load_object
-from nemo_tlt.rl.data_sources import DatasetsTaskSource
+from nemo_tlt.rl.data.data_sources import DatasetsTaskSource
 # the shared pieces, importable from here as well (a task's own code imports Prompt from this module)
-from nemo_tlt.rl.prompts import (ORDERS, Prompt, TaskSource, answer_text, check_order, draw_rows,  # noqa: F401
+from nemo_tlt.rl.data.prompts import (ORDERS, Prompt, TaskSource, answer_text, check_order, draw_rows,  # noqa: F401
                                  epoch_rows, prompt_from_record)
 
 RewardFn = Callable[..., float]

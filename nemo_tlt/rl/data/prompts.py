@@ -1,6 +1,6 @@
 """Prompts and the order a source reads its rows in: the pieces every task source shares
-(`nemo_tlt.rl.task` builds the sources; `nemo_tlt.rl.data_sources` reads files with HF
-``datasets``). See `nemo_tlt.rl.task` for the source contract and the orders."""
+(`nemo_tlt.rl.data.task` builds the sources; `nemo_tlt.rl.data.data_sources` reads files with HF
+``datasets``). See `nemo_tlt.rl.data.task` for the source contract and the orders."""
 from __future__ import annotations
 
 import json

@@ -2,7 +2,7 @@
 
 Contract: ``PipelinedStep`` holds what the loop's pipelined path needs (the policy backend's
 ``begin_accumulation`` / ``accumulate`` / ``apply_accumulated`` / ``num_parts``, the run's
-store, the task's reward) and runs the pieces ``nemo_tlt.rl.pipelined_update`` defines:
+store, the task's reward) and runs the pieces ``nemo_tlt.rl.update.pipelined_update`` defines:
 ``board`` / ``collector`` for a step's rollout, ``claim(step, board)`` (TLT: pieces computed
 before this rank goes idle), ``finish(...)`` (the baseline's own pieces, the exact sum over
 ranks and the one optimizer step) and ``cleanup(step)`` (rank 0, two steps later).
@@ -25,10 +25,10 @@ import torch
 from nemo_tlt.algorithms.grpo import GRPO
 from nemo_tlt.algorithms.protocol import Advantages, Outcomes, RLAlgorithm
 from nemo_tlt.policy.protocol import STATS, HiddenSink
-from nemo_tlt.rl.group_board import Group, GroupBoard, board_prefix, cleanup
-from nemo_tlt.rl.logprob_gap import comparable
-from nemo_tlt.rl.pipelined_update import GroupCollector, claim_all, combine, group_term
-from nemo_tlt.rl.records import Rollout
+from nemo_tlt.rl.update.group_board import Group, GroupBoard, board_prefix, cleanup
+from nemo_tlt.rl.reporting.logprob_gap import comparable
+from nemo_tlt.rl.update.pipelined_update import GroupCollector, claim_all, combine, group_term
+from nemo_tlt.rl.reporting.records import Rollout
 from nemo_tlt.rl.rollout_replicas import RolloutReplicas
 
 Sums = dict[tuple[int, int], dict[str, float]]

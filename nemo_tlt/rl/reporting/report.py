@@ -1,16 +1,16 @@
 """Run reports: metrics JSONL + TensorBoard while a run goes, the TLT-vs-baseline
-``report.json`` after it (its PNG plots: ``nemo_tlt.rl.plots``).
+``report.json`` after it (its PNG plots: ``nemo_tlt.rl.reporting.plots``).
 
 Contract
 --------
 * ``MetricsWriter`` (rank 0 only) appends one JSON object per RL step to
   ``<run>/metrics.jsonl``, and per validation pass one with ``"split": "validation"``
-  (``nemo_tlt.rl.validation``); the numeric fields go to the sinks the ``logger:``
-  block chooses (``nemo_tlt.rl.loggers``: TensorBoard under ``<run>/tb``, W&B, MLflow)
+  (``nemo_tlt.rl.data.validation``); the numeric fields go to the sinks the ``logger:``
+  block chooses (``nemo_tlt.rl.reporting.loggers``: TensorBoard under ``<run>/tb``, W&B, MLflow)
   as ``<mode>/<key>`` and ``<mode>/validation/<key>``. On resume it rewrites the JSONL
   from the checkpoint's records (and the validation records of those steps), so the
   file never holds steps the resumed run will redo.
-* Plots of the same records: ``nemo_tlt.rl.plots`` (``write_plots``).
+* Plots of the same records: ``nemo_tlt.rl.reporting.plots`` (``write_plots``).
 * TLT and its baseline run in pairs of alternating order. ``pair_figures`` compares
   the two runs of one pair on means over the steps after the first (the first pays
   one-time warm-up); ``compare_pairs`` gives the ``report.json`` figures as medians
@@ -57,7 +57,7 @@ Contract
   with 95% interval mean -+ 1.96 * sd(d) / sqrt(cells) and ``interval_contains_zero``;
   ``cells`` and the ``runs`` of each mode are given. Exactly 0 for identical runs. Steps
   are not independent of one another (each trains on the one before), so the intervals
-  are a guide, not a test. Plot: ``nemo_tlt.rl.plots.plot_reward_curves``.
+  are a guide, not a test. Plot: ``nemo_tlt.rl.reporting.plots.plot_reward_curves``.
 """
 from __future__ import annotations
 
@@ -68,13 +68,13 @@ from typing import Any
 
 import numpy as np
 
-from nemo_tlt.rl.loggers import LoggerConfig, build_sinks, finite_scalars
+from nemo_tlt.rl.reporting.loggers import LoggerConfig, build_sinks, finite_scalars
 
 _SKIP_SCALARS = {"step", "mode", "rewards", "timeline", "decode_segments", "rollout_digest", "rollout_gen_s",
                  "run_started"}
 
 
-VALIDATION = "validation"  # the "split" of a validation record (nemo_tlt.rl.validation)
+VALIDATION = "validation"  # the "split" of a validation record (nemo_tlt.rl.data.validation)
 
 
 def is_validation(record: dict[str, Any]) -> bool:

@@ -1,12 +1,12 @@
 """Prompts from local files read with Hugging Face ``datasets`` (``task.source: datasets``).
 
 Contract: a json, jsonl or parquet file on disk (nothing is downloaded) becomes a
-:class:`~nemo_tlt.rl.prompts.TaskSource`. Column mapping: ``prompt_key`` names the column
+:class:`~nemo_tlt.rl.data.prompts.TaskSource`. Column mapping: ``prompt_key`` names the column
 of prompt texts (non-empty strings), ``answer_key`` the optional column of reference
 answers (a scalar; numbers and booleans become their JSON text, null means none); the
 other columns go to ``Prompt.meta``. Rows are read once, at construction; each step's
 rows follow ``order`` / ``shuffle_seed`` as for the JSONL source
-(:func:`~nemo_tlt.rl.prompts.draw_rows`). Errors name the file, the row and the column.
+(:func:`~nemo_tlt.rl.data.prompts.draw_rows`). Errors name the file, the row and the column.
 Needs the ``datasets`` extra (``pip install 'nemo-tlt[datasets]'``).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_tlt.rl.prompts import Prompt, check_order, draw_rows, prompt_from_record
+from nemo_tlt.rl.data.prompts import Prompt, check_order, draw_rows, prompt_from_record
 
 # file suffix -> the datasets builder that reads it
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}

@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from nemo_tlt.rl.records import RankState
-from nemo_tlt.rl.run_checkpoint import RunState, sharded_dir
+from nemo_tlt.rl.reporting.records import RankState
+from nemo_tlt.rl.state.run_checkpoint import RunState, sharded_dir
 from nemo_tlt.rl.weight_stream import WeightStream
 from nemo_tlt.spot.sharded_checkpoint import ShardedCheckpoints
 

@@ -4,7 +4,7 @@ Contract
 --------
 * A policy whose state is sharded over ranks (``policy.sharded_state``: the megatron backend)
   is checkpointed by every rank together, each writing its shard
-  (``nemo_tlt.rl.sharded_run_checkpoint``); otherwise rank 0 writes everything (async).
+  (``nemo_tlt.rl.state.sharded_run_checkpoint``); otherwise rank 0 writes everything (async).
 * ``after_step(states)`` keeps the policy state (unsharded) and, on rank 0, every rank's
   private state gathered at the end of the step; ``synced`` holds what the engine serves
   (rank 0, unsharded), filled by the step's weight sync.
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from nemo_tlt.policy.protocol import ShardedCheckpoints, require
-from nemo_tlt.rl.records import RankState
-from nemo_tlt.rl.run_checkpoint import RunCheckpointer, RunState, restore
-from nemo_tlt.rl.sharded_run_checkpoint import ShardedRunCheckpointer, rank_state_for, restore_sharded
+from nemo_tlt.rl.reporting.records import RankState
+from nemo_tlt.rl.state.run_checkpoint import RunCheckpointer, RunState, restore
+from nemo_tlt.rl.state.sharded_run_checkpoint import ShardedRunCheckpointer, rank_state_for, restore_sharded
 
 log = logging.getLogger(__name__)
 

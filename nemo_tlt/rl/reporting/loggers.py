@@ -5,7 +5,7 @@ Contract
 --------
 * A sink takes ``log(scalars, step)`` (a flat ``{name: float}`` of one step, names
   like ``tlt/reward_mean`` or ``tlt/validation/mean_reward``) and ``close()``.
-  :class:`~nemo_tlt.rl.report.MetricsWriter` (rank 0) turns each record into scalars
+  :class:`~nemo_tlt.rl.reporting.report.MetricsWriter` (rank 0) turns each record into scalars
   and hands them to every sink :func:`build_sinks` made from :class:`LoggerConfig`,
   so every sink receives exactly the numbers ``metrics.jsonl`` holds.
 * W&B and MLflow are optional extras (``pip install 'nemo-tlt[wandb]'``,

@@ -14,7 +14,7 @@ Contract
   states (and the prompts each rank owns) would not line up. So is one of the other
   mode (TLT / baseline).
 * A policy whose state is sharded over ranks (the megatron backend on more than one
-  worker) is checkpointed by ``nemo_tlt.rl.sharded_run_checkpoint`` instead (every rank
+  worker) is checkpointed by ``nemo_tlt.rl.state.sharded_run_checkpoint`` instead (every rank
   writes its shard; another data-parallel size resumes); this module refuses to resume
   from such a checkpoint, naming it.
 * The harvest buffer is not saved (it may hold hundreds of MB per rank): after a
@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 import torch
 
-from nemo_tlt.rl.records import RankState
+from nemo_tlt.rl.reporting.records import RankState
 from nemo_tlt.spot.checkpoint import CheckpointManager
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ SHARDED_SUBDIR = "sharded"
 
 
 def sharded_dir(checkpoint_dir: str | Path) -> Path:
-    """Where a sharded policy state's run checkpoints live (``nemo_tlt.rl.sharded_run_checkpoint``)."""
+    """Where a sharded policy state's run checkpoints live (``nemo_tlt.rl.state.sharded_run_checkpoint``)."""
     return Path(checkpoint_dir) / SHARDED_SUBDIR
 
 
@@ -57,7 +57,7 @@ class RunState:
     records: list[dict[str, Any]]
     drafter_weights: Mapping[str, torch.Tensor] | None = None
     drafter_trainer: dict | None = None
-    policy_dir: Path | None = None  # the policy's shards (``nemo_tlt.rl.sharded_run_checkpoint``)
+    policy_dir: Path | None = None  # the policy's shards (``nemo_tlt.rl.state.sharded_run_checkpoint``)
 
 
 class RunCheckpointer:

@@ -2,7 +2,7 @@
 
 ``RankStep`` is what every rank contributes at the end of a step (one all-gather; rank 0 uses it);
 ``step_record`` folds the ranks' results into the JSON record of metrics.jsonl
-(the keys ``nemo_tlt.rl.report`` plots and compares). Pure functions, no I/O.
+(the keys ``nemo_tlt.rl.reporting.report`` plots and compares). Pure functions, no I/O.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_tlt.rl.logprob_gap import gap_metrics
+from nemo_tlt.rl.reporting.logprob_gap import gap_metrics
 from nemo_tlt.rl.run import digest
 from nemo_tlt.rollout.protocol import GenerateOutput, Request, StepTrace
 
@@ -119,7 +119,7 @@ def step_record(step: int, mode: str, num_seqs: int, ranks: list[RankStep], time
         "grad_norm": ranks[0].update["grad_norm"],
         # the response tokens the algorithm counted in the loss's token mean (every rank's figure)
         "loss_tokens": int(ranks[0].update["loss_tokens"]),
-        # generation vs policy log-probs of the step's tokens (nemo_tlt.rl.logprob_gap); None without them
+        # generation vs policy log-probs of the step's tokens (nemo_tlt.rl.reporting.logprob_gap); None without them
         **gap_metrics([r.update for r in ranks]),
         # data parallelism must keep every rank's policy and drafter bit-identical
         # None at a step whose weights were not hashed (debug.weight_digests)

@@ -29,7 +29,7 @@ import numpy as np
 
 from nemo_tlt.rl.rollout_replicas import RolloutReplicas
 from nemo_tlt.rl.run import step_seed
-from nemo_tlt.rl.task import Prompt, Task, build_source
+from nemo_tlt.rl.data.task import Prompt, Task, build_source
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.speculative.sampling import SamplingParams
 

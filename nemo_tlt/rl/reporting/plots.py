@@ -1,4 +1,4 @@
-"""PNG plots of a run's step records (``nemo_tlt.rl.report`` writes the records and the
+"""PNG plots of a run's step records (``nemo_tlt.rl.reporting.report`` writes the records and the
 TLT-vs-baseline report; the loop produces the records).
 
 Contract: every run given (``write_plots``; with ``--compare-baseline`` every run of every
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nemo_tlt.rl.report import split_records
+from nemo_tlt.rl.reporting.report import split_records
 
 BREAKDOWN = (("rollout_s", "rollout"), ("logprob_s", "log-prob"), ("update_s", "update"),
              ("weight_sync_s", "weight sync"), ("other_s", "other"))
@@ -55,7 +55,7 @@ def plot_rewards(runs: dict[str, list[dict]], path: str | Path) -> Path:
 
 
 def plot_reward_curves(curves: dict, path: str | Path) -> Path:
-    """One line per mode of ``nemo_tlt.rl.report.reward_curves``' output with its shaded
+    """One line per mode of ``nemo_tlt.rl.reporting.report.reward_curves``' output with its shaded
     95% interval; the title gives ``reward_difference`` when present."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.5))

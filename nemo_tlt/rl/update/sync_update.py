@@ -18,7 +18,7 @@ import torch
 
 from nemo_tlt.algorithms.protocol import Advantages, Outcomes, RLAlgorithm, counted_kwarg
 from nemo_tlt.policy.protocol import HiddenSink
-from nemo_tlt.rl.logprob_gap import comparable, gap_sums
+from nemo_tlt.rl.reporting.logprob_gap import comparable, gap_sums
 from nemo_tlt.rl.rollout_replicas import RolloutReplicas, TrainShare, by_replica
 
 
@@ -61,7 +61,7 @@ class SyncUpdate:
         logp_old, logp_ref = self.policy.logprobs(batch, self.cfg.policy.separate_logprob_pass)
         t_logprob, t0 = time.perf_counter() - t0, time.perf_counter()
         advantages = self.advantages(batch, rewards)
-        # health metric (nemo_tlt.rl.logprob_gap): the policy's log-probs of this rank's own
+        # health metric (nemo_tlt.rl.reporting.logprob_gap): the policy's log-probs of this rank's own
         # sequences, from the separate pass or else from the update forward (before its step)
         policy_lp: dict[int, torch.Tensor] = {}
         wanted = gen_logprobs is not None and comparable(self.cfg.grpo.acceptance, self.cfg.grpo.temperature)

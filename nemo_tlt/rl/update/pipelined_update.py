@@ -27,8 +27,8 @@ import torch
 
 from nemo_tlt.algorithms.protocol import Advantages, counted_kwarg
 from nemo_tlt.policy.protocol import STATS, HiddenSink
-from nemo_tlt.rl.group_board import Group, GroupBoard
-from nemo_tlt.rl.logprob_gap import GAP_SUMS, gap_sums
+from nemo_tlt.rl.update.group_board import Group, GroupBoard
+from nemo_tlt.rl.reporting.logprob_gap import GAP_SUMS, gap_sums
 from nemo_tlt.rollout.protocol import Request, RequestResult
 
 
