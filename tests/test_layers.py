@@ -125,3 +125,33 @@ def test_no_modules_import_each_other_in_a_circle():
 def test_the_circle_check_finds_circles():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+LONGEST_FUNCTION = 60  # lines of a def, decorators excluded
+LOOP_LINES = 300       # rl/loop.py: the loop and its phases' order; the phases live in their modules
+
+
+def _long_functions(root: Path, limit: int) -> list[str]:
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    out.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    return out
+
+
+def test_no_function_is_longer_than_the_limit():
+    assert _long_functions(ROOT, LONGEST_FUNCTION) == []
+
+
+def test_the_function_length_check_finds_long_functions(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("def short():\n    return 1\n\n\ndef long():\n" + "    x = 1\n" * 3 + "    return x\n")
+    assert _long_functions(pkg, 4) == ["pkg/m.py:5 long (5 lines)"]
+
+
+def test_the_loop_module_stays_short():
+    assert len((ROOT / "rl" / "loop.py").read_text().splitlines()) < LOOP_LINES

@@ -210,6 +210,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    delegated = _delegate(argv)
+    if delegated is not None:
+        return delegated
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = _asset_config(args)
+    assets = prepare_assets(config, args.cache_dir)
+    target, drafters, drafter_dirs = _load_models(args, config, assets)
+    _, reqs = task_requests(config.task, args.num_prompts, seed=20_000 + args.seed)
+    suffix = {k: (f"_{k}" if len(args.drafter_kinds) > 1 else "") for k in args.drafter_kinds}
+    methods = _engine_methods(args, target, drafters, suffix)
+    if not args.no_hf:
+        methods += _hf_methods(args, target, assets)
+    _measure(methods, reqs, args.batch_size)
+    results = {m.name: m.result() for m in methods}
+    identical, coupled_identical = _outputs_identical(methods, suffix)
+    ratios = _ratios(results, suffix)
+    payload = {"benchmark": "rollout", "workload": args.workload, "results": results,
+               "mean_accept_len_definition": ACCEPT_LEN_DEFINITION, "greedy_outputs_identical": identical,
+               "coupled_outputs_identical": coupled_identical, "ratios": ratios, "machine": machine_info(),
+               "config": _run_config(args, config, assets, drafters, drafter_dirs)}
+    write_json_atomic(args.out, payload)
+    print(format_table(results, COLUMNS))
+    print("ratios: " + ", ".join(f"{k}={v:.2f}x" for k, v in ratios.items()))
+    print(f"greedy_outputs_identical: {identical}; coupled_outputs_identical: {coupled_identical}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _delegate(argv: list[str] | None) -> int | None:
+    """The exit status of the benchmark `--workload longtail` (on either engine: its own
+    `--engine`) or `--engine vllm` hands `argv` to; None for this one."""
     peek = argparse.ArgumentParser(add_help=False)
     peek.add_argument("--workload", default="default")
     peek.add_argument("--engine", default="torch")
@@ -219,9 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     if peek.parse_known_args(argv)[0].engine == "vllm":
         from nemo_tlt.bench.vllm_rollout import main as vllm_main
         return vllm_main(argv)
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return None
+
+
+def _asset_config(args: argparse.Namespace) -> AssetConfig:
+    """The demo's asset recipe with the drafter options of `args` applied."""
     config = AssetConfig()
     if args.drafter_steps is not None:
         config = replace(config, drafter_train=replace(config.drafter_train, steps=args.drafter_steps))
@@ -229,18 +264,28 @@ def main(argv: list[str] | None = None) -> int:
         config = replace(config, eagle3_capture_layers=args.eagle3_layers)
     if args.eagle3_ttt_steps is not None:
         config = replace(config, eagle3_ttt_steps=args.eagle3_ttt_steps)
-    assets = prepare_assets(config, args.cache_dir)
+    return config
+
+
+def _load_models(args: argparse.Namespace, config: AssetConfig, assets) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """(target, drafters by kind, their folders by kind): eagle2 always, eagle3 (prepared
+    first) where `--drafters` lists it."""
     target, eagle2 = load_assets(assets)
     drafter_dirs = {"eagle2": assets.drafter_dir}
     drafters = {"eagle2": eagle2}
     if "eagle3" in args.drafter_kinds:
         drafter_dirs["eagle3"] = prepare_eagle3_drafter(config, args.cache_dir)
         drafters["eagle3"] = load_drafter(drafter_dirs["eagle3"], target)
-    _, reqs = task_requests(config.task, args.num_prompts, seed=20_000 + args.seed)
+    return target, drafters, drafter_dirs
+
+
+def _engine_methods(args: argparse.Namespace, target, drafters: dict[str, Any], suffix: dict[str, str]
+                    ) -> list[Method]:
+    """The embedded engine's methods: `plain`, then per mode each drafter's `sd_<mode><suffix>`
+    and (sampling modes) `plain_<mode>`."""
     plain_engine = TorchRolloutEngine(target)
     policy = FixedSDPolicy(args.tree_shape)
     methods = [engine_method("plain", plain_engine, SamplingParams("greedy", max_new_tokens=args.max_new_tokens))]
-    suffix = {k: (f"_{k}" if len(args.drafter_kinds) > 1 else "") for k in args.drafter_kinds}
     for mode in ("greedy", "rejection", "coupled"):
         sp = SamplingParams(mode, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
         for kind in args.drafter_kinds:
@@ -248,26 +293,42 @@ def main(argv: list[str] | None = None) -> int:
             methods.append(engine_method(f"sd_{mode}{suffix[kind]}", engine, sp, policy))
         if mode != "greedy":  # the fair baseline of a sampling mode is plain decoding in that mode
             methods.append(engine_method(f"plain_{mode}", plain_engine, sp))
-    if not args.no_hf:
-        eos, pad = target.config.eos_token_id, target.config.pad_token_id
-        hf_target, hf_assistant = _load_hf(assets.target_dir), _load_hf(assets.assistant_dir)
-        forwards = ForwardLog(hf_target)
-        methods.append(hf_method("hf_generate", hf_target, forwards, args.max_new_tokens, eos, pad))
-        methods.append(hf_method("hf_assisted", hf_target, forwards, args.max_new_tokens, eos, pad, hf_assistant))
+    return methods
+
+
+def _hf_methods(args: argparse.Namespace, target, assets) -> list[Method]:
+    """HF transformers `hf_generate` and `hf_assisted` (a one-layer assistant LM) on the same target."""
+    eos, pad = target.config.eos_token_id, target.config.pad_token_id
+    hf_target, hf_assistant = _load_hf(assets.target_dir), _load_hf(assets.assistant_dir)
+    forwards = ForwardLog(hf_target)
+    return [hf_method("hf_generate", hf_target, forwards, args.max_new_tokens, eos, pad),
+            hf_method("hf_assisted", hf_target, forwards, args.max_new_tokens, eos, pad, hf_assistant)]
+
+
+def _measure(methods: list[Method], reqs: list[Request], batch_size: int) -> None:
+    """Warms every method up on the first prompt (not timed), then times them on `reqs`."""
     for m in methods:  # warm-up, not timed
         m.run(reqs[:1])
     # Interleave the methods chunk by chunk, so that load changes on a shared
     # machine hit every method alike and the ratios stay meaningful.
-    for chunk in tqdm(_batches(reqs, args.batch_size), desc="bench rollout"):
+    for chunk in tqdm(_batches(reqs, batch_size), desc="bench rollout"):
         for m in methods:
             m.measure(chunk)
-    results = {m.name: m.result() for m in methods}
+
+
+def _outputs_identical(methods: list[Method], suffix: dict[str, str]) -> tuple[bool, bool]:
+    """(every greedy method emitted plain's tokens, every coupled SD method emitted plain_coupled's)."""
     greedy_names = {"plain", "hf_generate", "hf_assisted", *(f"sd_greedy{x}" for x in suffix.values())}
     greedy_outputs = {m.name: m.outputs for m in methods if m.name in greedy_names}
     outputs = {m.name: m.outputs for m in methods}
     coupled_identical = all(outputs[f"sd_coupled{x}"] == outputs["plain_coupled"] for x in suffix.values())
     ref = greedy_outputs["plain"]
-    identical = all(o == ref for o in greedy_outputs.values())
+    return all(o == ref for o in greedy_outputs.values()), coupled_identical
+
+
+def _ratios(results: dict[str, dict[str, Any]], suffix: dict[str, str]) -> dict[str, float]:
+    """Tokens/s ratios: every method over plain, each sampling mode's SD over plain in that
+    mode, and (with HF) plain over HF generate and greedy SD over HF assisted."""
     base = results["plain"]["tokens_per_s"]
     ratios = {f"{m}_vs_plain": r["tokens_per_s"] / base for m, r in results.items() if m != "plain"}
     for mode in ("rejection", "coupled"):
@@ -279,22 +340,19 @@ def main(argv: list[str] | None = None) -> int:
         for x in suffix.values():
             ratios[f"sd_greedy{x}_vs_hf_assisted"] = (results[f"sd_greedy{x}"]["tokens_per_s"]
                                                       / results["hf_assisted"]["tokens_per_s"])
-    payload = {"benchmark": "rollout", "workload": args.workload, "results": results,
-               "mean_accept_len_definition": ACCEPT_LEN_DEFINITION, "greedy_outputs_identical": identical,
-               "coupled_outputs_identical": coupled_identical, "ratios": ratios, "machine": machine_info(),
-               "config": {"batch_size": args.batch_size, "num_prompts": args.num_prompts,
-                          "max_new_tokens": args.max_new_tokens, "shape": args.tree_shape.name,
-                          "target": config.target.to_dict(), "task": config.task.to_dict(),
-                          "target_dir": assets.target_dir.name, "drafter_dir": assets.drafter_dir.name,
-                          "drafters": {k: drafter_dirs[k].name for k in args.drafter_kinds},
-                          "drafter_train": {"steps": config.drafter_train.steps,
-                                            "batch_size": config.drafter_train.batch_size,
-                                            "eagle3_ttt_steps": config.eagle3_ttt_steps},
-                          **({"eagle3_capture_layers": list(drafters["eagle3"].capture_layers)}
-                             if "eagle3" in drafters else {})}}
-    write_json_atomic(args.out, payload)
-    print(format_table(results, COLUMNS))
-    print("ratios: " + ", ".join(f"{k}={v:.2f}x" for k, v in ratios.items()))
-    print(f"greedy_outputs_identical: {identical}; coupled_outputs_identical: {coupled_identical}")
-    print(f"wrote {args.out}")
-    return 0
+    return ratios
+
+
+def _run_config(args: argparse.Namespace, config: AssetConfig, assets, drafters: dict[str, Any],
+                drafter_dirs: dict[str, Any]) -> dict[str, Any]:
+    """The JSON's "config": the workload, the demo's target and task, and the drafters run."""
+    return {"batch_size": args.batch_size, "num_prompts": args.num_prompts,
+            "max_new_tokens": args.max_new_tokens, "shape": args.tree_shape.name,
+            "target": config.target.to_dict(), "task": config.task.to_dict(),
+            "target_dir": assets.target_dir.name, "drafter_dir": assets.drafter_dir.name,
+            "drafters": {k: drafter_dirs[k].name for k in args.drafter_kinds},
+            "drafter_train": {"steps": config.drafter_train.steps,
+                              "batch_size": config.drafter_train.batch_size,
+                              "eagle3_ttt_steps": config.eagle3_ttt_steps},
+            **({"eagle3_capture_layers": list(drafters["eagle3"].capture_layers)}
+               if "eagle3" in drafters else {})}
