@@ -381,14 +381,16 @@ class TLTConfig:
             check_algorithm(self.algorithm, self.algorithm_options, self.grpo.group_size, self.grpo.max_new_tokens)
 
     def _check_vllm(self) -> None:
-        """What vLLM cannot do, refused by the keys that ask for it (docs/vllm.md)."""
-        if self.grpo.acceptance == "coupled":
-            raise ValueError("grpo.acceptance=coupled with rollout.engine=vllm: vLLM draws each request's tokens "
-                             "from its own generator, so speculative and plain decoding cannot share the draws; use "
-                             "grpo.acceptance=rejection (the same distribution; runs are compared by reward curves)")
-        if self.drafter.train_on_idle and self.drafter.harvest_from == "rollout":
-            raise ValueError("drafter.harvest_from=rollout with rollout.engine=vllm: vLLM returns no hidden states; "
-                             "use drafter.harvest_from=policy (the policy's own forward hands them over)")
+        """What vLLM cannot do (its engine's declared ``LIMITS``), refused by the keys that ask
+        for it (docs/vllm.md)."""
+        from nemo_tlt.rollout.run_limits import TrainRunAsks, unsupported_settings
+        from nemo_tlt.rollout.vllm_engine import VLLMRolloutEngine  # its LIMITS; vLLM is imported lazily
+
+        asks = TrainRunAsks(self.grpo.acceptance, self.rollout.sd_enabled, self.drafter.train_on_idle,
+                            self.drafter.harvest_from)
+        lines = unsupported_settings("vllm", VLLMRolloutEngine.LIMITS, asks)
+        if lines:
+            raise ValueError("; ".join(lines))
 
     def baseline(self) -> "TLTConfig":
         """The same run without TLT: plain decoding, no drafter training."""

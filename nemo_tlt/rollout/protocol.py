@@ -150,7 +150,10 @@ class EngineLimits:
     ``Drafter`` ("module") or an EAGLE-3 HF folder ("eagle3-hf"); ``eagle3_modules``: an
     "eagle3-hf" engine that also takes an ``Eagle3Drafter`` module. ``sd_top_k``: rejection
     top-k while it can speculate. ``sd_logprobs``: log-probs while a drafter is loaded (else
-    ``GenerateOutput.logprobs_from`` is "none"). ``why``: where the limits are explained."""
+    ``GenerateOutput.logprobs_from`` is "none"). ``why``: where the limits are explained.
+    ``reasons``: ``(key, why)`` pairs a training run's refusal quotes (``rollout.run_limits``):
+    ``modes`` (a sampling mode it lacks), ``drafter_modules`` (it takes no torch drafter module,
+    which the RL loop retrains), ``hidden_states``."""
 
     modes: tuple[str, ...] = SAMPLING_MODES
     hidden_states: bool = True
@@ -161,12 +164,22 @@ class EngineLimits:
     sd_top_k: bool = True
     sd_logprobs: bool = True
     why: str = ""
+    reasons: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not set(self.modes) <= set(SAMPLING_MODES):
             raise ValueError(f"EngineLimits.modes must be among {list(SAMPLING_MODES)}, got {list(self.modes)}")
         if self.drafter_form not in ("module", "eagle3-hf"):
             raise ValueError(f"EngineLimits.drafter_form must be 'module' or 'eagle3-hf', got {self.drafter_form!r}")
+
+    @property
+    def takes_drafter_modules(self) -> bool:
+        """Whether ``load_drafter`` takes the torch drafter modules the RL loop trains."""
+        return self.drafter_form == "module" or self.eagle3_modules
+
+    def reason(self, key: str) -> str:
+        """The declared reason for limit ``key`` (``reasons``), or ``why``."""
+        return dict(self.reasons).get(key, self.why)
 
     def phrases(self) -> list[str]:
         """What the engine cannot do, one phrase each."""

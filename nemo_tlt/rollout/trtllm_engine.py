@@ -271,9 +271,17 @@ def weight_buckets(weights: PolicyWeights, shapes: Mapping[str, tuple[int, ...]]
 class TRTLLMRolloutEngine:
     """Implements `RolloutEngine` through TensorRT-LLM's LLM API (see the module docstring)."""
 
-    LIMITS = EngineLimits(modes=("greedy", "rejection"), hidden_states=False, step_stats=False,
-                          drafter_kinds=("eagle3",), drafter_form="eagle3-hf", sd_logprobs=False,
-                          why="TensorRT-LLM's limits, docs/trtllm.md")
+    LIMITS = EngineLimits(
+        modes=("greedy", "rejection"), hidden_states=False, step_stats=False, drafter_kinds=("eagle3",),
+        drafter_form="eagle3-hf", sd_logprobs=False, why="TensorRT-LLM's limits, docs/trtllm.md",
+        reasons=(("modes", "not expressible (TensorRT-LLM samples from a per-request random stream, so SD would "
+                           "not reproduce plain decoding's tokens); use greedy or rejection"),
+                 ("drafter_modules", "the RL loop loads and retrains torch drafter modules, while TensorRT-LLM "
+                                     "drafts with an EAGLE-3 folder fixed at build time and takes no per-step tree "
+                                     "choice; run the baseline (rollout.sd_enabled=false drafter.train_on_idle=false) "
+                                     "or the NeMo adapters with tlt.trtllm.drafter_dir"),
+                 ("hidden_states", "TensorRT-LLM's LLM API returns no hidden states; use "
+                                   "drafter.harvest_from=policy")))
 
     def __init__(self, config: TRTLLMEngineConfig, draft_len_ceiling: int | None = None) -> None:
         """``draft_len_ceiling``: the longest draft a policy may ask for (its lengths are clipped

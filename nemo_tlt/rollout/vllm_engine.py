@@ -212,9 +212,14 @@ class VLLMRolloutEngine:
     """Implements `RolloutEngine` through vLLM's ``LLM`` (see the module docstring)."""
 
     # rejection top-k while it can speculate: not on vLLM's CPU backend (see generate)
-    LIMITS = EngineLimits(modes=("greedy", "rejection"), hidden_states=False, drafter_kinds=("eagle3",),
-                          drafter_form="eagle3-hf", eagle3_modules=True, sd_top_k=not vllm_cpu_build(),
-                          why="vLLM's limits, docs/vllm.md")
+    LIMITS = EngineLimits(
+        modes=("greedy", "rejection"), hidden_states=False, drafter_kinds=("eagle3",), drafter_form="eagle3-hf",
+        eagle3_modules=True, sd_top_k=not vllm_cpu_build(), why="vLLM's limits, docs/vllm.md",
+        reasons=(("modes", "vLLM draws each request's tokens from its own generator, so speculative and plain "
+                           "decoding cannot share the draws; use grpo.acceptance=rejection (the same distribution; "
+                           "runs are compared by reward curves)"),
+                 ("hidden_states", "vLLM returns no hidden states; use drafter.harvest_from=policy (the policy's "
+                                   "own forward hands them over)")))
 
     def __init__(self, config: VLLMEngineConfig) -> None:
         if not isinstance(config, VLLMEngineConfig):

@@ -27,11 +27,12 @@ from nemo_tlt.model.hf_io import read_state_dict, save_hf_folder
 from nemo_tlt.rollout import trtllm_run
 from nemo_tlt.rollout.config import RolloutConfig
 from nemo_tlt.rollout.factory import build_rollout_engine, engine_tensor_parallel
-from nemo_tlt.rollout.protocol import Request
+from nemo_tlt.rollout.protocol import EngineLimits, Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.rollout.trtllm_config import (TRTLLM_INDEX, TRTLLM_INSTALL, TRTLLM_REQUIREMENT, TRTLLM_SOURCE,
                                             WORKER_EXTENSION, TRTLLMEngineConfig)
-from nemo_tlt.rollout.trtllm_run import TrainRunAsks, train_run_refusal, unsupported_settings
+from nemo_tlt.rollout.run_limits import unsupported_settings
+from nemo_tlt.rollout.trtllm_run import TrainRunAsks, train_run_refusal
 from nemo_tlt.rollout.trtllm_schedule import build_settings, settings_for_schedule
 from nemo_tlt.rollout.trtllm_stats import speculation_report
 from nemo_tlt.rollout.trtllm_engine import (TRTLLMRolloutEngine, canonical_shapes, check_drafter_layers,
@@ -64,11 +65,16 @@ def test_the_extra_pins_the_release_the_code_follows_and_names_its_index():
 
 def test_train_run_refusals_name_each_setting(monkeypatch):
     baseline = TrainRunAsks("rejection", sd_enabled=False, train_on_idle=False, harvest_from="rollout")
-    assert unsupported_settings(baseline) == []
-    tlt = unsupported_settings(TrainRunAsks("coupled", True, True, "rollout"))
-    assert [line.split(":")[0] for line in tlt] == ["grpo.acceptance=coupled",
-                                                    "rollout.sd_enabled / drafter.train_on_idle (TLT mode)",
-                                                    "drafter.harvest_from=rollout"]
+    limits = TRTLLMRolloutEngine.LIMITS  # the refusals follow the engine's declared limits
+    assert unsupported_settings("trtllm", limits, baseline) == []
+    tlt = unsupported_settings("trtllm", limits, TrainRunAsks("coupled", True, True, "rollout"))
+    assert [line.split(":")[0] for line in tlt] == [
+        "grpo.acceptance=coupled with rollout.engine=trtllm",
+        "rollout.sd_enabled / drafter.train_on_idle (TLT mode) with rollout.engine=trtllm",
+        "drafter.harvest_from=rollout with rollout.engine=trtllm"]
+    assert "per-request random stream" in tlt[0] and "returns no hidden states" in tlt[2]
+    # an engine without those limits refuses none of them
+    assert unsupported_settings("torch", EngineLimits(), TrainRunAsks("coupled", True, True, "rollout")) == []
     monkeypatch.setattr(trtllm_run, "tensorrt_llm_installed", lambda: True)
     assert train_run_refusal(baseline) is None
     assert "pip install" not in train_run_refusal(TrainRunAsks("coupled", False, False, "policy"))
