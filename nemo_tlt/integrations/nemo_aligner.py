@@ -168,11 +168,14 @@ def build_engine(tlt: TLTBlock, policy: SpecPolicy | None = None) -> RolloutEngi
             draft_len_schedule=schedule.get("draft_len_schedule"), use_rejection_sampling=t.use_rejection_sampling,
             tensor_parallel_size=t.tensor_parallel_size, max_batch_size=t.max_batch_size,
             load_format="auto" if drafter_dir is not None else "dummy"), draft_len_ceiling=t.max_draft_len)
+    # every other engine through the loop's factory (the engine registry), the drafter loaded after
     from nemo_tlt.drafter.io import load_drafter
-    from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
-    engine = TorchRolloutEngine.from_hf_folder(tlt.target_dir)
-    if tlt.drafter_dir is not None:
-        engine.load_drafter(load_drafter(tlt.drafter_dir, engine.target))
+    from nemo_tlt.rollout.config import RolloutConfig
+    from nemo_tlt.rollout.factory import build_rollout_engine
+    drafter = load_drafter(tlt.drafter_dir) if tlt.drafter_dir is not None else None
+    engine = build_rollout_engine(RolloutConfig(engine=tlt.backend), tlt.target_dir, drafter=drafter)
+    if drafter is not None:
+        engine.load_drafter(drafter)
     return engine
 
 
