@@ -97,6 +97,10 @@ def test_resume_continues_from_the_checkpoint(target_dir, prompts, tmp_path, mon
     for name in ("report.json", "drafter.json", "drafter.safetensors"):
         (out / name).unlink()
     shutil.rmtree(out / "checkpoints" / "step-00000004")
+    # and saved as the EAGLE-2 drafter's earlier name: the same kind, so the run resumes
+    run = json.loads((out / "run.json").read_text())
+    assert run["kind"] == "eagle"
+    (out / "run.json").write_text(json.dumps({**run, "kind": "eagle2"}))
 
     def no_generation(*args, **kwargs):
         raise AssertionError("the stored responses should be reused, not generated again")

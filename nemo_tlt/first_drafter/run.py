@@ -166,6 +166,7 @@ def prepare_out(config: FirstDrafterConfig, overwrite: bool) -> Path:
                              "or new folder")
         else:
             saved = json.loads(run_file.read_text())
+            saved["kind"] = ALIASES.get(saved.get("kind"), saved.get("kind"))  # a run saved as "eagle2" is "eagle"
             wanted = json.loads(json.dumps(config.settings()))
             differ = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
             if differ:
