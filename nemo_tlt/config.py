@@ -386,9 +386,7 @@ class TLTConfig:
         from nemo_tlt.rollout.run_limits import TrainRunAsks, unsupported_settings
         from nemo_tlt.rollout.vllm_engine import VLLMRolloutEngine  # its LIMITS; vLLM is imported lazily
 
-        asks = TrainRunAsks(self.grpo.acceptance, self.rollout.sd_enabled, self.drafter.train_on_idle,
-                            self.drafter.harvest_from)
-        lines = unsupported_settings("vllm", VLLMRolloutEngine.LIMITS, asks)
+        lines = unsupported_settings("vllm", VLLMRolloutEngine.LIMITS, TrainRunAsks.of(self))
         if lines:
             raise ValueError("; ".join(lines))
 

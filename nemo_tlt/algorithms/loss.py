@@ -130,3 +130,16 @@ def kl_penalty(
     log_new = torch.where(keep, logp_new, torch.zeros_like(logp_new))
     log_ref = torch.where(keep, logp_ref.detach(), torch.zeros_like(logp_new))
     return masked_mean(kl_per_token(log_new, log_ref, kind), mask)
+
+
+def policy_and_kl_loss(algorithm, logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
+                       mask: torch.Tensor, clip_eps: float, logp_ref: torch.Tensor | None = None,
+                       kl_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
+    """One micro-batch's update loss, as both policy backends compute it: ``algorithm``'s
+    ``policy_loss`` (token mean over ``mask``), plus ``kl_coef`` x the k3 KL to ``logp_ref`` over the
+    same tokens when a reference is given. Returns ``(loss, policy loss, kl or None, its stats)``."""
+    pg, stats = algorithm.policy_loss(logp_new, logp_old, advantages, mask, clip_eps)
+    if logp_ref is None:
+        return pg, pg, None, stats
+    kl = kl_penalty(logp_new, logp_ref, mask)
+    return pg + kl_coef * kl, pg, kl, stats

@@ -74,6 +74,11 @@ class Advantages:
         return cls(values, counted, int(outcomes.lengths.reshape(-1)[counted].sum()))
 
 
+def advantages_of(algorithm: "RLAlgorithm", rewards: Sequence[float], responses: Sequence[Sequence[int]], *,
+                  group_size: int, max_new_tokens: int, eos_id: int) -> Advantages:
+    """``algorithm``'s advantages of whole groups given as flat rewards and responses."""
+    return algorithm.advantages(Outcomes.of(rewards, responses, group_size, max_new_tokens, eos_id))
+
 
 def counted_kwarg(advantages: Advantages) -> dict[str, torch.Tensor]:
     """``counted=`` for a backend's ``update`` / ``accumulate`` when the algorithm drops

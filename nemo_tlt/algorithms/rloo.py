@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_tlt.algorithms.grpo import group_advantages
 from nemo_tlt.algorithms.loss import clipped_pg_loss
 from nemo_tlt.algorithms.protocol import Advantages, Outcomes
 
@@ -16,10 +17,7 @@ def leave_one_out_advantages(rewards: torch.Tensor) -> torch.Tensor:
     G = rewards.shape[1]
     if G < 2:
         raise ValueError(f"rloo: a leave-one-out baseline needs grpo.group_size >= 2, got {G}")
-    rewards = rewards.to(torch.float32)
-    values = (rewards - rewards.mean(dim=1, keepdim=True)) * (G / (G - 1))
-    constant = rewards.amax(dim=1, keepdim=True) == rewards.amin(dim=1, keepdim=True)
-    return torch.where(constant, torch.zeros_like(values), values)
+    return group_advantages(rewards, G, scale_by_std=False) * (G / (G - 1))
 
 
 @dataclass(frozen=True)

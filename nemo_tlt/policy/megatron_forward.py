@@ -10,7 +10,7 @@ import torch
 
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.policy.batching import MicroBatch, Sequence2, counted_mask, padded
-from nemo_tlt.algorithms.loss import kl_penalty
+from nemo_tlt.algorithms.loss import policy_and_kl_loss
 from nemo_tlt.algorithms.protocol import RLAlgorithm
 from nemo_tlt.policy.protocol import HiddenSink, LogprobSink
 from nemo_tlt.weights.layout import ParallelLayout
@@ -106,11 +106,8 @@ def policy_loss_fn(mb: MicroBatch, advantages: torch.Tensor, logp_old: list[torc
             detached = new.detach()
             for row, i in enumerate(idx):
                 on_logprobs(i, detached[row][all_tokens[row].bool()])
-        pg, stats = algorithm.policy_loss(new, new.detach() if old is None else old, adv, mask, clip_eps)
-        loss, kl = pg, None
-        if ref is not None:
-            kl = kl_penalty(new, ref, mask)
-            loss = loss + kl_coef * kl
+        loss, pg, kl, stats = policy_and_kl_loss(algorithm, new, new.detach() if old is None else old, adv, mask,
+                                                 clip_eps, ref, kl_coef)
         parts = (loss.detach(), pg.detach(), kl.detach() if kl is not None else 0.0,
                  stats["clip_frac"], stats["approx_kl"])
         totals.add_(torch.tensor([float(v) for v in parts], dtype=torch.float64, device=totals.device) * share)

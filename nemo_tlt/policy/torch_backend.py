@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_tlt.algorithms.grpo import GRPO
-from nemo_tlt.algorithms.loss import kl_penalty, token_logprobs
+from nemo_tlt.algorithms.loss import policy_and_kl_loss, token_logprobs
 from nemo_tlt.algorithms.protocol import RLAlgorithm
 from nemo_tlt.device import Placement
 from nemo_tlt.dist import allreduce_flat
@@ -140,16 +140,12 @@ class TorchPolicy:
         if on_logprobs is not None:
             _emit_logprobs(on_logprobs, new, mb)
         old = new.detach() if logp_old is None else padded([logp_old[i].to(mb.mask) for i in idx], mb.mask)
+        ref = None if logp_ref is None else padded([logp_ref[i].to(mb.mask) for i in idx], mb.mask)
         mask = counted_mask(mb, counted)
-        pg, stats = self.algorithm.policy_loss(new, old, advantages[mb.index], mask, self.config.clip_eps)
-        means = {"pg_loss": float(pg.detach()), "kl": 0.0, "clip_frac": stats["clip_frac"],
-                 "approx_kl": stats["approx_kl"]}
-        loss = pg
-        if logp_ref is not None:
-            kl = kl_penalty(new, padded([logp_ref[i].to(mb.mask) for i in idx], mb.mask), mask)
-            loss = loss + self.config.kl_coef * kl
-            means["kl"] = float(kl.detach())
-        means["loss"] = float(loss.detach())
+        loss, pg, kl, stats = policy_and_kl_loss(self.algorithm, new, old, advantages[mb.index], mask,
+                                                 self.config.clip_eps, ref, self.config.kl_coef)
+        means = {"pg_loss": float(pg.detach()), "kl": 0.0 if kl is None else float(kl.detach()),
+                 "clip_frac": stats["clip_frac"], "approx_kl": stats["approx_kl"], "loss": float(loss.detach())}
         return loss, means, float(mask.sum())
 
     def update(self, batch: Sequence[Sequence2], advantages: torch.Tensor, logp_old: list[torch.Tensor] | None,

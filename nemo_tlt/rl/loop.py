@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
+from nemo_tlt.algorithms.protocol import advantages_of
 from nemo_tlt.algorithms.registry import build_algorithm
 from nemo_tlt.device import Placement, torch_dtype
 from nemo_tlt.dist import build_node_groups, gather_topology
@@ -110,14 +111,18 @@ class RLWorker:
         """The synchronous update, and the one pipelined into the rollout's tail when configured."""
         cfg = self.cfg
         harvest = self._harvest_sink if self.harvest_from == "policy" else None
-        self.sync_update = SyncUpdate(cfg, self.policy, self.comm, self.task, self.algorithm, self.replicas,
-                                      self.share, harvest, self.capture_layers)
+        # the algorithm's advantages of whole groups, as both update paths compute them
+        g = cfg.grpo
+        advantages = partial(advantages_of, self.algorithm, group_size=g.group_size, max_new_tokens=g.max_new_tokens,
+                             eos_id=self.task.tokenizer.eos_id)
+        self.sync_update = SyncUpdate(cfg, self.policy, self.comm, advantages, self.replicas, self.share, harvest,
+                                      self.capture_layers)
         self.pipeline = None
         if cfg.policy.pipelined_update:
             require(self.policy, PipelinedAccumulation, cfg.policy.backend, "policy.pipelined_update=true")
             self.pipeline = PipelinedStep(cfg, self.spec.mode, self.policy, self.comm, self.task,
                                           partial(harvest, own=None) if harvest is not None else None,
-                                          self.capture_layers, self.replicas, self.algorithm)
+                                          self.capture_layers, self.replicas, advantages)
 
     # ---- the run --------------------------------------------------------------
     def run(self, on_step: Callable | None = None) -> dict[str, Any]:

@@ -134,7 +134,7 @@ class GenerateOutput:
 
 
 SAMPLING_MODES = ("greedy", "rejection", "coupled")
-DRAFTER_KINDS = ("eagle", "eagle3", "medusa", "oracle", "adversarial")  # what the conformance suite drafts with
+SUITE_DRAFTERS = ("eagle", "eagle3", "medusa", "oracle", "adversarial")  # what the conformance suite drafts with
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ class EngineLimits:
     modes: tuple[str, ...] = SAMPLING_MODES
     hidden_states: bool = True
     step_stats: bool = True
-    drafter_kinds: tuple[str, ...] = DRAFTER_KINDS
+    drafter_kinds: tuple[str, ...] = SUITE_DRAFTERS
     drafter_form: str = "module"
     eagle3_modules: bool = False
     sd_top_k: bool = True
@@ -186,7 +186,7 @@ class EngineLimits:
         out = [f"mode {m!r}" for m in SAMPLING_MODES if m not in self.modes]
         out += [] if self.hidden_states else ["return_hidden"]
         out += [] if self.step_stats else ["per-step stats"]
-        out += [f"drafter kind {k!r}" for k in DRAFTER_KINDS if k not in self.drafter_kinds]
+        out += [f"drafter kind {k!r}" for k in SUITE_DRAFTERS if k not in self.drafter_kinds]
         out += [] if self.sd_top_k else ["rejection top-k while it can speculate"]
         out += [] if self.sd_logprobs else ["log-probs while a drafter is loaded"]
         return out

@@ -26,6 +26,12 @@ class TrainRunAsks:
     train_on_idle: bool       # drafter.train_on_idle
     harvest_from: str         # drafter.harvest_from
 
+    @classmethod
+    def of(cls, config) -> "TrainRunAsks":
+        """From a run's ``TLTConfig``."""
+        return cls(config.grpo.acceptance, config.rollout.sd_enabled, config.drafter.train_on_idle,
+                   config.drafter.harvest_from)
+
 
 def unsupported_settings(engine: str, limits: EngineLimits, asks: TrainRunAsks) -> list[str]:
     lines = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_tlt.rollout.protocol import DRAFTER_KINDS
+from nemo_tlt.rollout.protocol import SUITE_DRAFTERS
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.medusa import MedusaConfig, MedusaDrafter
@@ -12,7 +12,7 @@ from nemo_tlt.model.config import LMConfig
 from nemo_tlt.rollout.protocol import GenerateOutput, Request
 from tiny import OracleDrafter
 
-DRAFTERS = DRAFTER_KINDS  # the kinds an engine declares (nemo_tlt.rollout.protocol.EngineLimits)
+DRAFTERS = SUITE_DRAFTERS  # the kinds an engine declares (nemo_tlt.rollout.protocol.EngineLimits)
 
 
 def make_drafter(kind: str, cfg: LMConfig):

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from nemo_tlt.algorithms.grpo import GRPO
-from nemo_tlt.algorithms.protocol import Advantages, Outcomes, RLAlgorithm
+from nemo_tlt.algorithms.protocol import Advantages, advantages_of
 from nemo_tlt.policy.protocol import STATS, HiddenSink
 from nemo_tlt.rl.update.group_board import Group, GroupBoard, board_prefix, cleanup
 from nemo_tlt.rl.reporting.logprob_gap import comparable
@@ -38,9 +38,12 @@ class PipelinedStep:
     def __init__(self, cfg: Any, mode: str, policy: Any, comm: Any, task: Any,
                  harvest: Callable[[int], HiddenSink] | None = None,
                  capture_layers: tuple[int, ...] | None = None, replicas: RolloutReplicas | None = None,
-                 algorithm: RLAlgorithm | None = None) -> None:
+                 advantages: Callable[[list, list], Advantages] | None = None) -> None:
+        """``advantages(rewards, responses)``: the run's algorithm's (None: GRPO's)."""
         self.cfg, self.mode, self.policy, self.comm, self.task = cfg, mode, policy, comm, task
-        self.algorithm = GRPO() if algorithm is None else algorithm
+        g = cfg.grpo
+        self._advantages = advantages or partial(advantages_of, GRPO(), group_size=g.group_size,
+                                                 max_new_tokens=g.max_new_tokens, eos_id=task.tokenizer.eos_id)
         self.harvest, self.capture_layers = harvest, capture_layers
         self.replicas = replicas if replicas is not None else RolloutReplicas(comm.rank, comm.world)
 
@@ -69,9 +72,7 @@ class PipelinedStep:
 
     def advantages(self, group: Group) -> Advantages:
         """The algorithm's advantages of one group (the same on whichever rank computes them)."""
-        g = self.cfg.grpo
-        return self.algorithm.advantages(Outcomes.of(group.rewards, group.responses, g.group_size,
-                                                     g.max_new_tokens, self.task.tokenizer.eos_id))
+        return self._advantages(group.rewards, group.responses)
 
     def term(self, group: Group, part: int | None = None, on_hidden: HiddenSink | None = None) -> dict[str, float]:
         return group_term(self.policy, group, self.advantages(group), part,

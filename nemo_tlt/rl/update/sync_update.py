@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from nemo_tlt.algorithms.protocol import Advantages, Outcomes, RLAlgorithm, counted_kwarg
+from nemo_tlt.algorithms.protocol import Advantages, counted_kwarg
 from nemo_tlt.policy.protocol import HiddenSink
 from nemo_tlt.rl.reporting.logprob_gap import comparable, gap_sums
 from nemo_tlt.rl.rollout_replicas import RolloutReplicas, TrainShare, by_replica
@@ -26,18 +26,16 @@ class SyncUpdate:
     """``harvest(step, own)``: the drafter's sink for the policy forward's hidden states of the
     sequences ``own`` (None: no harvest from the policy)."""
 
-    def __init__(self, cfg: Any, policy: Any, comm: Any, task: Any, algorithm: RLAlgorithm,
+    def __init__(self, cfg: Any, policy: Any, comm: Any, advantages: Callable[[list, list], Advantages],
                  replicas: RolloutReplicas, share: TrainShare,
                  harvest: Callable[[int, range], HiddenSink] | None = None,
                  capture_layers: tuple[int, ...] | None = None) -> None:
-        self.cfg, self.policy, self.comm, self.task, self.algorithm = cfg, policy, comm, task, algorithm
+        self.cfg, self.policy, self.comm, self._advantages = cfg, policy, comm, advantages
         self.replicas, self.share, self.harvest, self.capture_layers = replicas, share, harvest, capture_layers
 
     def advantages(self, batch: list, rewards: list[float]) -> Advantages:
         """The algorithm's advantages of whole groups (``batch``'s responses, ``rewards``)."""
-        g = self.cfg.grpo
-        return self.algorithm.advantages(Outcomes.of(rewards, [r for _, r in batch], g.group_size, g.max_new_tokens,
-                                                     self.task.tokenizer.eos_id))
+        return self._advantages(rewards, [r for _, r in batch])
 
     def global_tokens(self, batch: list, rewards: list[float]) -> int:
         """Every response token of the step the algorithm counts, once (each replica's leader
