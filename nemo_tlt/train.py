@@ -202,7 +202,7 @@ def _check_engine(config: TLTConfig) -> str | None:
     loaded or worker started (None: nothing)."""
     if config.rollout.engine == "trtllm":
         from nemo_tlt.rollout.trtllm_run import TrainRunAsks, train_run_refusal
-        return train_run_refusal(TrainRunAsks.of(config))
+        return train_run_refusal(TrainRunAsks.of(config), config.rollout.trtllm)
     if config.rollout.engine == "vllm":
         from nemo_tlt.rollout.vllm_config import missing_package_message, vllm_installed
         if not vllm_installed():

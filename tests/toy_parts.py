@@ -22,7 +22,7 @@ class CountingEngine(TorchRolloutEngine):
         return super().generate(requests, sampling, **kwargs)
 
 
-def counting_engine(config, model_dir, placement, *, tp=None, drafter=None, max_batch=None):
+def counting_engine(config, model_dir, placement, *, tp=None, drafter=None, max_batch=None, policy=None):
     """A rollout-engine factory (``rollout.engine: toy_parts:counting_engine``)."""
     return CountingEngine.from_hf_folder(model_dir, device=placement.device, dtype=placement.dtype, tp=tp,
                                          compute_dtype=config.engine_compute_dtype)

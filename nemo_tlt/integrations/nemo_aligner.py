@@ -33,8 +33,10 @@ from omegaconf import DictConfig, OmegaConf
 from nemo_tlt.adaptive.config import SpecDecodingConfig
 from nemo_tlt.checks import check_int
 from nemo_tlt.config import plain_values
+from nemo_tlt.device import Placement
 from nemo_tlt.structured import build_structured
 from nemo_tlt.adaptive.sd_policy import SpecPolicy
+from nemo_tlt.rollout.config import RolloutConfig, TRTLLMRolloutSettings
 from nemo_tlt.rollout.protocol import Request, RolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.spot.config import IdleDrafterConfig
@@ -45,14 +47,12 @@ BACKENDS = ("torch", "trtllm")
 
 
 @dataclass(frozen=True)
-class TRTLLMBlock:
-    """``tlt.trtllm``: the TensorRT-LLM engine's settings (see rollout.trtllm_config)."""
+class TRTLLMBlock(TRTLLMRolloutSettings):
+    """``tlt.trtllm``: the TensorRT-LLM engine's settings, ``rollout.trtllm``'s (drafter folder
+    from ``nemo-tlt convert --from drafter --to eagle3-hf``), with TensorRT-LLM's dummy load
+    (weights from the first refit) where no drafter is loaded."""
 
-    drafter_dir: Optional[str] = None     # EAGLE-3 HF folder (nemo-tlt convert --from drafter --to eagle3-hf)
-    max_draft_len: int = 4
-    use_rejection_sampling: bool = False  # TensorRT-LLM's prototype flag
-    tensor_parallel_size: int = 1
-    max_batch_size: int = 256
+    dummy_load: bool = True
 
 
 @dataclass(frozen=True)
@@ -143,37 +143,20 @@ def _plain_block() -> dict[str, Any]:
 
 
 def build_engine(tlt: TLTBlock, policy: SpecPolicy | None = None) -> RolloutEngine:
-    """The engine ``tlt.backend`` names, serving ``tlt.target_dir``. TensorRT-LLM: built with
-    ``policy``'s draft-length schedule (its state now: TensorRT-LLM runs it unchanged, see
-    rollout.trtllm_engine), without a drafter where the policy never speculates, and with
-    TensorRT-LLM's dummy load (weights from the first refit) only without a drafter, whose
-    weights a dummy load never reads."""
+    """The engine ``tlt.backend`` names, serving ``tlt.target_dir``, through the loop's engine
+    factory (``rollout.factory.build_rollout_engine``). The embedded engine loads the drafter of
+    ``tlt.drafter_dir`` once built; TensorRT-LLM is built with ``tlt.trtllm`` (its drafter folder,
+    fixed at build) and ``policy``'s draft-length schedule (see ``rollout.factory``)."""
     if tlt.target_dir is None:
         raise ValueError("tlt.target_dir is required: the HF-format policy folder the engine serves")
-    if tlt.backend == "trtllm":
-        from nemo_tlt.rollout.trtllm_config import TRTLLMEngineConfig
-        from nemo_tlt.rollout.trtllm_engine import TRTLLMRolloutEngine  # lazy: optional package
-        from nemo_tlt.rollout.trtllm_schedule import build_settings, draft_len_schedule
-        t = tlt.trtllm
-        drafter_dir, schedule = t.drafter_dir, {}
-        if drafter_dir is not None and draft_len_schedule(policy, t.max_draft_len, t.max_batch_size):
-            schedule = build_settings(policy, t.max_draft_len, t.max_batch_size)
-        elif drafter_dir is not None:
-            log.warning("tlt.trtllm.drafter_dir %s is not loaded: the SD policy never speculates "
-                        "(tlt.rollout); TensorRT-LLM is built for plain decoding", drafter_dir)
-            drafter_dir = None
-        return TRTLLMRolloutEngine(TRTLLMEngineConfig(
-            target_dir=tlt.target_dir, drafter_dir=drafter_dir, max_draft_len=schedule.get("max_draft_len",
-                                                                                          t.max_draft_len),
-            draft_len_schedule=schedule.get("draft_len_schedule"), use_rejection_sampling=t.use_rejection_sampling,
-            tensor_parallel_size=t.tensor_parallel_size, max_batch_size=t.max_batch_size,
-            load_format="auto" if drafter_dir is not None else "dummy"), draft_len_ceiling=t.max_draft_len)
-    # every other engine through the loop's factory (the engine registry), the drafter loaded after
     from nemo_tlt.drafter.io import load_drafter
-    from nemo_tlt.rollout.config import RolloutConfig
     from nemo_tlt.rollout.factory import build_rollout_engine
-    drafter = load_drafter(tlt.drafter_dir) if tlt.drafter_dir is not None else None
-    engine = build_rollout_engine(RolloutConfig(engine=tlt.backend), tlt.target_dir, drafter=drafter)
+    load = tlt.drafter_dir is not None and tlt.backend != "trtllm"  # TensorRT-LLM's: tlt.trtllm.drafter_dir
+    drafter = load_drafter(tlt.drafter_dir) if load else None
+    # TensorRT-LLM places its own workers on the node's GPUs; the embedded engine runs where it did
+    placement = Placement(torch.device("cuda")) if tlt.backend == "trtllm" else Placement()
+    engine = build_rollout_engine(RolloutConfig(engine=tlt.backend, trtllm=tlt.trtllm), tlt.target_dir, placement,
+                                  policy=policy)
     if drafter is not None:
         engine.load_drafter(drafter)
     return engine

