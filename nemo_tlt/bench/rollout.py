@@ -2,7 +2,7 @@
 
 All methods run in one process on the same weights and prompts: the embedded
 engine plainly (`plain`) and with a fixed-shape EAGLE tree in each acceptance mode
-(`sd_greedy`, `sd_rejection`, `sd_coupled`; with `--drafters eagle2,eagle3` each
+(`sd_greedy`, `sd_rejection`, `sd_coupled`; with `--drafters eagle,eagle3` each
 drafter's methods carry its name, e.g. `sd_greedy_eagle3`: both drafters are
 trained on the demo with the same recipe, `--drafter-steps` overriding its steps
 for both); HF transformers `generate` on the same
@@ -47,6 +47,7 @@ from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.demo.assets import (AssetConfig, default_cache_dir, load_assets, prepare_assets,
                                   prepare_eagle3_drafter, task_requests)
 from nemo_tlt.drafter.io import load_drafter
+from nemo_tlt.drafter.kinds import KIND_ALIASES
 from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.bench.common import format_table, machine_info
 from nemo_tlt.rollout.protocol import Request
@@ -174,9 +175,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=None, help=f"model cache (default {default_cache_dir()})")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers methods")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--drafters", default="eagle2",
-                   help="comma list of eagle2 (the EAGLE-2 style drafter), eagle3; more than one suffixes "
-                        "the SD methods with the drafter's name")
+    p.add_argument("--drafters", default="eagle",
+                   help="comma list of eagle (EAGLE-2's drafter; eagle2 is the same), eagle3; more than one "
+                        "suffixes the SD methods with the drafter's name")
     p.add_argument("--drafter-steps", type=int, default=None,
                    help="train every drafter for this many steps (default: the demo recipe's; its "
                         "shipped drafter is used then)")
@@ -186,10 +187,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eagle3-ttt-steps", type=int, default=None,
                    help="draft steps the EAGLE-3 drafter unrolls in training (default: the demo recipe's)")
     args = p.parse_args(argv)
-    args.drafter_kinds = [d.strip() for d in args.drafters.split(",") if d.strip()]
-    unknown = sorted(set(args.drafter_kinds) - {"eagle2", "eagle3"})
+    args.drafter_kinds = [KIND_ALIASES.get(d.strip(), d.strip()) for d in args.drafters.split(",") if d.strip()]
+    unknown = sorted(set(args.drafter_kinds) - {"eagle", "eagle3"})
     if unknown or not args.drafter_kinds or len(set(args.drafter_kinds)) != len(args.drafter_kinds):
-        p.error(f"--drafters must list eagle2 and/or eagle3 once each, got {args.drafters!r}")
+        p.error(f"--drafters must list eagle and/or eagle3 once each, got {args.drafters!r}")
     if args.drafter_steps is not None and args.drafter_steps < 1:
         p.error(f"--drafter-steps must be >= 1, got {args.drafter_steps}")
     if args.batch_size < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
@@ -268,11 +269,11 @@ def _asset_config(args: argparse.Namespace) -> AssetConfig:
 
 
 def _load_models(args: argparse.Namespace, config: AssetConfig, assets) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """(target, drafters by kind, their folders by kind): eagle2 always, eagle3 (prepared
-    first) where `--drafters` lists it."""
-    target, eagle2 = load_assets(assets)
-    drafter_dirs = {"eagle2": assets.drafter_dir}
-    drafters = {"eagle2": eagle2}
+    """(target, drafters by kind, their folders by kind): eagle (the shipped one) always, eagle3
+    (prepared first) where `--drafters` lists it."""
+    target, eagle = load_assets(assets)
+    drafter_dirs = {"eagle": assets.drafter_dir}
+    drafters = {"eagle": eagle}
     if "eagle3" in args.drafter_kinds:
         drafter_dirs["eagle3"] = prepare_eagle3_drafter(config, args.cache_dir)
         drafters["eagle3"] = load_drafter(drafter_dirs["eagle3"], target)

@@ -93,6 +93,8 @@ DRAFTER_KINDS = Registry("drafter kind", "drafter kind", {
     "eagle3": "nemo_tlt.drafter.kinds:EAGLE3",
     "medusa": "nemo_tlt.drafter.kinds:MEDUSA",
 })
+# other names the commands accept for a kind: "eagle2" is EAGLE-2's drafter, kind "eagle"
+KIND_ALIASES = {"eagle2": "eagle"}
 
 
 def kind_named(name: str, source: str = "drafter kind") -> DrafterKind:

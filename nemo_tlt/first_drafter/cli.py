@@ -18,7 +18,8 @@ import sys
 
 import torch
 
-from nemo_tlt.first_drafter.run import ALIASES, KINDS, FirstDrafterConfig, make_first_drafter
+from nemo_tlt.drafter.kinds import KIND_ALIASES
+from nemo_tlt.first_drafter.run import KINDS, FirstDrafterConfig, make_first_drafter
 
 _D = FirstDrafterConfig.__dataclass_fields__
 
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompts: a JSONL file (one object per line) or a local .json / .parquet datasets file")
     io.add_argument("--prompt-key", default=_default("prompt_key"), help="the key / column holding the prompt text")
     io.add_argument("--out", required=True, help="the drafter folder to write (or the partial run to resume)")
-    io.add_argument("--type", dest="kind", choices=(*KINDS, *ALIASES), default=_default("kind"),
+    io.add_argument("--type", dest="kind", choices=(*KINDS, *KIND_ALIASES), default=_default("kind"),
                     help="eagle (EAGLE-2's drafter; eagle2 is the same): one layer on the final hidden state; "
                          "eagle3: fuses three target layers (exportable to the EAGLE-3 HF layout)")
     io.add_argument("--overwrite", action="store_true", help="replace a finished (or other) run in --out")

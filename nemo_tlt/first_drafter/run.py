@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.checks import check_float, check_int
-from nemo_tlt.drafter.kinds import DRAFTER_KINDS, kind_named
+from nemo_tlt.drafter.kinds import DRAFTER_KINDS, KIND_ALIASES, kind_named
 from nemo_tlt.drafter.io import save_drafter
 from nemo_tlt.drafter.packing import pack_eagle_batch
 from nemo_tlt.drafter.train import DrafterTrainConfig, drafter_step, optim_config
@@ -62,10 +62,8 @@ from nemo_tlt.spot.checkpoint import CheckpointManager
 
 log = logging.getLogger(__name__)
 
-# the drafter kinds this command starts for a target (DrafterKind.for_target); "eagle2" is
-# accepted for "eagle" (the EAGLE-2 drafter's kind, as its drafter.json names it)
+# the drafter kinds this command starts for a target (DrafterKind.for_target); aliases: KIND_ALIASES
 KINDS = tuple(n for n in DRAFTER_KINDS.names() if kind_named(n).for_target is not None)
-ALIASES = {"eagle2": "eagle"}
 RUN_FILE, REPORT_FILE, SAMPLES_FILE, CHECKPOINTS = "run.json", "report.json", "data/samples.safetensors", "checkpoints"
 
 
@@ -100,7 +98,7 @@ class FirstDrafterConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", ALIASES.get(self.kind, self.kind))
+        object.__setattr__(self, "kind", KIND_ALIASES.get(self.kind, self.kind))
         if self.kind not in KINDS:
             raise ValueError(f"--type must be one of {list(KINDS)}, got {self.kind!r}")
         check_float("--temperature", self.temperature, 0)
@@ -166,7 +164,7 @@ def prepare_out(config: FirstDrafterConfig, overwrite: bool) -> Path:
                              "or new folder")
         else:
             saved = json.loads(run_file.read_text())
-            saved["kind"] = ALIASES.get(saved.get("kind"), saved.get("kind"))  # a run saved as "eagle2" is "eagle"
+            saved["kind"] = KIND_ALIASES.get(saved.get("kind"), saved.get("kind"))  # a run saved as "eagle2" is "eagle"
             wanted = json.loads(json.dumps(config.settings()))
             differ = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
             if differ:

@@ -212,6 +212,7 @@ def test_bad_shape_is_refused(tiny):
 
 
 def test_two_drafters_in_one_run_trained_with_the_same_budget(tiny, cache):
+    """The kinds by their one name (`eagle2` is accepted for `eagle`, and names it)."""
     out = tiny / "r.json"
     assert rollout.main(["--out", str(out), "--num-prompts", "2", "--max-new-tokens", "12", "--shape", "3_2_4",
                          "--cache-dir", str(cache), "--no-hf", "--drafters", "eagle2,eagle3",
@@ -219,15 +220,16 @@ def test_two_drafters_in_one_run_trained_with_the_same_budget(tiny, cache):
     payload = json.loads(out.read_text())
     assert set(payload["results"]) == {"plain", "plain_rejection", "plain_coupled",
                                        *(f"sd_{m}_{d}" for m in ("greedy", "rejection", "coupled")
-                                         for d in ("eagle2", "eagle3"))}
-    for d in ("eagle2", "eagle3"):
+                                         for d in ("eagle", "eagle3"))}
+    for d in ("eagle", "eagle3"):
         assert {"tokens_per_s", "mean_accept_len"} <= set(payload["results"][f"sd_greedy_{d}"])
     assert payload["greedy_outputs_identical"] is True and payload["coupled_outputs_identical"] is True
     drafters = payload["config"]["drafters"]
-    assert drafters["eagle2"].startswith("drafter-eagle-") and drafters["eagle3"].startswith("drafter-eagle3-")
-    for d in ("eagle2", "eagle3"):  # both trained here for the same number of steps
-        saved = json.loads((cache / drafters[d] / "drafter.json").read_text())
-        assert saved["kind"] == {"eagle2": "eagle", "eagle3": "eagle3"}[d]
+    assert drafters["eagle"].startswith("drafter-eagle-") and drafters["eagle3"].startswith("drafter-eagle3-")
+    for d in ("eagle", "eagle3"):  # both trained here for the same number of steps, saved under their kind
+        assert json.loads((cache / drafters[d] / "drafter.json").read_text())["kind"] == d
+    with pytest.raises(SystemExit):
+        rollout.main(["--out", str(out), "--drafters", "eagle,eagle2"])  # the same kind twice
     assert payload["config"]["drafter_train"]["steps"] == 2
 
 
