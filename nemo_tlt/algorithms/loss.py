@@ -48,13 +48,13 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def clipped_pg_loss(
-    logp_new: torch.Tensor,
-    logp_old: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
+    logp_new: torch.Tensor,    # [B, T] float32, with grad
+    logp_old: torch.Tensor,    # [B, T] float32, the rollout policy's
+    advantages: torch.Tensor,  # [B] or [B, T]
+    mask: torch.Tensor,        # [B, T], 1 on counted response tokens
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float]]:  # (scalar loss, {"clip_frac", ...})
     """PPO-style clipped surrogate, token mean over masked tokens.
 
     With ratio rho = exp(logp_new - logp_old) per token and advantage A
@@ -132,9 +132,15 @@ def kl_penalty(
     return masked_mean(kl_per_token(log_new, log_ref, kind), mask)
 
 
-def policy_and_kl_loss(algorithm, logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
-                       mask: torch.Tensor, clip_eps: float, logp_ref: torch.Tensor | None = None,
-                       kl_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
+def policy_and_kl_loss(algorithm,
+                       logp_new: torch.Tensor,                 # [B, T] float32, with grad
+                       logp_old: torch.Tensor,                 # [B, T] float32
+                       advantages: torch.Tensor,               # [B]
+                       mask: torch.Tensor,                     # [B, T]
+                       clip_eps: float,
+                       logp_ref: torch.Tensor | None = None,   # [B, T] float32, the reference policy's
+                       kl_coef: float = 0.0,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:  # scalars, stats
     """One micro-batch's update loss, as both policy backends compute it: ``algorithm``'s
     ``policy_loss`` (token mean over ``mask``), plus ``kl_coef`` x the k3 KL to ``logp_ref`` over the
     same tokens when a reference is given. Returns ``(loss, policy loss, kl or None, its stats)``."""

@@ -89,11 +89,17 @@ class EagleDrafter(nn.Module):
         return shape.depth  # one catch-up, then depth-1 expansions
 
     # ---- forward -------------------------------------------------------------
-    def forward(self, target: DecoderLM, next_tokens: torch.Tensor, features: torch.Tensor,
-                positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                new_mask: torch.Tensor | None = None, cache_mask: torch.Tensor | None = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Predicted (normalised) target features [B, T, H] at positions+1."""
+    def forward(self,
+                target: DecoderLM,
+                next_tokens: torch.Tensor,                 # [B, T] long, the token after each feature
+                features: torch.Tensor,                    # [B, T, H] the target's (or earlier outputs)
+                positions: torch.Tensor | None = None,     # [B, T] long
+                cache: KVCache | None = None,              # the drafter's own, one layer
+                new_mask: torch.Tensor | None = None,      # [B, T, T] bool
+                cache_mask: torch.Tensor | None = None,    # [B, T, S] bool
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> torch.Tensor:                         # [B, T, H]
+        """Predicted (normalised) target features at positions+1."""
         emb = target.model.embed_tokens(next_tokens).detach()  # shared and frozen: no gradient to the target
         dtype = self.fc.weight.dtype  # the drafter's own (see nemo_tlt.drafter.base: dtypes)
         x = self.fc(torch.cat((emb.to(dtype), features.to(dtype)), -1))

@@ -224,12 +224,17 @@ class Eagle3Drafter(nn.Module):
         return shape.depth  # one catch-up, then depth-1 expansions
 
     # ---- forward -------------------------------------------------------------
-    def forward(self, target: DecoderLM, next_tokens: torch.Tensor, h: torch.Tensor,
-                positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                new_mask: torch.Tensor | None = None, cache_mask: torch.Tensor | None = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Outputs o [B, T, H] (before the final norm) from tokens x[t+1] and h [B, T, H]
-        (fused target features `self.fc(g)`, or earlier outputs)."""
+    def forward(self,
+                target: DecoderLM,
+                next_tokens: torch.Tensor,                 # [B, T] long, tokens x[t+1]
+                h: torch.Tensor,                           # [B, T, H] fused features self.fc(g), or outputs
+                positions: torch.Tensor | None = None,     # [B, T] long
+                cache: KVCache | None = None,              # the drafter's own, one layer
+                new_mask: torch.Tensor | None = None,      # [B, T, T] bool
+                cache_mask: torch.Tensor | None = None,    # [B, T, S] bool
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> torch.Tensor:                         # [B, T, H] outputs o, before the final norm
+        """The midlayer over [embed(x[t+1]), h[t]]."""
         emb = target.model.embed_tokens(next_tokens).detach()  # shared and frozen: no gradient to the target
         x = torch.cat((emb.to(h.dtype), h), -1)
         return target.run_layers(x, [self.midlayer], positions, cache, new_mask, cache_mask, rope)

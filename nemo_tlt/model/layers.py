@@ -55,9 +55,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=bool(config.qkv_bias))
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=config.o_proj_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None, layer: int, mask: torch.Tensor | None,
-                write_idx: torch.Tensor | None) -> torch.Tensor:
+    def forward(self,
+                x: torch.Tensor,                 # [B, T, H]
+                cos: torch.Tensor,               # [B, 1, T, head_dim]
+                sin: torch.Tensor,               # [B, 1, T, head_dim]
+                cache: KVCache | None,           # k[layer], v[layer]: [B, kv_heads, S, head_dim]
+                layer: int,
+                mask: torch.Tensor | None,       # [B, 1, T, S] bool, True: attends; None: causal
+                write_idx: torch.Tensor | None,  # [B, T] long, the cache slot of each new token
+                ) -> torch.Tensor:               # [B, T, H]
         B, T, _ = x.shape
         # three projections, no fused q/k/v copy: one copy of the weights (a concatenated
         # inference copy measured no faster on the CPU, with the same bits: docs/benchmarks.md)
@@ -106,7 +112,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
-                layer: int, mask: torch.Tensor | None, write_idx: torch.Tensor | None) -> torch.Tensor:
+                layer: int, mask: torch.Tensor | None, write_idx: torch.Tensor | None
+                ) -> torch.Tensor:  # [B, T, H] -> [B, T, H]; the rest as Attention.forward's
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, write_idx)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -98,12 +98,17 @@ class DecoderLM(nn.Module):
                 raise ValueError(f"position {top} is beyond max_position_embeddings={ctx}")
         return self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
 
-    def run_layers(self, x: torch.Tensor, layers: nn.ModuleList, positions: torch.Tensor | None,
-                   cache: KVCache | None, new_mask: torch.Tensor | None,
-                   cache_mask: torch.Tensor | None = None,
-                   rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   taps: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
-        """Run `layers` over embeddings x [B, T, H]. `taps` (layer index -> None) is
+    def run_layers(self,
+                   x: torch.Tensor,                       # [B, T, H] embeddings
+                   layers: nn.ModuleList,
+                   positions: torch.Tensor | None,        # [B, T] long
+                   cache: KVCache | None,
+                   new_mask: torch.Tensor | None,         # [B, T, T] bool, within the new block
+                   cache_mask: torch.Tensor | None = None,  # [B, T, S] bool, over the cache's slots
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) of `positions`
+                   taps: dict[int, torch.Tensor | None] | None = None,
+                   ) -> torch.Tensor:                     # [B, T, H], before the final norm
+        """Run `layers` over embeddings x. `taps` (layer index -> None) is
         filled with the output of each listed layer (residual stream after the layer). Without a cache the block is fully
         causal at positions 0..T-1 unless `positions`/`new_mask` say otherwise. With a
         cache the block is written at slots lengths[b] + t; `cache_mask` [B, T, S] (see
@@ -136,9 +141,13 @@ class DecoderLM(nn.Module):
                 taps[i] = x
         return x
 
-    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-               cache: KVCache | None = None, new_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Last-layer hidden states after the final norm, [B, T, H]."""
+    def hidden(self,
+               input_ids: torch.Tensor,                   # [B, T] long
+               positions: torch.Tensor | None = None,     # [B, T] long (None: after the cache's rows)
+               cache: KVCache | None = None,
+               new_mask: torch.Tensor | None = None,      # [B, T, T] bool (None: causal)
+               ) -> torch.Tensor:                         # [B, T, H]
+        """Last-layer hidden states after the final norm."""
         x = self.model.embed_tokens(input_ids)
         x = self.run_layers(x, self.model.layers, positions, cache, new_mask)
         return self.model.norm(x)
@@ -165,7 +174,8 @@ class DecoderLM(nn.Module):
         return self.tp.gather_vocab(F.linear(hidden, self.lm_head_weight), self.config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None, new_mask: torch.Tensor | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, new_mask: torch.Tensor | None = None
+                ) -> torch.Tensor:  # [B, T, vocab_size]; arguments as `hidden`'s
         return self.logits(self.hidden(input_ids, positions, cache, new_mask))
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:

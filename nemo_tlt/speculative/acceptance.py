@@ -62,8 +62,10 @@ def _child_at(tree: DraftTree, cur: torch.Tensor, rank: int) -> tuple[torch.Tens
     return nth.any(1), nth.float().argmax(1) + 1
 
 
-def accept_greedy(tree: DraftTree, target_choice: torch.Tensor,
-                  ancestors: torch.Tensor | None = None) -> Acceptance:
+def accept_greedy(tree: DraftTree,                         # N nodes per row
+                  target_choice: torch.Tensor,             # [B, N+1] long
+                  ancestors: torch.Tensor | None = None,   # [B, N+1, N+1] bool
+                  ) -> Acceptance:
     """target_choice: [B, N+1] the target's deterministic token at each block node;
     `ancestors` the tree's ancestor-or-self mask (`tree_block_mask`) if at hand.
 
@@ -133,7 +135,9 @@ def _max_children(tree: DraftTree) -> int:
     return host_int(per_parent.sum(1).max())
 
 
-def accept_rejection(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None,
+def accept_rejection(tree: DraftTree,                     # N nodes per row
+                     target_probs: torch.Tensor,          # [B, N+1, V] float32
+                     generator: torch.Generator | None,
                      residual_update: ResidualUpdate = remove_candidate) -> Acceptance:
     """target_probs: [B, N+1, V] processed target distribution at each block node."""
     B, N = tree.tokens.shape

@@ -54,8 +54,10 @@ class DraftTree:
         return self.depth_bound if self.depth_bound is not None else host_int(self.depths.max())
 
 
-def grow_tree(first_logp: torch.Tensor, expand: ExpandFn, shape: TreeShape) -> DraftTree:
-    """Grow an EAGLE-2 tree from the root's draft log-probs [B, V]."""
+def grow_tree(first_logp: torch.Tensor,  # [B, V] the root's draft scores
+              expand: ExpandFn, shape: TreeShape,
+              ) -> DraftTree:          # [B, N] fields, N <= shape.num_verify
+    """Grow an EAGLE-2 tree from the root's draft log-probs."""
     B, V = first_logp.shape
     k = shape.topk
     if k > V:
