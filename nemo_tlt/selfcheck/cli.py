@@ -1,12 +1,17 @@
 """``nemo-tlt selfcheck --gpu --out F.json``: the GPU acceptance run, one command, one JSON.
 
 On one GPU with no network (torch, this repository and the wheels it names), it runs in
-order (sizes in ``GPU_SIZES``; budget: 20 minutes on one H100):
+order (sizes in ``GPU_SIZES``; the estimated seconds of each check, ``BUDGET_S``, and their
+sum are printed at the start: an estimate for one H100, not a measurement):
 
-1. ``engine_demo_float32`` / ``engine_demo_bfloat16``: the embedded engine on ``cuda:0``
-   with the shipped demo target and drafter (``selfcheck.engine_check``);
-2. ``engine_qwen2.5-0.5b-random_float32`` / ``..._bfloat16``: the same on a randomly
-   initialised model the size of Qwen2.5-0.5B, built here;
+1. ``engine_demo_float32`` / ``engine_demo_bfloat16`` / ``..._bfloat16_compute_float32``: the
+   embedded engine on ``cuda:0`` with the shipped (trained) demo target and drafter, SD's
+   token identity to plain decoding asserted in fp32 arithmetic (``selfcheck.engine_check``);
+2. ``sdpa_probe``, ``decode_cost``, ``verify_vs_decode``, ``batch_invariance``,
+   ``weight_sync``: a random model shaped like Qwen2.5-7B in bf16 (the dry run: a toy one in fp32): the attention kernels of
+   prefill, decode and verify; ms per decode step and peak memory at batch 64 and 128 with
+   1k prompt + 1k output beside the bytes-over-bandwidth roofline; logit differences,
+   recorded, not asserted; a full weight stream (``selfcheck.kernel_checks``);
 3. ``main_job``: the demo main job on one GPU worker with its speedup;
 4. ``megatron_world1``: the megatron backend at world size 1 over NCCL against the torch
    backend;
@@ -40,6 +45,7 @@ import torch
 from nemo_tlt.atomic import write_json_atomic
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.selfcheck import engine_check as ec
+from nemo_tlt.selfcheck import kernel_checks as kc
 from nemo_tlt.selfcheck import system_checks as sc
 from nemo_tlt.selfcheck import trtllm_check as tc
 
@@ -48,27 +54,40 @@ from nemo_tlt.selfcheck import trtllm_check as tc
 class Sizes:
     demo_prompts: int
     demo_max_new: int
-    random_model: LMConfig
-    random_prompts: int
-    random_prompt_len: int
-    random_max_new: int
     batch_sizes: tuple[int, ...]
+    kernel_model: LMConfig           # the random model of the kernel checks
+    kernel_dtype: torch.dtype        # ... and its dtype
+    prompt_len: int                  # decode_cost, verify_vs_decode, batch_invariance
+    decode_batches: tuple[int, ...]
+    decode_max_new: int
+    decode_warm: int                 # decode_cost: steps subtracted (prefill drops out)
+    invariance_batch: int
+    bandwidth_gib: float             # the copy that measures the device's bandwidth
     main_job_overrides: tuple[str, ...]
     megatron_model: LMConfig
 
 
-GPU_SIZES = Sizes(demo_prompts=32, demo_max_new=400, random_model=ec.QWEN25_05B, random_prompts=32,
-                  random_prompt_len=64, random_max_new=128, batch_sizes=(1, 32), main_job_overrides=(),
+GPU_SIZES = Sizes(demo_prompts=32, demo_max_new=400, batch_sizes=(1, 32), kernel_model=kc.QWEN25_7B,
+                  kernel_dtype=torch.bfloat16,
+                  prompt_len=1024, decode_batches=(64, 128), decode_max_new=1024, decode_warm=16,
+                  invariance_batch=64, bandwidth_gib=2.0, main_job_overrides=(),
                   megatron_model=LMConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=4,
                                           num_heads=8, num_kv_heads=4))
-DRY_RUN_SIZES = Sizes(demo_prompts=4, demo_max_new=24,
-                      random_model=LMConfig(family="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128,
-                                            num_layers=2, num_heads=4, num_kv_heads=2, tie_word_embeddings=True),
-                      random_prompts=4, random_prompt_len=8, random_max_new=12, batch_sizes=(1, 4),
+DRY_RUN_SIZES = Sizes(demo_prompts=4, demo_max_new=24, batch_sizes=(1, 4),
+                      kernel_model=LMConfig(family="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
+                                            num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=512,
+                                            bos_token_id=1, eos_token_id=2, pad_token_id=0),
+                      kernel_dtype=torch.float32, prompt_len=32, decode_batches=(2, 4), decode_max_new=24, decode_warm=8, invariance_batch=4,
+                      bandwidth_gib=0.01,
                       main_job_overrides=("steps=2", "grpo.prompts_per_step=2", "grpo.group_size=2",
                                           "grpo.max_new_tokens=48"),
                       megatron_model=LMConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                                               num_heads=4, num_kv_heads=2))
+# Estimated seconds of each --gpu check on one H100 (not measured: no GPU run of these sizes yet),
+# printed with their sum at the start so that a run is planned within a 10-minute slot.
+BUDGET_S = {"engine_demo_float32": 40, "engine_demo_bfloat16": 40, "engine_demo_bfloat16_compute_float32": 20,
+            "sdpa_probe": 15, "decode_cost": 150, "verify_vs_decode": 25, "batch_invariance": 30,
+            "weight_sync": 30, "main_job": 120, "megatron_world1": 30, "checkpoint_roundtrip": 10}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -89,15 +108,19 @@ def plan(device: torch.device, sizes: Sizes, work: Path, cache_dir: str | None) 
     kind = device.type
     checks: dict[str, Callable[[], Any]] = {}
     demo = lambda: ec.demo_case(sizes.demo_prompts, sizes.demo_max_new, cache_dir)  # noqa: E731
-    rand = lambda: ec.random_case(sizes.random_model, work / "random_model", sizes.random_prompts,  # noqa: E731
-                                  sizes.random_prompt_len, sizes.random_max_new)
-    for name, case in (("demo", demo), ("qwen2.5-0.5b-random" if sizes is GPU_SIZES else "random", rand)):
-        for dtype in (torch.float32, torch.bfloat16):
-            checks[f"engine_{name}_{str(dtype).removeprefix('torch.')}"] = (
-                lambda case=case, dtype=dtype: ec.engine_check(case(), device, dtype, sizes.batch_sizes))
-        checks[f"engine_{name}_bfloat16_compute_float32"] = (  # rollout.compute_dtype=float32: identity again
-            lambda case=case: ec.engine_check(case(), device, torch.bfloat16, sizes.batch_sizes[:1], with_hf=False,
-                                              compute_dtype=torch.float32))
+    for dtype in (torch.float32, torch.bfloat16):
+        checks[f"engine_demo_{str(dtype).removeprefix('torch.')}"] = (
+            lambda dtype=dtype: ec.engine_check(demo(), device, dtype, sizes.batch_sizes))
+    checks["engine_demo_bfloat16_compute_float32"] = (  # rollout.compute_dtype=float32: identity again
+        lambda: ec.engine_check(demo(), device, torch.bfloat16, sizes.batch_sizes[:1], with_hf=False,
+                                compute_dtype=torch.float32))
+    m, dt, n = sizes.kernel_model, sizes.kernel_dtype, sizes.prompt_len
+    checks["sdpa_probe"] = lambda: kc.sdpa_probe(m, device, dt, n)
+    checks["decode_cost"] = lambda: kc.decode_cost(m, device, dt, sizes.decode_batches, n, sizes.decode_max_new,
+                                                   sizes.decode_warm, sizes.bandwidth_gib)
+    checks["verify_vs_decode"] = lambda: kc.verify_vs_decode(m, device, dt, n, chain=8)
+    checks["batch_invariance"] = lambda: kc.batch_invariance(m, device, dt, n, sizes.invariance_batch)
+    checks["weight_sync"] = lambda: kc.weight_sync(m, device, dt)
     checks["main_job"] = lambda: sc.main_job_check(kind, work / "main_job", sizes.main_job_overrides)
     checks["megatron_world1"] = lambda: sc.megatron_check(kind, sizes.megatron_model)
     checks["checkpoint_roundtrip"] = lambda: sc.checkpoint_check(device, work / "checkpoint")
@@ -155,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         mode = "trtllm" if args.trtllm else "gpu" if args.gpu else "cpu_dry_run"
         env = {**environment(device), **(tc.trtllm_environment() if args.trtllm else {})}
         report: dict[str, Any] = {"mode": mode, "environment": env, "checks": {}}
+        if args.gpu:
+            budget = {name: BUDGET_S[name] for name in wanted}
+            report["budget_s"] = budget
+            print(f"selfcheck: budget {sum(budget.values())} s estimated for one H100 (not measured): {budget}",
+                  flush=True)
         if not on_gpu:
             report["note"] = "a dry run on the CPU at toy sizes: it says nothing about a GPU"
         for name in wanted:

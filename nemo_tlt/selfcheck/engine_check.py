@@ -11,9 +11,9 @@ on ``device`` in ``dtype`` and returns, as plain values:
   ``accept_len`` is SD's mean accepted length (tokens per verify step).
 
 Cases: ``demo_case`` (the shipped demo target and EAGLE drafter, task prompts) and
-``random_case`` (a randomly initialised model of a given ``LMConfig``, by default the size
-of Qwen2.5-0.5B, built here with an untrained drafter: it measures the mechanics, not
-acceptance).
+``random_case`` (a randomly initialised model of a given ``LMConfig``, built here with an
+untrained drafter: it measures the mechanics, not acceptance; its identity is a rate to
+record, ties in near-uniform logits being common).
 """
 from __future__ import annotations
 
@@ -35,13 +35,6 @@ from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.speculative.tree_shape import TreeShape
-
-# Qwen2.5-0.5B's shape (its config.json), randomly initialised: no weights are downloaded.
-QWEN25_05B = LMConfig(family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
-                      num_heads=14, num_kv_heads=2, rope_theta=1_000_000.0, tie_word_embeddings=True,
-                      max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151645,
-                      pad_token_id=151643)
-
 
 @dataclass
 class EngineCase:

@@ -8,7 +8,6 @@ machines; docs/gpu.md records where and when it last ran.
 """
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ CUDA = torch.device("cuda", 0)
 
 def _case(tmp_path):
     s = DRY_RUN_SIZES
-    return ec.random_case(s.random_model, tmp_path / "model", 8, 8, 24)
+    return ec.random_case(s.kernel_model, tmp_path / "model", 8, 8, 24)
 
 
 def test_engine_on_cuda_fp32_sd_is_plain_decoding(tmp_path):
@@ -35,6 +34,17 @@ def test_engine_on_cuda_fp32_sd_is_plain_decoding(tmp_path):
 def test_engine_on_cuda_bf16_runs(tmp_path):
     out = ec.engine_check(_case(tmp_path), CUDA, torch.bfloat16, (8,), with_hf=False)
     assert out["throughput"][0]["plain_tokens_per_s"] > 0
+
+
+def test_kernel_checks_run_on_cuda_at_toy_sizes():
+    """The 7B checks' code on the GPU at the dry run's sizes: kernels named, costs and peak memory."""
+    from nemo_tlt.selfcheck import kernel_checks as kc
+
+    s = DRY_RUN_SIZES
+    assert all(kc.sdpa_probe(s.kernel_model, CUDA, torch.bfloat16, s.prompt_len).values())
+    cost = kc.decode_cost(s.kernel_model, CUDA, torch.bfloat16, s.decode_batches, s.prompt_len, s.decode_max_new,
+                          s.decode_warm, 0.25)
+    assert all(row["peak_memory_gib"] > 0 and row["ms_per_step"] > 0 for row in cost["batches"])
 
 
 def test_megatron_at_world_size_one_over_nccl():
