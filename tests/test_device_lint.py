@@ -39,6 +39,7 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "policy/fixed_point.py:FixedPointGrads.__init__": (1, "only when there are no tensors to take it from"),
     "policy/megatron_backend.py:MegatronPolicy._all_logprobs": (1, "host scatter of log-probs into batch order"),
     "policy/megatron_forward.py:run_schedule": (1, "captured hidden states go to the host harvest buffer"),
+    "megatron/ddp_optimizer.py:offload_training_state": (1, "the parameter buffer's host copy (offload)"),
     "megatron/parallel.py:compute_device": (1, "the rank's device where no GPU is present"),
     "megatron/pipeline_forward.py:causal_attention_mask": (1, "a parameter default; callers pass their device"),
     "spot/harvest.py:HarvestBuffer.sampling_weights": (2, "weights of a host-side sample choice"),

@@ -25,6 +25,13 @@ Contract (collective over megatron's parallel groups, called alike on every rank
   fp32 main-param shards), exactly, for a run checkpoint written at the same TP x PP x DP;
   the sharded, layout-independent form is ``optimizer.sharded_state_dict``
   (``nemo_tlt.megatron.policy_checkpoint``).
+* ``offload_training_state(ddp, optimizer, host, also)`` / ``reload_training_state(ddp, host)``
+  (per rank, no collective): the DDP buffers through megatron-core's own calls (the parameter
+  buffer copied to host memory and released: ``_ParamAndGradBuffer.offload_to_cpu``; the
+  gradient buffers released and zeroed on the way back: ``offload_grad_buffers`` /
+  ``restore_grad_buffers``), the optimizer's state, its fp32 main params and the tensors
+  ``also`` (the KL reference) through ``host`` (``nemo_tlt.model.offload.HostOffload``), all in
+  place: the model's parameters, the main params and their views stay the same tensors.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ import math
 
 import torch
 
+from nemo_tlt.model.offload import HostOffload
 from nemo_tlt.optim import OptimConfig
 
 ADAM_EPS = 1e-8  # torch AdamW's default, which the torch backend uses
@@ -77,6 +85,41 @@ def finish_step(ddp, optimizer) -> float:
     if not ok:  # only a loss-scaled fp16 step can be skipped; this policy never scales
         raise RuntimeError("megatron optimizer skipped the step (inf / nan gradients)")
     return float(norm)
+
+
+def offload_training_state(ddp, optimizer, host: HostOffload, also: list[torch.Tensor]) -> None:
+    """The policy's training state to host memory, its device storage released (module docstring)."""
+    buffers = [*ddp.buffers, *ddp.expert_parallel_buffers]
+    # megatron-core's optimizer.offload_to_cpu() is not used: it moves CUDA tensors only (nothing
+    # on a CPU rank), to pageable memory, and rebinds ``p.data`` of the main params, which for
+    # fp32 weights are views of the DDP parameter buffer moved below, so they would stop being
+    # views. HostOffload moves the same tensors' storages in place and skips the buffers'.
+    state, mains = [], []
+    for opt in distributed_optimizers(optimizer):
+        state += [v for s in opt.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        mains += [p for group in opt.optimizer.param_groups for p in group["params"]]
+    host.offload([*ddp.module.parameters(), *mains, *state, *also], drop=[p.grad for p in mains],
+                 skip=[t for b in buffers for t in (b.param_data, b.grad_data)])
+    for buffer in buffers:
+        if buffer.param_data is not None and buffer.param_data_cpu is None:
+            # megatron-core makes its host copy as param_data.cpu().pin_memory(): on a CPU rank
+            # .cpu() is the buffer itself, which it then frees, and pin_memory needs CUDA. So the
+            # host copy is made here once (pinned where CUDA is available) and megatron copies into it.
+            buffer.param_data_cpu = torch.empty(buffer.param_data.shape, dtype=buffer.param_data.dtype,
+                                                device="cpu", pin_memory=torch.cuda.is_available())
+        buffer.offload_to_cpu(move_params=True, move_grads=False)
+    cuda = host.device.type == "cuda"
+    ddp.offload_grad_buffers(synchronize=cuda, empty_cache=False)  # the freed blocks stay for the engine
+    if cuda:
+        torch.cuda.synchronize(host.device)
+
+
+def reload_training_state(ddp, host: HostOffload) -> None:
+    """``offload_training_state`` undone: every tensor refilled in place (gradient buffers zeroed)."""
+    ddp.restore_grad_buffers(synchronize=False)
+    for buffer in [*ddp.buffers, *ddp.expert_parallel_buffers]:
+        buffer.reload_from_cpu(move_params=True, move_grads=False)
+    host.reload()  # synchronizes the device
 
 
 def distributed_optimizers(optimizer) -> list:

@@ -19,7 +19,8 @@ from nemo_tlt.plan.config import PlanConfig
 from nemo_tlt.plan.measured import PlanInputs, read_measured, resolve_inputs
 from nemo_tlt.plan.costs import RolloutCosts, training_seconds
 from nemo_tlt.plan.memory import (
-    PlanDoesNotFit, RolloutShape, TrainingShape, check_fit, parameter_count, rollout_memory, to_gib, training_memory,
+    PlanDoesNotFit, RolloutShape, TrainingShape, check_fit, kv_budget_rows, parameter_count, rollout_memory, to_gib,
+    training_memory,
 )
 from nemo_tlt.plan.reshard_plan import plan_stream_reshard
 from nemo_tlt.plan.simulator import (
@@ -48,7 +49,7 @@ def _shapes(cfg: LMConfig, plan: PlanConfig, lengths: LengthModel) -> tuple[Trai
                            max_num_verify=max(s.num_verify for s in plan.sd.shapes),
                            drafter_training=plan.sd.drafter_training, harvest_bytes=plan.sd.harvest_mb * 2 ** 20,
                            workspace_gib=plan.rollout.workspace_gib, training_state=plan.rollout.training_state,
-                           reserve_gib=plan.rollout.reserve_gib)
+                           reserve_gib=plan.rollout.reserve_gib, kv_cache_gib=plan.rollout.kv_cache_gib)
     return training, rollout
 
 
@@ -80,7 +81,8 @@ def make_plan(plan: PlanConfig, simulate_steps: bool = False,
         "memory_gib": {k: to_gib(v) for k, v in memory.items()},
         "memory_total_gib": {k: round(sum(v.values()) / GIB, 3) for k, v in memory.items()},
         "kv_cache_tokens_per_replica": {"paged_peak": rollout_shape.kv_tokens,
-                                        "worst_case": rollout_shape.concurrency * rollout_shape.context},
+                                        "worst_case": rollout_shape.concurrency * rollout_shape.context,
+                                        "budget_rows": kv_budget_rows(cfg, rollout_shape)},
         "reshard": reshard.to_dict(),
         "assumptions": {"flops_efficiency": plan.cluster.flops_efficiency,
                         "hbm_efficiency": plan.cluster.hbm_efficiency,
@@ -92,6 +94,10 @@ def make_plan(plan: PlanConfig, simulate_steps: bool = False,
         out["fits"], out["refusal"] = True, None
     except PlanDoesNotFit as err:
         out["fits"], out["refusal"] = False, str(err)
+    if out["kv_cache_tokens_per_replica"]["budget_rows"] == 0:
+        out["fits"] = False
+        out["refusal"] = (out["refusal"] or "") + (f" rollout.kv_cache_gib={plan.rollout.kv_cache_gib} holds no row of "
+                                                   f"{rollout_shape.context} tokens (prompt_len + max_response_len)")
     if not reshard.within_two_layers:
         out["fits"] = False
         out["refusal"] = (out["refusal"] or "") + " reshard peak exceeds two layers per rank"

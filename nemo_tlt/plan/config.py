@@ -8,8 +8,11 @@ disagreement is refused naming both keys and values. Compared: TP / PP, batch, r
 length, SD threshold and arms, GPUs = workers, the weights dtype (``model.dtype``),
 recompute and sequence parallelism (``policy.*``), the rollout engine's TP
 (``rollout.tensor_parallel``, as ``nemo_tlt.rollout.factory.engine_tensor_parallel`` builds it),
-and what the run's backends always do: the distributed optimizer (the megatron backend always
-shards it, the torch backend never) and fp32 gradients.
+the torch engine's KV budget (``rollout.kv_cache_gib``),
+what the trainer keeps on the GPU during the rollout (the run's ``rollout.training_state``:
+``resident`` is the plan's ``all``, ``offload`` its ``offload``; the plan's ``weights`` has no run
+setting), and what the run's backends always do: the distributed optimizer (the megatron backend
+always shards it, the torch backend never) and fp32 gradients.
 """
 from __future__ import annotations
 
@@ -26,6 +29,9 @@ from nemo_tlt.plan.memory import RECOMPUTE, TRAINING_STATE
 # The memory and cost formulas are bf16's (2-byte weights, KV cache and activations; the GPU's bf16 peak).
 PLAN_DTYPES = ("bfloat16",)
 from nemo_tlt.speculative.tree_shape import TreeShape
+
+# a run's rollout.training_state -> the plan's rollout.training_state (what stays on the GPU)
+RUN_TRAINING_STATE = {"resident": "all", "offload": "offload"}
 
 
 @dataclass(frozen=True)
@@ -56,9 +62,12 @@ class RolloutPlan:
     workspace_gib: float = 4.0
     training_state: str = "offload"  # what the trainer keeps on the GPU during rollout
     reserve_gib: float = 3.0
+    kv_cache_gib: Optional[float] = None  # the run's rollout.kv_cache_gib: KV budget per GPU (null: unbounded)
 
     def __post_init__(self) -> None:
         check_int("rollout.tensor_parallel", self.tensor_parallel, 1)
+        if self.kv_cache_gib is not None:
+            check_float("rollout.kv_cache_gib", self.kv_cache_gib, 0.0, lo_open=True)
         check_int("rollout.prompt_len", self.prompt_len, 1)
         check_float("rollout.workspace_gib", self.workspace_gib, 0.0)
         check_float("rollout.reserve_gib", self.reserve_gib, 0.0)
@@ -231,6 +240,7 @@ def check_train_config(plan: PlanConfig) -> None:
         ("cluster GPUs", plan.cluster.world, "workers.num_workers", train.workers.num_workers),
         ("rollout.tensor_parallel", plan.rollout.tensor_parallel, "rollout.tensor_parallel",
          engine_tensor_parallel(train.rollout)),
+        ("rollout.kv_cache_gib", plan.rollout.kv_cache_gib, "rollout.kv_cache_gib", train.rollout.kv_cache_gib),
     ]
     derived = [
         ("training.distributed_optimizer", plan.training.distributed_optimizer, "policy.backend", policy.backend,
@@ -239,6 +249,9 @@ def check_train_config(plan: PlanConfig) -> None:
          else "every replica of the torch backend holds the whole optimizer state"),
         ("training.grad_bytes", plan.training.grad_bytes, "policy.backend", policy.backend, GRAD_BYTES,
          "fp32 gradients"),
+        ("rollout.training_state", plan.rollout.training_state, "rollout.training_state",
+         train.rollout.training_state, RUN_TRAINING_STATE[train.rollout.training_state],
+         "what the trainer keeps on the GPU while the engine decodes"),
     ]
     for mine, a, theirs, b in rows:
         if a != b:

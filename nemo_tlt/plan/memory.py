@@ -27,7 +27,10 @@ Rollout, per GPU of a rollout replica of TP r:
   kv_cache     2 (K, V) x L x max(1, kv/r) x head_dim x 2 B x kv_tokens, where kv_tokens is the
                paged cache's peak (a finished row frees its pages): the largest
                k x (prompt + k-th longest response) over simulated rollouts, or, when not
-               given, the worst case concurrency x (prompt + max response)
+               given, the worst case concurrency x (prompt + max response); with a KV budget
+               (``rollout.kv_cache_gib``) min(budget, that), the replica decoding at most
+               ``kv_budget_rows`` rows at once (the embedded engine's rule: nemo_tlt.model.kv_budget,
+               a slot counting the target's K and V and, with SD, the drafter's replicated layer)
   drafter      2 B x drafter parameters (replicated on every rollout rank)
   drafter_training  16 B x drafter parameters (fp32 grads + master + Adam) + the harvest buffer
                (TLT with drafter training only)
@@ -42,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.kv_budget import budget_bytes, kv_slot_bytes, rows_within, slots_within
 from nemo_tlt.plan.cluster import GIB
 from nemo_tlt.weights.layout import ParallelLayout
 
@@ -151,8 +155,11 @@ class RolloutShape:
     workspace_gib: float = 4.0
     training_state: str = "offload"
     reserve_gib: float = 3.0
+    kv_cache_gib: float | None = None  # KV budget per GPU (None: unbounded)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ValueError(f"rollout.kv_cache_gib must be > 0 or null, got {self.kv_cache_gib!r}")
         if self.training_state not in TRAINING_STATE:
             raise ValueError(f"rollout.training_state must be one of {list(TRAINING_STATE)}, "
                              f"got {self.training_state!r}")
@@ -160,8 +167,30 @@ class RolloutShape:
 
 def kv_bytes_per_token(cfg: LMConfig, tp: int, kv_bytes: int = 2) -> int:
     """K and V of one token over all layers, on one GPU of a TP-``tp`` replica."""
-    heads = max(1, cfg.num_kv_heads // tp)
-    return 2 * cfg.num_layers * heads * cfg.head_dim * kv_bytes
+    return kv_slot_bytes(cfg.num_layers, max(1, cfg.num_kv_heads // tp), cfg.head_dim, kv_bytes)
+
+
+def rollout_kv_slot_bytes(cfg: LMConfig, tp: int, sd: bool, kv_bytes: int = 2) -> int:
+    """What one cache position of one row holds on one GPU under ``rollout.kv_cache_gib``: the
+    target's K and V and, with SD, the drafter's one layer over all KV heads (replicated)."""
+    drafter = kv_slot_bytes(1, cfg.num_kv_heads, cfg.head_dim, kv_bytes) if sd else 0
+    return kv_bytes_per_token(cfg, tp, kv_bytes) + drafter
+
+
+def kv_budget_rows(cfg: LMConfig, shape: RolloutShape, kv_bytes: int = 2) -> int | None:
+    """Rows of ``shape.context`` slots a replica decodes at once within its KV budget (None: no budget)."""
+    if shape.kv_cache_gib is None:
+        return None
+    return rows_within(budget_bytes(shape.kv_cache_gib), shape.context,
+                       rollout_kv_slot_bytes(cfg, shape.tp, shape.sd, kv_bytes))
+
+
+def kv_budget_slots(cfg: LMConfig, shape: RolloutShape, rows: int, kv_bytes: int = 2) -> int | None:
+    """Cache slots per row that ``rows`` rows may grow to within the KV budget (None: no budget)."""
+    if shape.kv_cache_gib is None:
+        return None
+    return slots_within(budget_bytes(shape.kv_cache_gib), rows,
+                        rollout_kv_slot_bytes(cfg, shape.tp, shape.sd, kv_bytes))
 
 
 def rollout_memory(cfg: LMConfig, shape: RolloutShape, training: dict[str, float]) -> dict[str, float]:
@@ -171,7 +200,7 @@ def rollout_memory(cfg: LMConfig, shape: RolloutShape, training: dict[str, float
                 "all": training["weights"] + training["gradients"] + training["optimizer"]}[shape.training_state]
     terms = {
         "weights": 2 * parameter_count(cfg) / shape.tp,
-        "kv_cache": kv_bytes_per_token(cfg, shape.tp) * (shape.kv_tokens or shape.concurrency * shape.context),
+        "kv_cache": kv_cache_bytes(cfg, shape),
         "drafter": 2 * drafter,
         "drafter_training": (16 * drafter + shape.harvest_bytes) if (shape.sd and shape.drafter_training) else 0,
         "logits": 4 * cfg.vocab_size * rows / shape.tp,
@@ -180,6 +209,12 @@ def rollout_memory(cfg: LMConfig, shape: RolloutShape, training: dict[str, float
         "reserve": shape.reserve_gib * GIB,
     }
     return {k: float(v) for k, v in terms.items()}
+
+
+def kv_cache_bytes(cfg: LMConfig, shape: RolloutShape) -> int:
+    """The rollout's KV term: what the rows need, capped by the KV budget where one is set."""
+    need = kv_bytes_per_token(cfg, shape.tp) * (shape.kv_tokens or shape.concurrency * shape.context)
+    return need if shape.kv_cache_gib is None else min(need, budget_bytes(shape.kv_cache_gib))
 
 
 class PlanDoesNotFit(ValueError):

@@ -53,6 +53,10 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
   those writers (``finish_writes``), so the only host pages rewritten while they share the
   rank's memory are the forward and backward passes'. ``state_dict()`` is this rank's exact optimizer shard
   (for a run checkpoint at the same layout).
+* ``OffloadsTrainingState`` (``rollout.training_state=offload``): the DDP parameter and gradient
+  buffers through megatron-core's own offload calls, the distributed optimizer's state and fp32
+  main params and the KL reference through ``HostOffload``, in place
+  (``nemo_tlt.megatron.ddp_optimizer.offload_training_state``); per rank, no collective.
 """
 from __future__ import annotations
 
@@ -68,6 +72,7 @@ from nemo_tlt.algorithms.grpo import GRPO
 from nemo_tlt.algorithms.protocol import RLAlgorithm
 from nemo_tlt.device import Placement
 from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.offload import HostOffload
 from nemo_tlt.optim import LRSchedule
 from nemo_tlt.policy.batching import MicroBatch, Sequence2, micro_batches, scatter
 from nemo_tlt.policy.config import PolicyConfig
@@ -127,6 +132,7 @@ class MegatronPolicy:
         self.schedule = LRSchedule(self.optimizer, config.optim)
         self.step = 0
         self._writing = None  # the PendingPolicySave of a start_save_sharded not waited for yet
+        self._host = HostOffload(self.device)
 
     # ---- the contract's properties -------------------------------------------------
     @property
@@ -294,6 +300,19 @@ class MegatronPolicy:
         return policy_loss_fn(mb, advantages, logp_old, logp_ref, global_tokens, totals, on_logprobs,
                               device=self.device, token_logprobs=self._token_logprobs, algorithm=self.algorithm,
                               clip_eps=self.config.clip_eps, kl_coef=self.config.kl_coef, counted=counted)
+
+    # ---- the training state during the rollout (rollout.training_state=offload) ---------------
+    def offload_training_state(self) -> None:
+        """See ``OffloadsTrainingState``; the rollout engine serves its own copy of the weights."""
+        from nemo_tlt.megatron.ddp_optimizer import offload_training_state
+
+        reference = list(self.reference.parameters()) if self.reference is not None else []
+        offload_training_state(self.ddp, self.optimizer, self._host, reference)
+
+    def reload_training_state(self) -> None:
+        from nemo_tlt.megatron.ddp_optimizer import reload_training_state
+
+        reload_training_state(self.ddp, self._host)
 
     # ---- weights out / in ----------------------------------------------------------------
     def canonical_weights(self, rollout_tp: int = 1) -> Iterator[tuple[str, torch.Tensor]]:

@@ -129,6 +129,24 @@ class ShardedCheckpoints(Protocol):
     def load_sharded(self, directory: str) -> None: ...
 
 
+@runtime_checkable
+class OffloadsTrainingState(Protocol):
+    """What a backend adds for ``rollout.training_state=offload`` (``nemo_tlt.rl.training_state``):
+    ``offload_training_state()`` moves everything the policy keeps on its device for training
+    (weights, gradient buffers, optimizer state, the KL reference) to host memory (pinned where
+    CUDA is available) and releases the device storage; the rollout engine holds its own copy
+    of the weights, so the rollout needs none of it. ``reload_training_state()`` brings it back
+    before the policy is used again; the policy then computes bit for bit as if it had stayed.
+    Every tensor keeps its identity through the move (its storage is released and refilled in
+    place), so references held elsewhere stay valid; between the two calls none may be read.
+    Both are per-rank (no collective); a second offload before a reload is an error, a reload
+    of a resident state does nothing."""
+
+    def offload_training_state(self) -> None: ...
+
+    def reload_training_state(self) -> None: ...
+
+
 def missing_methods(backend: Any, part: type) -> list[str]:
     """The methods of the sub-protocol ``part`` that ``backend`` (a class or an instance) lacks."""
     names = [n for n, v in vars(part).items() if callable(v) and not n.startswith("_")]

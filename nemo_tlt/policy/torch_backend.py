@@ -14,6 +14,11 @@ Contract: ``PolicyBackend`` (``nemo_tlt.policy.protocol``), plus
 * With ``kl_coef > 0`` a frozen copy of the initial policy is the KL reference.
 * Nothing here is random: the model is built under a forked RNG, so building a backend
   leaves the global RNG as it was.
+* ``OffloadsTrainingState``: ``offload_training_state`` copies the weights, the fp32 masters,
+  the AdamW state and the KL reference to host memory and releases their device storage, and
+  releases the gradients (every update zeroes them first); ``reload_training_state`` restores
+  them in place (``nemo_tlt.model.offload.HostOffload``). The module's buffers (the rotary
+  tables) stay.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from nemo_tlt.dist import allreduce_flat
 from nemo_tlt.drafter.features import join_features
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.model.offload import HostOffload
 from nemo_tlt.optim import build_optimizer
 from nemo_tlt.policy.batching import (MicroBatch, Sequence2, counted_mask, micro_batches, padded, plan_micro_batches,
                                      scatter)
@@ -74,6 +80,7 @@ class TorchPolicy:
         self.optimizer, self.schedule = build_optimizer(self.master.masters, config.optim, foreach=False)
         self.step = 0  # optimizer steps taken (drives the schedule)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if config.kl_coef > 0 else None
+        self._host = HostOffload(self.device)
 
     # ---- the contract's properties -------------------------------------------------
     @property
@@ -237,6 +244,17 @@ class TorchPolicy:
         for master, grad in zip(self.master.masters, sums.result(sums.token_budget / global_tokens)):
             master.grad = grad.to(master.device)
         return self._step()
+
+    # ---- the training state during the rollout (rollout.training_state=offload) ---------------
+    def offload_training_state(self) -> None:
+        """See ``OffloadsTrainingState``; the rollout engine serves its own copy of the weights."""
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        reference = list(self.reference.parameters()) if self.reference is not None else []
+        self._host.offload([*self.model.parameters(), *self.master.masters, *state, *reference],
+                           drop=[p.grad for p in (*self.params, *self.master.masters)])
+
+    def reload_training_state(self) -> None:
+        self._host.reload()
 
     # ---- weights and state --------------------------------------------------------------
     def canonical_weights(self, rollout_tp: int = 1) -> Iterator[tuple[str, torch.Tensor]]:

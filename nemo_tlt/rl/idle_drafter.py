@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -70,6 +70,16 @@ class IdleDrafter:
         sample = self.sample(step, tokens, hidden)
         if sample is not None:
             self.buffer.add_sample(sample)
+
+    def policy_sink(self, step: int, own: range | None) -> Callable:
+        """An ``on_hidden`` sink for drafter data from the policy's own forward
+        (``drafter.harvest_from=policy``): this rank's sequences ``own`` of the batch (None: all)."""
+        self.buffer.advance_step(step)
+
+        def on_hidden(index: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+            if own is None or index in own:
+                self.harvest(step, tokens.tolist(), hidden[:-1])
+        return on_hidden
 
     def sample(self, step: int, tokens: list[int], hidden: torch.Tensor) -> HarvestSample | None:
         """The buffer's compact host copy of one sequence's features (None: too short to train on)."""

@@ -17,7 +17,6 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
 
 from nemo_tlt.algorithms.protocol import advantages_of
 from nemo_tlt.algorithms.registry import build_algorithm
@@ -37,6 +36,7 @@ from nemo_tlt.rl.run import RunSpec, step_rng
 from nemo_tlt.rl.rollout_phase import rollout_phase
 from nemo_tlt.rl.state.run_saver import RunSaver, close_all
 from nemo_tlt.rl.update.sync_update import SyncUpdate
+from nemo_tlt.rl.training_state import TrainingState
 from nemo_tlt.rl.data.task import build_task, check_eos, check_vocab
 from nemo_tlt.rl.data.validation import is_due, validate, validation_prompts, validation_sampling
 from nemo_tlt.rl.weight_stream import sync_weights
@@ -71,6 +71,7 @@ class RLWorker:
         # rollout replicas: consecutive ranks whose engine is tensor-parallel over them (collective)
         self.replicas = RolloutReplicas(comm.rank, comm.world, cfg.rollout.tensor_parallel)
         self.share = training_share(comm.gather(self.policy.train_ranks), comm.rank, self.replicas.tp)
+        self.state = TrainingState(self.policy, cfg.rollout.training_state, cfg.policy.backend)
         self.engine_tp = rollout_tp_group(self.replicas)
         self._build_rollout(inputs, placement)
         self._build_updates()
@@ -110,7 +111,7 @@ class RLWorker:
     def _build_updates(self) -> None:
         """The synchronous update, and the one pipelined into the rollout's tail when configured."""
         cfg = self.cfg
-        harvest = self._harvest_sink if self.harvest_from == "policy" else None
+        harvest = self.drafter.policy_sink if self.harvest_from == "policy" else None
         # the algorithm's advantages of whole groups, as both update paths compute them
         g = cfg.grpo
         advantages = partial(advantages_of, self.algorithm, group_size=g.group_size, max_new_tokens=g.max_new_tokens,
@@ -182,6 +183,7 @@ class RLWorker:
     def step(self, step: int, skip_drafter_round: bool = False) -> dict[str, Any]:
         comm, G = self.comm, self.cfg.grpo.group_size
         t_start = time.perf_counter()
+        self.state.offload()  # rollout.training_state=offload: the policy's device memory is the engine's
         prompts = self.task.source.prompts(step, self.cfg.grpo.prompts_per_step, step_rng(self.cfg.seed, step))
         pipe = self.pipeline
         board = pipe.board(step) if pipe is not None and self.spec.tlt else None
@@ -191,12 +193,14 @@ class RLWorker:
                                 drafter=self.drafter if self.harvest_from == "rollout" else None)
         early, t_early = {}, 0.0  # pieces of the update (and their seconds of work) before the meet
         if board is not None:  # the update's pieces while other ranks still decode, then idle
+            self.state.reload()
             early, segments, t_early = pipe.claim(step, board, self.coord.now)
             rollout.segments.extend(segments)
         idle = self.idle_time(step, skip_drafter_round)
-        t_meet = time.perf_counter()
+        t_meet, t_moved = time.perf_counter(), self.state.seconds()  # moves in the rollout's window are other_s
         timeline = self.coord.collect_timelines(step) if comm.rank == 0 else []
         self.coord.mark_busy()
+        self.state.reload()  # nothing when the pipelined update has
         rewards = collector.rewards(rollout.ids) if collector is not None else self.score(prompts, rollout)
         if pipe is not None:
             update, t_update, t_work = pipe.finish(step, collector, rollout, early, board is None)
@@ -231,8 +235,9 @@ class RLWorker:
             return {}
         if board is not None and step >= 2:  # every rank is past step - 2 (the gather above)
             pipe.cleanup(step - 2)
-        times = {"step_s": time.perf_counter() - t_start, "rollout_s": t_meet - t_start, "logprob_s": t_logprob,
-                 "update_s": t_update, "weight_sync_s": t_sync, "weight_digest_s": t_digest}
+        times = {"step_s": time.perf_counter() - t_start, "rollout_s": t_meet - t_start - t_moved,
+                 "logprob_s": t_logprob, "update_s": t_update, "weight_sync_s": t_sync, "weight_digest_s": t_digest,
+                 **self.state.times()}
         return step_record(step, self.spec.mode, self.cfg.grpo.prompts_per_step * G, ranks, times, timeline,
                            self.t0, self.coord.now())
 
@@ -255,15 +260,6 @@ class RLWorker:
         G, task = self.cfg.grpo.group_size, self.task
         return [float(task.reward(prompts[i // G], task.tokenizer.decode(r.tokens)))
                 for i, r in zip(rollout.ids, rollout.out.results)]
-
-    def _harvest_sink(self, step: int, own: range | None) -> Callable:
-        """Drafter data from the policy's own forward: this rank's sequences of the batch (None: all)."""
-        self.drafter.buffer.advance_step(step)
-
-        def on_hidden(index: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-            if own is None or index in own:
-                self.drafter.harvest(step, tokens.tolist(), hidden[:-1])
-        return on_hidden
 
     def log_and_checkpoint(self, step: int, record: dict[str, Any], writer: MetricsWriter | None, bar) -> None:
         """Every rank: rank 0 (the one with a ``writer``) logs; the checkpoint is rank 0's or collective."""

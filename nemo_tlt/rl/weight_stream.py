@@ -81,8 +81,10 @@ class WeightStream:
 
 
 def _bytes(tensor: torch.Tensor) -> bytes:
-    """The tensor's raw bytes, for any dtype (numpy has no bfloat16)."""
-    return tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    """The tensor's raw bytes, for any dtype (numpy has no bfloat16), read from a private host
+    copy: ``numpy()`` of the tensor's own storage would mark it not resizable for good, and the
+    policy's training-state offload (``rollout.training_state=offload``) releases it by resizing."""
+    return tensor.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def sync_weights(policy: Any, engine: Any, drafter: Any, sd_policy: Any, idle: Any, *,

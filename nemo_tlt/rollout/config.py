@@ -20,6 +20,9 @@ ENGINES = Registry("rollout engine", "rollout.engine", {
     "vllm": "nemo_tlt.rollout.factory:vllm_engine",
 })
 COMPUTE_DTYPES = {"model": None, "float32": torch.float32}
+# rollout.training_state: where the policy's training state (weights, gradients, optimizer state)
+# stays while the engine decodes (nemo_tlt.rl.training_state)
+TRAINING_STATES = ("resident", "offload")
 
 
 @dataclass(frozen=True)
@@ -88,12 +91,21 @@ class RolloutConfig(SpecDecodingConfig):
     docs/benchmarks.md, "Precision"). ``tensor_parallel``: ranks per rollout replica (torch
     engine): the loop groups consecutive ranks into replicas of this many, each rank holding
     1/TP of the model's split weights (``nemo_tlt.weights.rollout``); every rank of a replica
-    decodes the replica's prompts together. The SD fields are
+    decodes the replica's prompts together. ``training_state``: ``resident`` keeps the policy's
+    training state on the device during the rollout; ``offload`` moves it to host memory (pinned
+    where CUDA is available) before the rollout and back before the update, freeing its device
+    memory for the engine (``nemo_tlt.rl.training_state``; the backend's
+    ``OffloadsTrainingState``). ``kv_cache_gib``: the torch engine's KV budget per rank, in GiB
+    (null: unbounded), the target's cache and the drafter's together: the caches never grow past
+    it, and requests that do not fit together are decoded in waves (``rollout.kv_admission``;
+    vLLM's is ``vllm.kv_cache_gib``). The SD fields are
     :class:`~nemo_tlt.adaptive.config.SpecDecodingConfig`'s."""
 
     engine: str = "torch"
     compute_dtype: str = "model"
     tensor_parallel: int = 1
+    training_state: str = "resident"
+    kv_cache_gib: Optional[float] = None
     vllm: VLLMRolloutSettings = field(default_factory=VLLMRolloutSettings)
     trtllm: TRTLLMRolloutSettings = field(default_factory=TRTLLMRolloutSettings)
 
@@ -108,6 +120,14 @@ class RolloutConfig(SpecDecodingConfig):
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"RolloutConfig.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got "
                              f"{self.compute_dtype!r}")
+        if self.kv_cache_gib is not None:
+            check_float("rollout.kv_cache_gib", self.kv_cache_gib, 0, lo_open=True)
+            if self.engine in ("trtllm", "vllm"):
+                raise ValueError(f"rollout.kv_cache_gib bounds the torch engine's KV cache; with rollout.engine="
+                                 f"{self.engine} leave it null (vLLM's budget: rollout.vllm.kv_cache_gib)")
+        if self.training_state not in TRAINING_STATES:
+            raise ValueError(f"rollout.training_state must be one of {', '.join(TRAINING_STATES)}, got "
+                             f"{self.training_state!r}")
 
     def max_draft_depth(self) -> int:
         """The deepest tree of the chosen SD policy's arms (1 with SD off)."""

@@ -46,7 +46,8 @@ def torch_engine(config: RolloutConfig, model_dir: str, placement: Placement, *,
     """The embedded engine (``rollout.engine=torch``); it loads the drafter later (``load_drafter``)."""
     from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
     return TorchRolloutEngine.from_hf_folder(model_dir, device=placement.device, dtype=placement.dtype,
-                                             tp=tp, compute_dtype=config.engine_compute_dtype)
+                                             tp=tp, compute_dtype=config.engine_compute_dtype,
+                                             kv_cache_gib=config.kv_cache_gib)
 
 
 def trtllm_engine(config: RolloutConfig, model_dir: str, placement: Placement, *, tp: TensorParallel | None = None,

@@ -27,8 +27,8 @@ class RowBatch:
     max_slots: int = 0          # the most cache slots a row can need (prompt + budget + tree)
 
     def kv_bytes(self) -> int:
-        draft_cache = getattr(self.draft_state, "cache", None)
-        return self.cache.nbytes() + (draft_cache.nbytes() if draft_cache is not None else 0)
+        """KV bytes held: the target's cache and the drafter's (what ``rollout.kv_cache_gib`` bounds)."""
+        return self.cache.nbytes() + draft_kv_bytes(self.draft_state)
 
     def reserve(self, slots: int, used: int) -> None:
         """Grow every slot-indexed buffer to hold `slots` slots per row (see KVCache.reserve);
@@ -57,3 +57,9 @@ class RowBatch:
         self.cache.select_rows(keep, used)
         if self.draft_state is not None:
             self.draft_state.select_rows(keep)
+
+
+def draft_kv_bytes(state: DraftState | None) -> int:
+    """Bytes of a drafter state's own KV cache (EAGLE's ``EagleState.cache``; 0 for a state without one)."""
+    cache = getattr(state, "cache", None)
+    return cache.nbytes() if cache is not None else 0

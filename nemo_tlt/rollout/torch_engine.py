@@ -13,6 +13,8 @@ Fixed costs per rollout are kept small, because every method pays them alike:
 prompts are prefilled in length-sorted chunks (little padding), a finished row's
 place is taken by the last running row (one row moves, not all), and the caches
 start at the longest prompt + `initial_slots` and double only as rows lengthen.
+With a KV budget (``kv_cache_gib``, ``rollout.kv_cache_gib``) the caches never grow past it:
+the requests are decoded in waves of rows that fit it together (nemo_tlt.rollout.kv_admission).
 
 Per row b the engine keeps (see nemo_tlt.drafter.base): committed length L[b]
 (slots in the target KV cache), tokens[b, :L+1] (x_L is the root, produced but not
@@ -66,6 +68,7 @@ from nemo_tlt.model.tensor_parallel import TensorParallel, active
 from nemo_tlt.model.host import host_list, host_syncs
 from nemo_tlt.model.layers import padded_causal_mask
 from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.rollout.kv_admission import admission, check_fits, engine_slot_bytes, wave_requests, wave_slots
 from nemo_tlt.rollout.prefill import prefill_chunks
 from nemo_tlt.rollout.row_batch import RowBatch
 from nemo_tlt.rollout.row_steps import commit_tokens, done_rows, longest_running, retire_rows
@@ -90,6 +93,8 @@ class TorchRolloutEngine:
     prefill forward (see prefill_chunks) and ``initial_slots`` is how many cache slots
     per row are allocated past the longest prompt at first (None: room for
     max_new_tokens up front); none of them changes a token generated.
+    ``kv_cache_gib`` (``rollout.kv_cache_gib``; None: unbounded) bounds the KV bytes this rank's
+    caches hold, the target's and the drafter's (see nemo_tlt.rollout.kv_admission).
     ``compute_dtype`` (None: the target's own dtype) is the dtype the engine computes
     and caches in (see the module docstring); a target in another dtype is copied and
     cast, the caller's model is left as it is."""
@@ -98,7 +103,7 @@ class TorchRolloutEngine:
 
     def __init__(self, target: DecoderLM, drafter: Drafter | None = None, *, max_tree_nodes: int = 256,
                  prefill_overhead_tokens: int = 64, initial_slots: int | None = 128,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, kv_cache_gib: float | None = None) -> None:
         if max_tree_nodes < 1:
             raise ValueError(f"TorchRolloutEngine.max_tree_nodes must be >= 1, got {max_tree_nodes}")
         if prefill_overhead_tokens < 0:
@@ -106,6 +111,10 @@ class TorchRolloutEngine:
                              f"{prefill_overhead_tokens}")
         if initial_slots is not None and initial_slots < 1:
             raise ValueError(f"TorchRolloutEngine.initial_slots must be >= 1 or None, got {initial_slots}")
+        if kv_cache_gib is not None and not kv_cache_gib > 0:
+            raise ValueError(f"TorchRolloutEngine.kv_cache_gib (rollout.kv_cache_gib) must be > 0 or None, got "
+                             f"{kv_cache_gib!r}")
+        self.kv_cache_gib = kv_cache_gib
         self.weights_dtype = target.lm_head_weight.dtype
         self.target = compute_copy(target, compute_dtype).eval()
         self.tp: TensorParallel | None = target.tp
@@ -182,7 +191,8 @@ class TorchRolloutEngine:
                  return_hidden: bool = False, on_finish: FinishSink | None = None) -> GenerateOutput:
         """See `RolloutEngine.generate` (``on_finish`` runs as each row retires). With TP,
         every rank of the group calls it alike (nemo_tlt.rollout.tp_lockstep)."""
-        self._validate(requests, sampling)
+        slot_bytes = engine_slot_bytes(self.target, self.drafter) if self.kv_cache_gib is not None else 0
+        self._validate(requests, sampling, slot_bytes)
         lead = self.tp is None or self.tp.rank == 0  # whose policy is consulted
         stats = GenerationStats()
         t_start, syncs_start = time.perf_counter(), host_syncs()
@@ -191,8 +201,32 @@ class TorchRolloutEngine:
         accepted: list[torch.Tensor] = []  # per SD step, tokens per row: read back once at the end
         if policy is not None and lead:
             policy.begin_rollout()
-        batch = self._prefill(requests, sampling, gen, stats)
-        stats.prefill_s = time.perf_counter() - t_start
+        for rows in admission(requests, sampling, self.kv_cache_gib, slot_bytes):
+            wave = requests if len(rows) == len(requests) else wave_requests(requests, rows)
+            sink = None if on_finish is None else (lambda i, result, rows=rows: on_finish(rows[i], result))
+            done = self._decode(wave, sampling, gen, stats, policy if lead else None, accepted, return_hidden, sink,
+                                wave_slots(self.kv_cache_gib, len(rows), slot_bytes))
+            for i, result in zip(rows, done):
+                results[i] = result
+        if accepted:
+            stats.accept_lengths.extend(host_list(torch.cat(accepted)))
+        stats.host_syncs = host_syncs() - syncs_start
+        stats.wall_s = time.perf_counter() - t_start
+        stats.time_other_s = stats.wall_s - stats.time_draft_s - stats.time_verify_s - stats.time_plain_s
+        out = GenerateOutput([r for r in results if r is not None], stats)
+        if self.tp is not None:
+            check_agreement(self.tp, out.results)
+        return out
+
+    def _decode(self, requests: list[Request], sampling, gen, stats, policy: SpecPolicy | None, accepted: list,
+                return_hidden: bool, on_finish: FinishSink | None, slot_cap: int | None) -> list[RequestResult]:
+        """Prefill `requests` and decode them all to their ends (one wave); ``policy`` is
+        consulted here only on the rank that leads (None elsewhere), ``slot_cap`` caps the
+        cache slots per row (the KV budget's). Returns their results in request order."""
+        t_start = time.perf_counter()
+        results: list[RequestResult | None] = [None] * len(requests)
+        batch = self._prefill(requests, sampling, gen, stats, slot_cap)
+        stats.prefill_s += time.perf_counter() - t_start
         eos = self.target.config.eos_token_id
         done = done_rows(batch, sampling, eos)
         any_done, longest = host_list(torch.stack((done.any().long(), longest_running(batch, done))))
@@ -217,20 +251,12 @@ class TorchRolloutEngine:
                                                              longest_running(batch, done))))
             dt = time.perf_counter() - t0
             stats.tokens_generated += made
-            if policy is not None and lead:
+            if policy is not None:
                 policy.observe(running, shape, made, dt)
             retire_rows(batch, done, bool(any_done), longest, sampling, eos, results, return_hidden, on_finish)
             stats.trace.append(StepTrace(running, shape.name if shape else None, made, made / running, dt,
                                          batch.kv_bytes(), host_syncs() - syncs0))
-        if accepted:
-            stats.accept_lengths.extend(host_list(torch.cat(accepted)))
-        stats.host_syncs = host_syncs() - syncs_start
-        stats.wall_s = time.perf_counter() - t_start
-        stats.time_other_s = stats.wall_s - stats.time_draft_s - stats.time_verify_s - stats.time_plain_s
-        out = GenerateOutput([r for r in results if r is not None], stats)
-        if self.tp is not None:
-            check_agreement(self.tp, out.results)
-        return out
+        return results
 
     def _choose(self, policy: SpecPolicy | None, running: int) -> TreeShape | None:
         if self.tp is None:
@@ -245,20 +271,22 @@ class TorchRolloutEngine:
         return shape
 
     # ---- validation ---------------------------------------------------------
-    def _validate(self, requests: list[Request], sampling: SamplingParams) -> None:
+    def _validate(self, requests: list[Request], sampling: SamplingParams, slot_bytes: int) -> None:
         if self.tp is None:
-            return self._validate_local(requests, sampling)
+            return self._validate_local(requests, sampling, slot_bytes)
         try:
-            self._validate_local(requests, sampling)
+            self._validate_local(requests, sampling, slot_bytes)
         except ValueError as err:
             return check_ready(self.tp, err)
         check_ready(self.tp, None)
 
-    def _validate_local(self, requests: list[Request], sampling: SamplingParams) -> None:
+    def _validate_local(self, requests: list[Request], sampling: SamplingParams, slot_bytes: int) -> None:
         if self._failed_load is not None:
             raise ValueError(f"generate: the last load_policy_weights failed midway ({self._failed_load}); "
                              "the model is half-written: load complete weights first")
         validate_requests(requests, sampling, self.target.config)
+        if self.kv_cache_gib is not None:
+            check_fits(requests, sampling, self.kv_cache_gib, slot_bytes)
 
     @staticmethod
     def _tree_slots(shape: TreeShape) -> int:
@@ -287,14 +315,17 @@ class TorchRolloutEngine:
         hidden = self.target.hidden(tokens, positions, cache, new_mask)
         return hidden, hidden
 
-    def _prefill(self, requests, sampling, gen, stats) -> RowBatch:
+    def _prefill(self, requests, sampling, gen, stats, slot_cap: int | None) -> RowBatch:
         """Prompts are sorted by length (row b holds request rows[b]) and prefilled in
-        the chunks of `prefill_chunks`, each padded to its own longest prompt."""
+        the chunks of `prefill_chunks`, each padded to its own longest prompt; the caches
+        may grow to `slot_cap` slots per row (None: as many as a row can use)."""
         B, dev = len(requests), self.device
         order = sorted(range(B), key=lambda i: len(requests[i].prompt))
         lens_host = [len(requests[i].prompt) for i in order]
         T = lens_host[-1]
         max_slots = T + sampling.max_new_tokens + self.max_tree_nodes + 2
+        if slot_cap is not None:
+            max_slots = min(max_slots, slot_cap)  # >= T + max_new_tokens: plain steps always fit (check_fits)
         cap = max_slots if self.initial_slots is None else min(max_slots, T + self.initial_slots)
         prompts = torch.zeros(B, cap + 1, dtype=torch.long, device="cpu")  # the prompts' one trip to the device
         for b, i in enumerate(order):

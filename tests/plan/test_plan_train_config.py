@@ -71,6 +71,20 @@ def test_rollout_tensor_parallel(tmp_path):
         _plan(tmp_path, train=["rollout.tensor_parallel=2"])
 
 
+def test_training_state(tmp_path):
+    """The run's rollout.training_state is what the plan keeps on the GPU during the rollout:
+    ``offload`` (the shipped pair) is the plan's ``offload``, ``resident`` its ``all``; the plan's
+    ``weights`` is no run's."""
+    assert _plan(tmp_path).rollout.training_state == "offload"
+    with pytest.raises(ValueError, match=r"plan rollout\.training_state='offload' disagrees with .*: "
+                                         r"rollout\.training_state='resident' runs with training_state='all'"):
+        _plan(tmp_path, train=["rollout.training_state=resident"])
+    assert _plan(tmp_path, train=["rollout.training_state=resident"], plan=["rollout.training_state=all"])
+    with pytest.raises(ValueError, match=r"plan rollout\.training_state='weights' disagrees with .*: "
+                                         r"rollout\.training_state='offload' runs with training_state='offload'"):
+        _plan(tmp_path, plan=["rollout.training_state=weights"])
+
+
 def test_gradient_bytes(tmp_path):
     with pytest.raises(ValueError, match=r"plan training\.grad_bytes=2 disagrees with .*: "
                                          r"policy\.backend='megatron' runs with grad_bytes=4"):

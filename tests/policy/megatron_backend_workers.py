@@ -29,6 +29,9 @@ class PolicyCase:
     # an EAGLE-3 drafter's layers: the first update's forward hands on_hidden their features
     capture_layers: tuple[int, ...] | None = None
     engine_features: list | None = None  # the engine's harvest of `batch` with that drafter loaded
+    # rollout.training_state=offload: a second policy takes the same two steps, offloaded and
+    # reloaded between them, and must end bit for bit where the first one does
+    offload: bool = False
 
 
 def _gather(value, world: int):
@@ -56,9 +59,11 @@ def run_case(case: PolicyCase, world: int) -> dict | None:
     # the slice-only sync of a rollout replica of 2 ranks (on 2-rank worlds): this rank's slices only
     rollout_slices = dict(trainer.canonical_weights(rollout_tp=2)) if world == 2 else None
     # a second step with the old log-probs taken from the loss forward itself (logp_old=None)
-    trainer.update(batch, case.advantages[list(mine)], None, ref, global_tokens)
+    stats_on_policy = trainer.update(batch, case.advantages[list(mine)], None, ref, global_tokens)
     canonical_on_policy = trainer.canonical_state_dict()
-    local = {"coords": trainer.coords, "dp": dp_rank, "ids": mine, "old": old, "ref": ref, "stats": stats,
+    moved = (_offloaded_twin(case, batch, case.advantages[list(mine)], (old, ref), global_tokens,
+                             (stats, stats_on_policy), trainer.state_dict()) if case.offload else None)
+    local = {"coords": trainer.coords, "dp": dp_rank, "offload": moved and moved[1], "ids": mine, "old": old, "ref": ref, "stats": stats,
              "hidden": hidden, "features": features, "rollout": rollout, "rollout_slices": rollout_slices,
              "norms": {k: v.clone() for k, v in trainer.model.state_dict().items() if "layernorm.weight" in k},
              "opt_state_keys": sorted(trainer.state_dict()),
@@ -70,7 +75,62 @@ def run_case(case: PolicyCase, world: int) -> dict | None:
     parallel_state.destroy_model_parallel()
     if dist.get_rank() != 0:
         return None
-    return {"canonical": canonical, "canonical_on_policy": canonical_on_policy, "ranks": everyone}
+    return {"canonical": canonical, "canonical_on_policy": canonical_on_policy, "ranks": everyone,
+            "canonical_offloaded": moved and moved[0]}
+
+
+def _training_state(policy) -> dict[str, list[torch.Tensor]]:
+    """Every tensor of a megatron policy's training state, by kind."""
+    from nemo_tlt.megatron.ddp_optimizer import distributed_optimizers
+
+    opts = distributed_optimizers(policy.optimizer)
+    return {"weights": list(policy.model.parameters()),
+            "param_buffers": [b.param_data for b in policy.ddp.buffers],
+            "grad_buffers": [b.grad_data for b in policy.ddp.buffers],
+            "main_grads": [p.main_grad for p in policy.model.parameters()],
+            "optimizer": [v for o in opts for st in o.optimizer.state.values() for v in st.values()
+                          if isinstance(v, torch.Tensor)],
+            "main_params": [p for o in opts for g in o.optimizer.param_groups for p in g["params"]],
+            "reference": list(policy.reference.parameters()) if policy.reference is not None else []}
+
+
+def _offload_round_trip(policy) -> dict:
+    """Offload and reload (no KL reference here): the kinds whose storage was not released, and
+    whether every tensor (bf16: the fp32 main params are tensors of their own) came back bit for bit."""
+    state = {k: v for k, v in _training_state(policy).items() if k != "reference"}
+    before = {k: [t.clone() for t in ts] for k, ts in state.items()}
+    policy.offload_training_state()
+    kept = sorted(k for k, ts in state.items() if not ts or any(t.untyped_storage().nbytes() for t in ts))
+    policy.reload_training_state()
+    same = all(_same(before[k], v) for k, v in state.items() if "grad" not in k)
+    return {"kept": kept, "same": same, "grads_zero": all(not t.any() for k in ("grad_buffers", "main_grads")
+                                                          for t in state[k])}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _offloaded_twin(case: PolicyCase, batch: list, advantages: torch.Tensor, logprobs: tuple, global_tokens: int,
+                    stats: tuple[dict, dict], state: dict) -> tuple[dict | None, dict]:
+    """The two steps again on a second policy, offloaded and reloaded in between: (its gathered
+    canonical weights, on rank 0; this rank's findings: the state's kinds whose storage was not
+    released, whether the stats and the optimizer shard equal the first policy's bit for bit)."""
+    twin = build_policy_backend(case.policy, case.canonical, case.cfg, temperature=1.0, seed=1234)
+    first = twin.update(batch, advantages, *logprobs, global_tokens)
+    twin.offload_training_state()
+    kept = sorted(kind for kind, tensors in _training_state(twin).items()
+                  if not tensors or any(t.untyped_storage().nbytes() for t in tensors))
+    twin.reload_training_state()
+    second = twin.update(batch, advantages, None, logprobs[1], global_tokens)
+    return twin.canonical_state_dict(), {"kept": kept, "stats": _same((first, second), stats),
+                                         "state": _same(twin.state_dict(), state)}
 
 
 def session(ctx: RankContext, cases: list[PolicyCase]) -> dict | None:
@@ -101,6 +161,7 @@ def bf16_update(ctx: RankContext, cfg: LMConfig, canonical: dict, policy: Policy
                                      for k, v in s.items() if k != "step"}),
              "params_are_rounded_masters": bool(mains) and all(torch.equal(p, m.to(p.dtype))
                                                                for p, m in zip(shards, mains))}
+    local["offload"] = _offload_round_trip(trainer)
     weights = trainer.canonical_state_dict()
     masters = _canonical_masters(trainer, opts)
     everyone = _gather(local, ctx.world)

@@ -87,7 +87,7 @@ def _rollout(cfg: LMConfig, weights: dict, seed: int, n: int = 5, capture_layers
 
 
 def _case(name: str, cfg: LMConfig, policy: PolicyConfig, seed: int, shards=(), rollout: bool = False,
-          capture_layers: tuple[int, ...] | None = None) -> PolicyCase:
+          capture_layers: tuple[int, ...] | None = None, offload: bool = False) -> PolicyCase:
     weights = _weights(cfg, seed)
     batch, adv = _batch(seed)
     engine_hidden = engine_features = None
@@ -96,15 +96,16 @@ def _case(name: str, cfg: LMConfig, policy: PolicyConfig, seed: int, shards=(), 
         if capture_layers is not None:
             again, _, engine_features = _rollout(cfg, weights, seed, capture_layers=capture_layers)
             assert again == batch  # the drafter only adds features; the rollout is the same
-    return PolicyCase(name, cfg, weights, policy, batch, adv, shards, engine_hidden, capture_layers, engine_features)
+    return PolicyCase(name, cfg, weights, policy, batch, adv, shards, engine_hidden, capture_layers, engine_features,
+                      offload)
 
 
-CASES_1 = [_case("tp1", LLAMA, _policy(), 0)]
+CASES_1 = [_case("tp1", LLAMA, _policy(), 0, offload=True)]
 CASES_2 = [
     # EAGLE-3 features: layers out of order (tp2), on both pipeline stages and repeated (pp2)
     _case("tp2", LLAMA, _policy(tp=2), 1, rollout=True, capture_layers=(1, 0)),
-    _case("pp2_qwen_tied", QWEN_TIED, _policy(pp=2), 2, capture_layers=(1, 0, 1)),
-    _case("dp2", LLAMA, _policy(), 3, shards=((0, 2, 4), (1, 3))),
+    _case("pp2_qwen_tied", QWEN_TIED, _policy(pp=2), 2, capture_layers=(1, 0, 1), offload=True),
+    _case("dp2", LLAMA, _policy(), 3, shards=((0, 2, 4), (1, 3)), offload=True),
 ]
 CASES = CASES_1 + CASES_2
 
@@ -340,3 +341,21 @@ def test_bad_parallel_sizes_fail_before_any_collective():
         check_policy_model(_policy(pp=3), cfg)
     with pytest.raises(RuntimeError, match=r"initialised torch.distributed world"):
         MegatronPolicy({}, cfg, _policy(), temperature=1.0, seed=0)
+
+
+OFFLOADED = [c for c in CASES if c.offload]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", OFFLOADED, ids=[c.name for c in OFFLOADED])
+def test_offloaded_training_state_is_released_and_the_next_update_is_bit_identical(results, case):
+    """``offload_training_state`` between two steps: the DDP parameter and gradient buffers, the
+    distributed optimizer's state and main params and the KL reference hold no memory until
+    ``reload_training_state``, and the second step then ends bit for bit where the policy that
+    never moved ends (stats, this rank's optimizer shard, the gathered weights)."""
+    res = results[case.name]
+    for rank in res["ranks"]:
+        assert rank["offload"] == {"kept": [], "stats": True, "state": True}, rank["coords"]
+    want, got = res["canonical_on_policy"], res["canonical_offloaded"]
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -36,6 +36,9 @@ def test_megatron_bf16_step_keeps_fp32_masters_and_tracks_the_torch_backend():
         assert rank["optimizers"] == ["DistributedOptimizer"]
         assert rank["param_dtypes"] == ["torch.bfloat16"] and rank["master_dtypes"] == ["torch.float32"]
         assert rank["state_dtypes"] == ["torch.float32"] and rank["params_are_rounded_masters"]
+        # rollout.training_state=offload after the step: bf16 weights, fp32 main params, Adam state and
+        # gradient buffers released, then back bit for bit (gradients zeroed)
+        assert rank["offload"] == {"kept": [], "same": True, "grads_zero": True}
     ref = build_policy_backend(PolicyConfig(micro_batch=4, optim=OPTIM), canonical, CFG, temperature=1.0, seed=0,
                                placement=Placement.cpu(torch.bfloat16))
     want = ref.update(batch, adv, None, None, sum(len(r) for _, r in batch))

@@ -1,6 +1,6 @@
 """The optional parts of the policy contract (``nemo_tlt.policy.protocol``) as the backends
 declare them: the torch backend implements the pipelined update's accumulation, the
-megatron backend sharded checkpoints; the loop refuses a setting whose part a backend lacks,
+megatron backend sharded checkpoints, both the training-state offload; the loop refuses a setting whose part a backend lacks,
 naming it (checked here on a backend without either)."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 from nemo_tlt.drafter.base import CapturesLayers
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
-from nemo_tlt.policy.protocol import PipelinedAccumulation, ShardedCheckpoints, missing_methods, require
+from nemo_tlt.policy.protocol import (OffloadsTrainingState, PipelinedAccumulation, ShardedCheckpoints,
+                                      missing_methods, require)
 from nemo_tlt.policy.torch_backend import TorchPolicy
 from tiny import tiny_config
 
@@ -19,6 +20,8 @@ def test_the_backends_declare_their_optional_parts():
 
     assert missing_methods(TorchPolicy, PipelinedAccumulation) == []
     assert missing_methods(MegatronPolicy, ShardedCheckpoints) == []
+    assert missing_methods(TorchPolicy, OffloadsTrainingState) == missing_methods(MegatronPolicy,
+                                                                                  OffloadsTrainingState) == []
     assert missing_methods(MegatronPolicy, PipelinedAccumulation) == [
         "begin_accumulation", "num_parts", "accumulate", "apply_accumulated"]
 

@@ -1,6 +1,7 @@
 """The RL loop with `policy.backend=megatron` (2 data-parallel gloo workers, each a
 real megatron-core GPTModel): TLT vs baseline stay identical, and the policy update
-agrees with the torch backend's on the same rollouts."""
+agrees with the torch backend's on the same rollouts (the data-parallel layout with its
+training state offloaded during every rollout: ``rollout.training_state=offload``)."""
 from __future__ import annotations
 
 import json
@@ -41,16 +42,19 @@ def torch_run(tiny_models, tmp_path_factory) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["dp2", "tp2", "pp2"])
-def test_megatron_backend_matches_torch_backend(tiny_models, torch_run, tmp_path, tp, pp):
+@pytest.mark.parametrize("tp,pp,state", [(1, 1, "offload"), (2, 1, "resident"), (1, 2, "resident")],
+                         ids=["dp2_offload", "tp2", "pp2"])
+def test_megatron_backend_matches_torch_backend(tiny_models, torch_run, tmp_path, tp, pp, state):
     target, drafter = tiny_models
     mc = tmp_path / "megatron"
     assert main([*_args(target, drafter, mc, "megatron", f"policy.tensor_parallel={tp}",
-                        f"policy.pipeline_parallel={pp}"), "--compare-baseline", "--pairs", "1"]) == 0
+                        f"policy.pipeline_parallel={pp}", f"rollout.training_state={state}"),
+                 "--compare-baseline", "--pairs", "1"]) == 0
     report = json.loads((mc / "report.json").read_text())
     assert report["rollouts_identical"] and report["rewards_identical"]
     tlt = _metrics(mc / "pair1" / "tlt")
     assert all(r["replicas_identical"] for r in tlt)
+    assert all((r["offload_s"] > 0) == (state == "offload") for r in tlt)
     torch_metrics = _metrics(torch_run / "tlt") if (torch_run / "tlt").is_dir() else _metrics(torch_run)
     # same initial weights and coupled sampling: the first rollout is the same tokens
     assert tlt[0]["rollout_digest"] == torch_metrics[0]["rollout_digest"]

@@ -1,0 +1,70 @@
+"""The plan under a KV budget (``rollout.kv_cache_gib``): its KV term is min(budget, what the rows
+need), the rows a replica decodes at once and their slots follow the engine's rule
+(``nemo_tlt.model.kv_budget``; the engine's side: tests/rollout/test_kv_budget.py), a budget
+that holds no row is refused by name, and the plan's budget must be its training run's."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nemo_tlt.config import load_config
+from nemo_tlt.model.config import LMConfig
+from nemo_tlt.plan.build import make_plan
+from nemo_tlt.plan.cluster import GIB
+from nemo_tlt.plan.config import load_plan_config
+from nemo_tlt.plan.memory import RolloutShape, kv_budget_rows, kv_budget_slots, rollout_kv_slot_bytes, rollout_memory
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+PLAN, TRAIN = CONF / "qwen2.5-32b_plan.yaml", CONF / "qwen2.5-32b_grpo.yaml"
+# 2 layers, 2 KV heads of 16: 2 x 2 x 2 x 16 x 2 B = 256 B per token at TP 1, the drafter's layer 128 B more
+CFG = LMConfig(family="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+               num_kv_heads=2)
+TRAINING = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0}
+
+
+def test_kv_term_rows_and_slots_by_hand():
+    assert rollout_kv_slot_bytes(CFG, 1, sd=False) == 256 and rollout_kv_slot_bytes(CFG, 1, sd=True) == 384
+    assert rollout_kv_slot_bytes(CFG, 2, sd=True) == 128 + 128  # the target's heads split, the drafter's not
+    need = 256 * 4 * 10                                          # 4 rows of 10 tokens
+    unbounded = RolloutShape(tp=1, concurrency=4, context=10, sd=True)
+    assert rollout_memory(CFG, unbounded, TRAINING)["kv_cache"] == need
+    assert kv_budget_rows(CFG, unbounded) is None and kv_budget_slots(CFG, unbounded, 4) is None
+    budget = 2 * 384 * 10 / GIB                                  # two rows of 10 tokens, target and drafter
+    bound = RolloutShape(tp=1, concurrency=4, context=10, sd=True, kv_cache_gib=budget)
+    assert rollout_memory(CFG, bound, TRAINING)["kv_cache"] == 2 * 384 * 10 < need
+    assert kv_budget_rows(CFG, bound) == 2
+    assert kv_budget_slots(CFG, bound, 4) == 5 and kv_budget_slots(CFG, bound, 2) == 10
+    roomy = RolloutShape(tp=1, concurrency=4, context=10, sd=True, kv_cache_gib=1.0)
+    assert rollout_memory(CFG, roomy, TRAINING)["kv_cache"] == need
+    with pytest.raises(ValueError, match=r"rollout\.kv_cache_gib must be > 0"):
+        RolloutShape(tp=1, concurrency=4, context=10, kv_cache_gib=0.0)
+
+
+def test_plan_with_a_budget(monkeypatch):
+    monkeypatch.chdir(CONF.parent)
+    free = make_plan(load_plan_config(PLAN, ["train_config=null"]))[0]
+    assert free["kv_cache_tokens_per_replica"]["budget_rows"] is None
+    out = make_plan(load_plan_config(PLAN, ["train_config=null", "rollout.kv_cache_gib=4.0"]))[0]
+    assert free["memory_gib"]["rollout"]["kv_cache"] > 4.0 == out["memory_gib"]["rollout"]["kv_cache"]
+    assert out["fits"]
+    # 64 layers x 2 KV heads of 128 per GPU (TP 4) + the drafter's 8 heads: 69632 B per token; 17408 tokens a row
+    assert out["kv_cache_tokens_per_replica"]["budget_rows"] == 4 * GIB // (17408 * 69632) == 3
+    tiny = make_plan(load_plan_config(PLAN, ["train_config=null", "rollout.kv_cache_gib=0.5"]))[0]
+    assert not tiny["fits"] and "rollout.kv_cache_gib=0.5 holds no row of 17408 tokens" in tiny["refusal"]
+    with pytest.raises(ValueError, match=r"rollout\.kv_cache_gib must be > 0"):
+        load_plan_config(PLAN, ["train_config=null", "rollout.kv_cache_gib=-1.0"])
+
+
+def test_the_plans_budget_is_its_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(CONF.parent)
+
+    def plan(train: list[str], overrides: list[str]):
+        path = tmp_path / "train.yaml"
+        path.write_text(load_config(TRAIN, train).to_yaml())
+        return load_plan_config(PLAN, [f"train_config={path}", *overrides])
+
+    with pytest.raises(ValueError, match=r"plan rollout\.kv_cache_gib=4\.0 disagrees with .*: "
+                                         r"rollout\.kv_cache_gib=None"):
+        plan([], ["rollout.kv_cache_gib=4.0"])
+    assert plan(["rollout.kv_cache_gib=4.0"], ["rollout.kv_cache_gib=4.0"]).rollout.kv_cache_gib == 4.0
