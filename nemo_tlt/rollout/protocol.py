@@ -264,3 +264,18 @@ class RolloutEngine(Protocol):
         SamplingParams) is a ValueError naming the field, raised before any decoding.
         """
         ...
+
+
+@runtime_checkable
+class SleepsBetweenRollouts(Protocol):
+    """An engine that can release its device memory while the policy updates (vLLM's sleep mode,
+    ``rollout.vllm.enable_sleep_mode``; ``nemo_tlt.rl.training_state``): ``sleep()`` after a
+    rollout frees what the engine holds on its device, keeping what it needs to serve the same
+    weights again; the engine wakes by itself at its next ``load_policy_weights``,
+    ``load_drafter`` or ``generate``, and then serves exactly as before it slept. ``sleeps``:
+    whether ``sleep()`` releases anything (False: it does nothing)."""
+
+    @property
+    def sleeps(self) -> bool: ...
+
+    def sleep(self) -> None: ...

@@ -252,7 +252,7 @@ class VLLMRolloutEngine:
         self._scheduler = self._find_scheduler()
         self._drafter_loaded = config.drafter_dir is not None
         self._failed_load: str | None = None
-        self._calls, self._closed = 0, False
+        self._calls, self._closed, self._asleep = 0, False, False
         self._lookups: dict[int, list[int]] = {}
         self._delta = importlib.import_module("vllm.sampling_params").RequestOutputKind.DELTA
 
@@ -269,6 +269,26 @@ class VLLMRolloutEngine:
                 stack.enter_context(_keep_default_group())
             self.llm.llm_engine.engine_core.shutdown()
         self._closed = True
+
+    # ---- sleep mode (``SleepsBetweenRollouts``; CUDA only, written for it and not run) ----
+    @property
+    def sleeps(self) -> bool:
+        """Whether ``sleep()`` releases memory: built with ``enable_sleep_mode`` (vLLM refuses it
+        on its CPU build)."""
+        return self.config.enable_sleep_mode
+
+    def sleep(self) -> None:
+        """vLLM's level-1 sleep: its weights (the target's and the drafter's) go to host memory
+        and its KV cache is discarded; nothing when not built for it or asleep already. The next
+        load or ``generate`` wakes it (``wake_up``: weights back, KV cache reallocated)."""
+        if self.sleeps and not self._asleep and not self._closed:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
 
     @classmethod
     def from_hf_folder(cls, path: str | os.PathLike, **kwargs: Any) -> "VLLMRolloutEngine":
@@ -297,6 +317,7 @@ class VLLMRolloutEngine:
         reloads it in place. A failure inside vLLM's reload leaves the model unservable until a
         complete load."""
         pairs = [p for bucket in weight_buckets(weights, self._shapes, 2**62) for p in bucket]
+        self._wake()
         try:
             with self._payload(pairs) as payload:
                 self.llm.collective_rpc("tlt_reload_policy", args=(payload,))
@@ -316,6 +337,7 @@ class VLLMRolloutEngine:
             raise ValueError("VLLMRolloutEngine.load_drafter: the engine was built without a drafter "
                              "(VLLMEngineConfig.drafter_dir is null); vLLM cannot add one at runtime")
         tensors = self._drafter_tensors(drafter)
+        self._wake()
         with self._payload(list(tensors.items())) as payload:
             self.llm.collective_rpc("tlt_reload_drafter", args=(payload,))
         self._drafter_loaded = True
@@ -368,6 +390,7 @@ class VLLMRolloutEngine:
                              "load complete weights first")
         validate.validate_requests(requests, sampling, self._served_config())
         refuse_coupled(sampling)
+        self._wake()
         # not only while speculating: an engine built with a drafter samples every step (a
         # plain one too, and each call's prefill) through vLLM's rejection sampler
         if self.config.drafter_dir is not None and sampling.mode == "rejection" and sampling.top_k > 0 \

@@ -66,4 +66,35 @@ def test_the_setting_is_checked_by_name():
     resident = TrainingState(Plain(), "resident", "mine")  # nothing asked of the backend, nothing moved
     resident.offload()
     resident.reload()
-    assert resident.times() == {"offload_s": 0.0, "reload_s": 0.0}
+    assert resident.times() == {"offload_s": 0.0, "reload_s": 0.0, "engine_sleep_s": 0.0}
+
+
+def test_an_engine_that_sleeps_sleeps_once_a_step_when_the_rollout_is_over():
+    """rollout.vllm.enable_sleep_mode: the engine sleeps at the step's first reload (this rank's
+    rollout is over), once, its seconds in the record; an engine that does not sleep, or does
+    not implement the contract, is left alone."""
+    class Engine:
+        def __init__(self, sleeps):
+            self.sleeps, self.calls = sleeps, 0
+
+        def sleep(self):
+            self.calls += 1
+
+    class Plain:
+        pass
+
+    engine = Engine(True)
+    state = TrainingState(Plain(), "resident", "mine", engine)
+    for step in range(2):
+        state.offload()
+        assert engine.calls == step  # not during the rollout
+        state.reload()
+        state.reload()
+        assert engine.calls == step + 1 and state.times()["engine_sleep_s"] > 0
+    idle = Engine(False)
+    for other in (idle, Plain()):
+        quiet = TrainingState(Plain(), "resident", "mine", other)
+        quiet.offload()
+        quiet.reload()
+        assert quiet.times()["engine_sleep_s"] == 0.0
+    assert idle.calls == 0

