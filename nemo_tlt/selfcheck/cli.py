@@ -29,6 +29,11 @@ the demo target with the trained demo EAGLE-3 drafter exported: greedy token ide
 against the torch engine, per-step acceptance, tokens/s with and without the drafter, and
 ``pytest -m trtllm``; same JSON and exit statuses (2: no tensorrt_llm or no CUDA device,
 nothing run). NEVER RUN yet.
+
+``--vllm`` (``selfcheck.vllm_check``) runs the vLLM engine with the shipped EAGLE-3 drafter of
+the demo target on ``cuda:0``, or on the CPU where CUDA is not available (vLLM's CPU build):
+greedy identity against vLLM plain, acceptance, tokens/s, sleep mode (CUDA), and ``pytest -m
+vllm``; same JSON and exit statuses (2: no vllm package, nothing run).
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ from nemo_tlt.selfcheck import engine_check as ec
 from nemo_tlt.selfcheck import kernel_checks as kc
 from nemo_tlt.selfcheck import system_checks as sc
 from nemo_tlt.selfcheck import trtllm_check as tc
+from nemo_tlt.selfcheck import vllm_check as vc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +103,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode.add_argument("--cpu-dry-run", action="store_true", help="the same checks on the CPU at toy sizes")
     mode.add_argument("--trtllm", action="store_true",
                       help="the TensorRT-LLM engine with the trained demo EAGLE-3 drafter, and pytest -m trtllm")
+    mode.add_argument("--vllm", action="store_true",
+                      help="the vLLM engine with the shipped demo EAGLE-3 drafter (cuda:0, else the CPU), and "
+                           "pytest -m vllm")
     p.add_argument("--out", required=True, help="the JSON to write")
     p.add_argument("--only", default=None, help="comma-separated check names to run (default: all)")
     p.add_argument("--cache-dir", default=None, help="where the demo assets are cached ($NEMO_TLT_CACHE)")
@@ -150,12 +159,21 @@ def trtllm_refusal() -> str | None:
     return "nemo-tlt selfcheck --trtllm: nothing was run.\n" + "\n".join(f"  - {r}" for r in reasons)
 
 
+def vllm_refusal() -> str | None:
+    """Why ``--vllm`` cannot run here (None: it can): the vllm package missing."""
+    from nemo_tlt.rollout.vllm_config import missing_package_message, vllm_installed
+
+    if vllm_installed():
+        return None
+    return "nemo-tlt selfcheck --vllm: nothing was run.\n  - " + missing_package_message("nemo-tlt selfcheck --vllm")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
-    refusal = trtllm_refusal() if args.trtllm else None
+    refusal = trtllm_refusal() if args.trtllm else vllm_refusal() if args.vllm else None
     if refusal is not None:
         print(refusal)
         return 2
@@ -164,26 +182,29 @@ def main(argv: list[str] | None = None) -> int:
               f"{torch.version.cuda}); nothing was run. Run it on a GPU node, or --cpu-dry-run to exercise "
               "the checks on the CPU.")
         return 2
-    on_gpu = args.gpu or args.trtllm
+    on_gpu = args.gpu or args.trtllm or (args.vllm and torch.cuda.is_available())
     device, sizes = (torch.device("cuda", 0), GPU_SIZES) if on_gpu else (torch.device("cpu"), DRY_RUN_SIZES)
     out = Path(args.out)
     with ec.scratch_folder() as tmp:
-        checks = tc.trtllm_plan(Path(tmp), args.cache_dir) if args.trtllm else plan(device, sizes, Path(tmp),
-                                                                                     args.cache_dir)
+        checks = (tc.trtllm_plan(Path(tmp), args.cache_dir) if args.trtllm else vc.vllm_plan(Path(tmp)) if args.vllm
+                  else plan(device, sizes, Path(tmp), args.cache_dir))
         wanted = list(checks) if args.only is None else [c.strip() for c in args.only.split(",")]
         unknown = [c for c in wanted if c not in checks]
         if unknown:
             print(f"nemo-tlt selfcheck: --only names unknown checks {unknown}; known: {list(checks)}")
             return 2
-        mode = "trtllm" if args.trtllm else "gpu" if args.gpu else "cpu_dry_run"
-        env = {**environment(device), **(tc.trtllm_environment() if args.trtllm else {})}
+        mode = "trtllm" if args.trtllm else "vllm" if args.vllm else "gpu" if args.gpu else "cpu_dry_run"
+        extra = tc.trtllm_environment() if args.trtllm else vc.vllm_environment() if args.vllm else {}
+        env = {**environment(device), **extra}
         report: dict[str, Any] = {"mode": mode, "environment": env, "checks": {}}
         if args.gpu:
             budget = {name: BUDGET_S[name] for name in wanted}
             report["budget_s"] = budget
             print(f"selfcheck: budget {sum(budget.values())} s estimated for one H100 (not measured): {budget}",
                   flush=True)
-        if not on_gpu:
+        if args.vllm and not on_gpu:
+            report["note"] = "vLLM's CPU build on the CPU: it says nothing about a GPU"
+        elif not on_gpu:
             report["note"] = "a dry run on the CPU at toy sizes: it says nothing about a GPU"
         for name in wanted:
             print(f"selfcheck: {name} ...", flush=True)

@@ -19,18 +19,16 @@ NEVER RUN (no GPU and no TensorRT-LLM where it was written). Checks, in order:
 from __future__ import annotations
 
 import os
-import re
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
+from nemo_tlt.selfcheck.demo_rollouts import demo_prompts, greedy, pytest_marked
 from nemo_tlt.speculative.tree_shape import TreeShape
 
-REPO = Path(__file__).resolve().parents[2]
 BENCH_NOTE = ("training it takes about 105 minutes on one CPU thread (docs/benchmarks.md, 'Rollout: EAGLE-3 vs "
               "EAGLE-2 drafter'); it trains on the host CPU, on a GPU node too (time there unmeasured)")
 
@@ -87,23 +85,6 @@ def export_trained_eagle3(folder: Path, cache_dir: str | os.PathLike | None = No
     return TrainedEagle3(target_dir, folder, tuple(drafter.capture_layers), trained_s)
 
 
-def _prompts(num: int) -> list[list[int]]:
-    from nemo_tlt.demo.assets import AssetConfig, task_requests
-
-    _, reqs = task_requests(AssetConfig().task, num, seed=20_000)
-    return [list(r.prompt) for r in reqs]
-
-
-def _greedy(engine, prompts: list[list[int]], max_new: int, policy) -> tuple[list[list[int]], Any, float]:
-    from nemo_tlt.rollout.protocol import Request
-    from nemo_tlt.speculative.sampling import SamplingParams
-
-    t0 = time.perf_counter()
-    out = engine.generate([Request(p, seq_id=i) for i, p in enumerate(prompts)],
-                          SamplingParams("greedy", max_new_tokens=max_new), policy=policy)
-    return [r.tokens for r in out.results], out.stats, time.perf_counter() - t0
-
-
 class TRTLLMRun:
     """The engines of one ``--trtllm`` run, built once and shared by the checks."""
 
@@ -140,11 +121,11 @@ class TRTLLMRun:
         greedy on the host is reported beside it, as information (kernels differ)."""
         from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 
-        prompts = _prompts(self.prompts)
-        plain, _, _ = _greedy(self._engine(with_drafter=False), prompts, self.max_new, None)
+        prompts = demo_prompts(self.prompts)
+        plain, _, _ = greedy(self._engine(with_drafter=False), prompts, self.max_new, None)
         engine = self._engine(with_drafter=True)
-        sd, stats, _ = _greedy(engine, prompts, self.max_new, self.policy)
-        torch_plain, _, _ = _greedy(TorchRolloutEngine.from_hf_folder(self.drafter.target_dir), prompts,
+        sd, stats, _ = greedy(engine, prompts, self.max_new, self.policy)
+        torch_plain, _, _ = greedy(TorchRolloutEngine.from_hf_folder(self.drafter.target_dir), prompts,
                                     self.max_new, None)
         same = sum(a == b for a, b in zip(plain, sd))
         self._identity = {"stats": stats, "speculation": engine.last_speculation}
@@ -169,13 +150,13 @@ class TRTLLMRun:
 
     def throughput(self) -> dict[str, Any]:
         engines = {"plain": (self._engine(with_drafter=False), None), "sd": (self._engine(True), self.policy)}
-        prompts = _prompts(max(self.batch_sizes))
+        prompts = demo_prompts(max(self.batch_sizes))
         rows = []
         for batch in self.batch_sizes:
             row: dict[str, Any] = {"batch": batch}
             for name, (engine, policy) in engines.items():
-                _greedy(engine, prompts[:batch], self.max_new, policy)  # warm-up, not timed
-                tokens, stats, seconds = _greedy(engine, prompts[:batch], self.max_new, policy)
+                greedy(engine, prompts[:batch], self.max_new, policy)  # warm-up, not timed
+                tokens, stats, seconds = greedy(engine, prompts[:batch], self.max_new, policy)
                 row[f"{name}_tokens_per_s"] = sum(map(len, tokens)) / seconds
                 if name == "sd":
                     row["sd_mean_accept_len"] = stats.mean_accept_len
@@ -184,28 +165,10 @@ class TRTLLMRun:
         return {"draft_len": self.draft_len, "max_new_tokens": self.max_new, "rows": rows}
 
 
-SUMMARY = re.compile(r"^=+ (.*(passed|failed|skipped|error|no tests ran).*) =+$")
-
-
-def pytest_summary(output: str) -> str | None:
-    """pytest's last summary line (``== 3 passed, 1 skipped in 4.2s ==``), without the rules."""
-    lines = [SUMMARY.match(line.strip()) for line in output.splitlines()]
-    found = [m.group(1) for m in lines if m]
-    return found[-1] if found else None
-
-
 def pytest_trtllm(timeout_s: float | None = None,
                   run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> dict[str, Any]:
     """``pytest -m trtllm`` over the conformance suite and the engine's tests, as a user runs it."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "trtllm", "tests/conformance", "tests/rollout"]
-    done = run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=timeout_s,
-               env={**os.environ, "OMP_NUM_THREADS": "1"})
-    summary = pytest_summary(done.stdout)
-    result = {"command": " ".join(["pytest", *cmd[3:]]), "exit_status": done.returncode, "summary": summary}
-    if done.returncode != 0 or summary is None or "passed" not in summary:
-        raise AssertionError(f"{result['command']}: exit {done.returncode}, {summary!r}\n{done.stdout[-3000:]}"
-                             f"{done.stderr[-1000:]}")
-    return result
+    return pytest_marked("trtllm", timeout_s, run)
 
 
 def trtllm_plan(work: Path, cache_dir: str | None, prompts: int = 32, max_new: int = 400, draft_len: int = 4,
