@@ -53,3 +53,24 @@ def pytest_marked(marker: str, timeout_s: float | None = None,
         raise AssertionError(f"{result['command']}: exit {done.returncode}, {summary!r}\n{done.stdout[-3000:]}"
                              f"{done.stderr[-1000:]}")
     return result
+
+
+def sd_throughput(methods: dict[str, tuple[Any, Any]], prompts: list[list[int]], batch_sizes: tuple[int, ...],
+                  max_new: int) -> list[dict[str, Any]]:
+    """Greedy tokens/s of ``methods`` ({"sd": (engine, policy), "plain": (engine, None)}) per batch
+    size over the first prompts, each timed once after an untimed warm-up, the order reversed
+    every other batch size; ``sd_vs_plain`` the ratio."""
+    rows = []
+    for i, batch in enumerate(batch_sizes):
+        names = list(methods)[:: 1 if i % 2 == 0 else -1]
+        row: dict[str, Any] = {"batch": batch, "order": names}
+        for name in names:
+            engine, policy = methods[name]
+            greedy(engine, prompts[:batch], max_new, policy)  # warm-up, not timed
+            tokens, stats, seconds = greedy(engine, prompts[:batch], max_new, policy)
+            row[f"{name}_tokens_per_s"] = sum(map(len, tokens)) / seconds
+            if name == "sd":
+                row["sd_mean_accept_len"] = stats.mean_accept_len
+        row["sd_vs_plain"] = row["sd_tokens_per_s"] / row["plain_tokens_per_s"]
+        rows.append(row)
+    return rows

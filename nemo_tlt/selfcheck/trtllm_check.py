@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
-from nemo_tlt.selfcheck.demo_rollouts import demo_prompts, greedy, pytest_marked
+from nemo_tlt.selfcheck.demo_rollouts import demo_prompts, greedy, pytest_marked, sd_throughput
 from nemo_tlt.speculative.tree_shape import TreeShape
 
 BENCH_NOTE = ("training it takes about 105 minutes on one CPU thread (docs/benchmarks.md, 'Rollout: EAGLE-3 vs "
@@ -149,19 +149,8 @@ class TRTLLMRun:
         return out
 
     def throughput(self) -> dict[str, Any]:
-        engines = {"plain": (self._engine(with_drafter=False), None), "sd": (self._engine(True), self.policy)}
-        prompts = demo_prompts(max(self.batch_sizes))
-        rows = []
-        for batch in self.batch_sizes:
-            row: dict[str, Any] = {"batch": batch}
-            for name, (engine, policy) in engines.items():
-                greedy(engine, prompts[:batch], self.max_new, policy)  # warm-up, not timed
-                tokens, stats, seconds = greedy(engine, prompts[:batch], self.max_new, policy)
-                row[f"{name}_tokens_per_s"] = sum(map(len, tokens)) / seconds
-                if name == "sd":
-                    row["sd_mean_accept_len"] = stats.mean_accept_len
-            row["sd_vs_plain"] = row["sd_tokens_per_s"] / row["plain_tokens_per_s"]
-            rows.append(row)
+        methods = {"sd": (self._engine(True), self.policy), "plain": (self._engine(with_drafter=False), None)}
+        rows = sd_throughput(methods, demo_prompts(max(self.batch_sizes)), self.batch_sizes, self.max_new)
         return {"draft_len": self.draft_len, "max_new_tokens": self.max_new, "rows": rows}
 
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
-from nemo_tlt.selfcheck.demo_rollouts import demo_prompts, greedy, pytest_marked
+from nemo_tlt.selfcheck.demo_rollouts import demo_prompts, greedy, pytest_marked, sd_throughput
 from nemo_tlt.selfcheck.trtllm_check import MIN_MEAN_ACCEPT
 from nemo_tlt.speculative.tree_shape import TreeShape
 
@@ -91,19 +91,9 @@ class VLLMRun:
         return out
 
     def throughput(self) -> dict[str, Any]:
-        engine, prompts, rows = self.engine(), demo_prompts(max(self.batch_sizes)), []
-        for i, batch in enumerate(self.batch_sizes):
-            row: dict[str, Any] = {"batch": batch}
-            order = [("sd", self.policy), ("plain", None)][:: 1 if i % 2 == 0 else -1]
-            row["order"] = [name for name, _ in order]
-            for name, policy in order:
-                greedy(engine, prompts[:batch], self.max_new, policy)  # warm-up, not timed
-                tokens, stats, seconds = greedy(engine, prompts[:batch], self.max_new, policy)
-                row[f"{name}_tokens_per_s"] = sum(map(len, tokens)) / seconds
-                if name == "sd":
-                    row["sd_mean_accept_len"] = stats.mean_accept_len
-            row["sd_vs_plain"] = row["sd_tokens_per_s"] / row["plain_tokens_per_s"]
-            rows.append(row)
+        engine = self.engine()  # one engine: plain decoding is the drafter-built engine's, as TLT's is
+        rows = sd_throughput({"sd": (engine, self.policy), "plain": (engine, None)},
+                             demo_prompts(max(self.batch_sizes)), self.batch_sizes, self.max_new)
         return {"draft_len": self.draft_len, "max_new_tokens": self.max_new, "rows": rows}
 
     def sleep(self) -> dict[str, Any]:

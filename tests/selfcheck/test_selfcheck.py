@@ -148,8 +148,9 @@ def test_trtllm_checks_run_their_bodies_on_the_stand_in(tmp_path, trtllm_here):
                         "torch_engine_plain_identical_rate": 1.0}
     rows = checks["trtllm_throughput"]["result"]["rows"]
     assert [r["batch"] for r in rows] == [1, 4]
-    assert all(set(r) == {"batch", "plain_tokens_per_s", "sd_tokens_per_s", "sd_mean_accept_len", "sd_vs_plain"}
-               and r["sd_mean_accept_len"] >= 1 for r in rows)  # >= 1 token per iteration: the SD engine drafted
+    assert all(set(r) == {"batch", "order", "plain_tokens_per_s", "sd_tokens_per_s", "sd_mean_accept_len",
+                          "sd_vs_plain"} and r["sd_mean_accept_len"] >= 1 for r in rows)  # the SD engine drafted
+    assert [r["order"] for r in rows] == [["sd", "plain"], ["plain", "sd"]]  # alternating
 
 
 def test_trtllm_mode_refuses_unknown_check_names(tmp_path, trtllm_here, capsys):
