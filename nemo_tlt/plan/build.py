@@ -22,6 +22,7 @@ from nemo_tlt.plan.memory import (
     PlanDoesNotFit, RolloutShape, TrainingShape, check_fit, kv_budget_rows, parameter_count, rollout_memory, to_gib,
     training_memory,
 )
+from nemo_tlt.plan.rank_memory import PHASES, rank_phase_memory
 from nemo_tlt.plan.reshard_plan import plan_stream_reshard
 from nemo_tlt.plan.simulator import (
     FixedCosts, LengthModel, SimConfig, paged_kv_peak_tokens, recommend, recommend_share, simulate, summarize,
@@ -30,7 +31,7 @@ from nemo_tlt.weights.layout import ParallelLayout
 from nemo_tlt.weights.megatron_layout import check_tp
 
 
-def _shapes(cfg: LMConfig, plan: PlanConfig, lengths: LengthModel) -> tuple[TrainingShape, RolloutShape]:
+def plan_shapes(cfg: LMConfig, plan: PlanConfig, lengths: LengthModel) -> tuple[TrainingShape, RolloutShape]:
     t, b = plan.training, plan.batch
     sequences = b.prompts * b.group_size
     seq_len = plan.rollout.prompt_len + b.max_response_len
@@ -59,6 +60,18 @@ def plan_inputs(plan: PlanConfig, measured: Sequence[str] = ()) -> PlanInputs:
     return resolve_inputs(plan, [read_measured(p) for p in (*plan.measured.sources, *measured)])
 
 
+def phase_fit(per_rank: dict[int, dict[str, dict[str, float]]], gpu_gib: float) -> dict[str, dict[str, Any]]:
+    """Per phase of the step (``rank_memory.PHASES``), the fullest rank's bytes as GiB with what
+    the code holds then (the engine's weights beside the update, the reshard's transient in the
+    sync), its rank, the margin to the GPU's memory and whether it fits."""
+    out = {}
+    for phase in PHASES:
+        rank, gib = max(((r, sum(p[phase].values()) / GIB) for r, p in per_rank.items()), key=lambda x: x[1])
+        out[phase] = {"gib": round(gib, 3), "rank": rank, "margin_gib": round(gpu_gib - gib, 3),
+                      "fits": gib <= gpu_gib}
+    return out
+
+
 def make_plan(plan: PlanConfig, simulate_steps: bool = False,
               measured: Sequence[str] = ()) -> tuple[dict[str, Any], dict | None]:
     """(plan JSON, simulation traces or None)."""
@@ -67,7 +80,7 @@ def make_plan(plan: PlanConfig, simulate_steps: bool = False,
     check_tp(cfg, plan.training.tensor_parallel)
     layout = ParallelLayout(plan.training.tensor_parallel, plan.training.pipeline_parallel)
     layout.stage_layer_counts(cfg.num_layers)  # refuses a PP that does not split the layers
-    training_shape, rollout_shape = _shapes(cfg, plan, inputs.lengths)
+    training_shape, rollout_shape = plan_shapes(cfg, plan, inputs.lengths)
     train_mem = training_memory(cfg, training_shape)
     roll_mem = rollout_memory(cfg, rollout_shape, train_mem)
     memory = {"training": train_mem, "rollout": roll_mem}
@@ -98,6 +111,11 @@ def make_plan(plan: PlanConfig, simulate_steps: bool = False,
         out["fits"] = False
         out["refusal"] = (out["refusal"] or "") + (f" rollout.kv_cache_gib={plan.rollout.kv_cache_gib} holds no row of "
                                                    f"{rollout_shape.context} tokens (prompt_len + max_response_len)")
+    out["phases_gib"] = phase_fit(rank_phase_memory(cfg, training_shape, rollout_shape), plan.cluster.memory_gib)
+    tight = [p for p, row in out["phases_gib"].items() if not row["fits"]]
+    if tight:
+        out["fits"] = False
+        out["refusal"] = (out["refusal"] or "") + f" phase(s) {tight} exceed the GPU on their fullest rank"
     if not reshard.within_two_layers:
         out["fits"] = False
         out["refusal"] = (out["refusal"] or "") + " reshard peak exceeds two layers per rank"

@@ -118,26 +118,29 @@ def activation_bytes_per_layer(cfg: LMConfig, tokens: int, tp: int, sequence_par
     return 2 * tokens * (4 * h + split // tp)
 
 
+def stage_training_memory(cfg: LMConfig, shape: TrainingShape, p: int) -> dict[str, float]:
+    """Bytes per GPU of pipeline stage ``p``, by term (see the module docstring)."""
+    layout, tokens = shape.layout, shape.micro_batch * shape.seq_len
+    params = stage_rank_parameters(cfg, layout)[p]
+    layers = layout.stage_layer_counts(cfg.num_layers)[p]
+    per_layer = activation_bytes_per_layer(cfg, tokens, layout.tp, shape.sequence_parallel)
+    inflight = min(layout.pp - p, shape.num_micro_batches)
+    if shape.recompute == "full":
+        stored = 2 * tokens * cfg.hidden_size // (layout.tp if shape.sequence_parallel else 1)
+        acts = inflight * layers * stored + per_layer
+    else:
+        acts = inflight * layers * per_layer
+    logits = 8 * tokens * layout.padded_vocab_size(cfg.vocab_size) // layout.tp if p == layout.pp - 1 else 0
+    terms = {"weights": 2 * params, "gradients": shape.grad_bytes * params,
+             "optimizer": 12 * params / (shape.dp if shape.distributed_optimizer else 1),
+             "activations": acts, "logits": logits, "reserve": shape.reserve_gib * GIB}
+    return {k: float(v) for k, v in terms.items()}
+
+
 def training_memory(cfg: LMConfig, shape: TrainingShape) -> dict[str, float]:
     """Bytes per GPU of the fullest stage, by term (see the module docstring)."""
-    layout, tokens = shape.layout, shape.micro_batch * shape.seq_len
-    worst: dict[str, float] = {}
-    counts = layout.stage_layer_counts(cfg.num_layers)
-    for p, params in enumerate(stage_rank_parameters(cfg, layout)):
-        per_layer = activation_bytes_per_layer(cfg, tokens, layout.tp, shape.sequence_parallel)
-        inflight = min(layout.pp - p, shape.num_micro_batches)
-        if shape.recompute == "full":
-            stored = 2 * tokens * cfg.hidden_size // (layout.tp if shape.sequence_parallel else 1)
-            acts = inflight * counts[p] * stored + per_layer
-        else:
-            acts = inflight * counts[p] * per_layer
-        logits = 8 * tokens * layout.padded_vocab_size(cfg.vocab_size) // layout.tp if p == layout.pp - 1 else 0
-        terms = {"weights": 2 * params, "gradients": shape.grad_bytes * params,
-                 "optimizer": 12 * params / (shape.dp if shape.distributed_optimizer else 1),
-                 "activations": acts, "logits": logits, "reserve": shape.reserve_gib * GIB}
-        if sum(terms.values()) > sum(worst.values()):
-            worst = terms
-    return {k: float(v) for k, v in worst.items()}
+    stages = [stage_training_memory(cfg, shape, p) for p in range(shape.layout.pp)]
+    return max(stages, key=lambda terms: sum(terms.values()))
 
 
 @dataclass(frozen=True)

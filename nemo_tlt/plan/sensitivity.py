@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from nemo_tlt.model.hf_io import read_config
-from nemo_tlt.plan.build import _shapes, plan_inputs, sim_parts, simulate_both
+from nemo_tlt.plan.build import plan_inputs, plan_shapes, sim_parts, simulate_both
 from nemo_tlt.plan.config import PlanConfig
 from nemo_tlt.plan.measured import PlanInputs, length_summary, scale_lengths
 from nemo_tlt.plan.memory import training_memory
@@ -109,7 +109,7 @@ def sensitivity(plan: PlanConfig, measured: Sequence[str] = ()) -> dict[str, Any
     share_fixed = plan.sd.pipelined_share is not None
 
     def run(p: PlanConfig, i: PlanInputs) -> dict[str, float]:
-        shape, _ = _shapes(cfg, p, i.lengths)
+        shape, _ = plan_shapes(cfg, p, i.lengths)
         costs, fixed, sim = sim_parts(cfg, p, i, shape, training_memory(cfg, shape), reshard_s)
         pu = simulate_both(costs, fixed, sim, share_fixed)["summary"]["pipelined_update"]
         return {"speedup": pu["speedup_without"], "speedup_pipelined": pu["speedup_with"],

@@ -43,3 +43,20 @@ def test_plan_refuses_disagreeing_train_config(monkeypatch):
     monkeypatch.chdir(CONF.parent)
     with pytest.raises(ValueError, match=r"training.tensor_parallel=4 disagrees with .*policy.tensor_parallel=8"):
         load_plan_config(CONF / "qwen2.5-32b_plan.yaml", ["training.tensor_parallel=4"])
+
+
+@pytest.mark.parametrize("name,nodes,rollout_tp", SHIPPED)
+def test_shipped_plan_fits_every_phase_with_what_the_code_holds(name, nodes, rollout_tp, monkeypatch):
+    """Per phase, the fullest rank with the engine's weights beside the update and the reshard's
+    transient in the sync: the shipped plans fit each with a margin; a GPU that holds the printed
+    training and rollout totals but not the update beside the engine's weights is refused."""
+    monkeypatch.chdir(CONF.parent)
+    out, _ = make_plan(load_plan_config(CONF / f"{name}_plan.yaml"))
+    phases = out["phases_gib"]
+    assert list(phases) == ["rollout", "update", "sync", "checkpoint"]
+    assert all(p["fits"] and p["margin_gib"] > 10 for p in phases.values()), phases
+    assert phases["update"]["gib"] > out["memory_total_gib"]["training"]  # the engine's weights beside it
+    between = (max(out["memory_total_gib"].values()) + phases["update"]["gib"]) / 2
+    tight, _ = make_plan(load_plan_config(CONF / f"{name}_plan.yaml", ["train_config=null",
+                                                                        f"cluster.memory_gib={between}"]))
+    assert not tight["fits"] and "phase(s) ['update'" in tight["refusal"], tight["refusal"]
