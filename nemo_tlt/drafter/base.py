@@ -17,9 +17,10 @@ mode the candidates are ranked with the very noise the target will sample with.
 Devices and dtypes: a drafter lives on the target's device and makes every tensor
 there. Its dtype is its own: the idle-time trainer keeps fp32 master weights, and the
 engine serves that very module, whatever the target's dtype (a one-layer drafter in
-fp32 costs little beside a bf16 target). What it reads from the target (embeddings,
-features) is cast to the drafter's dtype where it enters, and what it hands the
-target's LM head is cast to the head's dtype where it leaves; draft scores are fp32.
+fp32 costs little beside a bf16 target), or a bf16 copy of it (``drafter.serve_dtype``).
+What it reads from the target (embeddings, features) is cast to the drafter's dtype
+where it enters, and what it hands the target's LM head is cast to the head's dtype
+where it leaves; draft scores are fp32.
 The drafter's dtype changes which candidates are proposed, never which tokens are
 emitted (verification is the target's).
 """

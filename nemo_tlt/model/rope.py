@@ -58,5 +58,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, D]; cos/sin: [B, 1, T, D] (already gathered by position)."""
-    return x * cos + rotate_half(x) * sin
+    """x: [B, heads, T, D]; cos/sin: [B, 1, T, D] (already gathered by position). The result is
+    in x's dtype: a bf16 drafter runs on the tables of an fp32 target (computed in fp32, rounded
+    once); where x's dtype is the wider or the same, the cast is a no-op."""
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)

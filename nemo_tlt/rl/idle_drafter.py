@@ -9,6 +9,10 @@ Contract
   optimizer state live there in fp32 (master weights, whatever ``placement.dtype``,
   the target view's dtype), the harvest buffer on the host; the view must be on the
   same device.
+* ``served()`` is the drafter the rollout engine is handed (``drafter.serve_dtype``): with
+  float32 the trained module itself; otherwise one copy of it in the serve dtype, rounded
+  from the fp32 masters at each call (the loop calls it at every hand-over to the engine,
+  so after every training round and restore), kept and rewritten in place.
 * ``harvest(step, tokens, hidden)`` stores one sequence's tokens and hidden states
   (hidden row t predicts token t+1: ``[len(tokens) - 1, H]``), from whichever forward
   produced them; a sequence shorter than ``min_length`` tokens (no training pair) is skipped.
@@ -23,6 +27,7 @@ Contract
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -32,7 +37,7 @@ from typing import Callable, Mapping
 import torch
 
 from nemo_tlt.dist import NodeGroups
-from nemo_tlt.device import Placement
+from nemo_tlt.device import DTYPES, Placement
 from nemo_tlt.drafter.features import feature_width
 from nemo_tlt.drafter.io import load_drafter
 from nemo_tlt.drafter.target_view import TargetView
@@ -55,12 +60,26 @@ class IdleDrafter:
                              f"{placement.device}; build the view with the same placement")
         self.config, self.view, self.nodes, self.placement = config, view, nodes, placement
         self.drafter = load_drafter(drafter_dir, view, device=placement.device).float()
+        serve_dtype = DTYPES[config.serve_dtype]
+        self._served = (None if serve_dtype == torch.float32 else
+                        copy.deepcopy(self.drafter).to(serve_dtype).requires_grad_(False))
         width = feature_width(view.config.hidden_size,
                               self.drafter.capture_layers if isinstance(self.drafter, CapturesLayers) else None)
         self.buffer = HarvestBuffer(HarvestConfig(width, max_bytes=config.harvest_max_mb << 20))
         self.trainer = SpotTrainer(self.drafter, eagle_loss_fn(view), config.trainer, rank=rank, seed=seed)
         self._thread = ThreadPoolExecutor(1, "tlt-idle", initializer=_init_idle_thread,
                                           initargs=(config.nice, torch.get_num_threads(), placement.device))
+
+    def served(self) -> torch.nn.Module:
+        """The drafter the engine serves: the fp32 module the trainer trains, or (``drafter.serve_dtype``
+        bfloat16) its copy in the serve dtype, rewritten now from the fp32 master weights."""
+        if self._served is None:
+            return self.drafter
+        masters = self.drafter.state_dict()
+        with torch.no_grad():
+            for name, tensor in self._served.state_dict().items():
+                tensor.copy_(masters[name])
+        return self._served
 
     @property
     def min_length(self) -> int:

@@ -96,9 +96,9 @@ class RLWorker:
         # the requests of one rollout: this replica's whole groups
         batch = len(self.replicas.prompts(cfg.grpo.prompts_per_step)) * cfg.grpo.group_size
         self.engine = build_rollout_engine(cfg.rollout, spec.target_dir, placement, tp=self.engine_tp,
-                                           drafter=self.drafter.drafter if self.drafter else None, max_batch=batch)
+                                           drafter=self.drafter.served() if self.drafter else None, max_batch=batch)
         if self.drafter is not None:
-            self.engine.load_drafter(self.drafter.drafter)
+            self.engine.load_drafter(self.drafter.served())
         self.harvest_from = cfg.drafter.harvest_from if self.drafter and cfg.drafter.train_on_idle else None
         if self.harvest_from == "policy" and not self.policy.captures_hidden:
             raise ValueError(f"drafter.harvest_from=policy: the {cfg.policy.backend} policy backend hands over no "

@@ -91,7 +91,8 @@ def sync_weights(policy: Any, engine: Any, drafter: Any, sd_policy: Any, idle: A
                  tp: "TensorParallel | None", keep: bool, digest: bool) -> tuple[WeightStream, str | None]:
     """One step's weight sync: the policy's canonical weights (``tp``: the rollout replica's
     ``TensorParallel``, None for one rank; at TP > 1 a model-parallel policy may send only this
-    rank's slices) to the engine and the drafter's view, then the drafter (an ``IdleDrafter``, or None) to the engine, timed into
+    rank's slices) to the engine and the drafter's view, then the drafter (an ``IdleDrafter``, or
+    None; its ``served()`` module, in ``drafter.serve_dtype``) to the engine, timed into
     ``idle.drafter_sync_s`` (the SD policy is told when the drafter trained). Returns the
     stream (its ``kept`` weights, ``hexdigest()`` of policy and drafter, ``digest_s``) and the
     policy's digest alone (None without ``digest``)."""
@@ -101,7 +102,7 @@ def sync_weights(policy: Any, engine: Any, drafter: Any, sd_policy: Any, idle: A
     policy_digest = stream.hexdigest()
     if drafter is not None:
         t0 = time.perf_counter()
-        engine.load_drafter(drafter.drafter)
+        engine.load_drafter(drafter.served())  # in drafter.serve_dtype; the digest is of the fp32 masters
         idle.drafter_sync_s = time.perf_counter() - t0
         if idle.drafter_steps and sd_policy is not None:
             sd_policy.drafter_updated()  # it discounts what it measured of the old drafter

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nemo_tlt.checks import check_int
+from nemo_tlt.device import DTYPES
 from nemo_tlt.spot.trainer import DrafterOptimConfig, SpotTrainerConfig
 
 HARVEST_SOURCES = ("rollout", "policy")
@@ -27,6 +28,11 @@ class IdleDrafterConfig:
     # OS niceness of the thread that trains on idle time (0: same as rollout). Where
     # workers share CPU cores, a busy worker's tail rollout must win every contention.
     nice: int = 19
+    # The dtype the rollout engine serves the drafter in: float32 serves the trained module
+    # itself; bfloat16 a copy rounded from the fp32 master weights (which the trainer keeps
+    # either way) whenever the engine is handed the drafter, after every training round. It
+    # changes the proposals, never the emitted tokens (verification is the target's).
+    serve_dtype: str = "float32"
     trainer: SpotTrainerConfig = field(
         default_factory=lambda: SpotTrainerConfig(optim=DrafterOptimConfig(warmup_steps=5, decay_steps=9_995)))
 
@@ -39,3 +45,6 @@ class IdleDrafterConfig:
                              f"got {self.harvest_from!r}")
         check_int("IdleDrafterConfig.harvest_max_mb", self.harvest_max_mb, 1)
         check_int("IdleDrafterConfig.nice", self.nice, 0, 19)
+        if self.serve_dtype not in DTYPES:
+            raise ValueError(f"IdleDrafterConfig.serve_dtype must be one of {', '.join(DTYPES)}, "
+                             f"got {self.serve_dtype!r}")

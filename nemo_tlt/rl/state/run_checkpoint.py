@@ -127,4 +127,4 @@ def restore(state: RunState, rank: int, policy, engine, sd_policy, drafter) -> N
     if drafter is not None:
         drafter.restore(state.policy_weights, state.drafter_weights, state.drafter_trainer, mine.generator,
                         next_step=state.step + 1)
-        engine.load_drafter(drafter.drafter)
+        engine.load_drafter(drafter.served())

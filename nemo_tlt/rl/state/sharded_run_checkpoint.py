@@ -141,4 +141,4 @@ def restore_sharded(state: RunState, rank: int, policy, engine, sd_policy, draft
         sd_policy.load_state_dict(mine.sd_policy)
     if drafter is not None:
         drafter.restore(None, state.drafter_weights, state.drafter_trainer, mine.generator, next_step=state.step + 1)
-        engine.load_drafter(drafter.drafter)
+        engine.load_drafter(drafter.served())
