@@ -11,6 +11,25 @@ from nemo_tlt.speculative.tree import DraftTree, grow_tree
 from nemo_tlt.speculative.tree_shape import TreeShape
 
 
+def seeded_drafter(kind: str, cfg: LMConfig):
+    """An untrained drafter of ``kind`` (eagle2 | eagle3) for ``cfg``, seeded."""
+    from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
+    from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
+
+    if kind == "eagle2":
+        return EagleDrafter(EagleConfig.from_target(cfg), generator=torch.Generator().manual_seed(1))
+    return Eagle3Drafter(Eagle3Config.from_target(cfg), generator=torch.Generator().manual_seed(1))
+
+
+def ragged_requests(n: int = 12) -> list:
+    """``n`` requests of 3-11 random prompt tokens in [3, 32), seeded, ``seq_id`` their index."""
+    from nemo_tlt.rollout.protocol import Request
+
+    g = torch.Generator().manual_seed(4)
+    return [Request(tuple(torch.randint(3, 32, (int(torch.randint(3, 12, (1,), generator=g)),),
+                                        generator=g).tolist()), seq_id=i) for i in range(n)]
+
+
 def tiny_config(**kw) -> LMConfig:
     base = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                 max_position_embeddings=512)

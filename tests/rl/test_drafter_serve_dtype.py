@@ -11,34 +11,22 @@ import torch
 
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.config import load_config
-from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
-from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.drafter.io import save_drafter
 from nemo_tlt.drafter.target_view import TargetView
 from nemo_tlt.rl.idle_drafter import IdleDrafter
 from nemo_tlt.rl.reporting.records import IdleResult
 from nemo_tlt.rl.weight_stream import sync_weights
-from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.spot.config import IdleDrafterConfig
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.speculative.tree_shape import TreeShape
-from tiny import tiny_target
+from tiny import ragged_requests, seeded_drafter, tiny_target
 
 DEMO = Path(__file__).resolve().parents[2] / "conf" / "demo.yaml"
 SHAPE = TreeShape(4, 2, 8)
 
 
-def _drafter(kind, cfg):
-    if kind == "eagle2":
-        return EagleDrafter(EagleConfig.from_target(cfg), generator=torch.Generator().manual_seed(1))
-    return Eagle3Drafter(Eagle3Config.from_target(cfg), generator=torch.Generator().manual_seed(1))
-
-
-def _requests(n=12):
-    g = torch.Generator().manual_seed(4)
-    return [Request(tuple(torch.randint(3, 32, (int(torch.randint(3, 12, (1,), generator=g)),),
-                                        generator=g).tolist()), seq_id=i) for i in range(n)]
+_drafter, _requests = seeded_drafter, ragged_requests
 
 
 def _nbytes(tensors):

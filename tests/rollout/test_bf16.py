@@ -14,14 +14,11 @@ import pytest
 import torch
 
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
-from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
-from nemo_tlt.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from nemo_tlt.rollout.config import RolloutConfig
-from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.speculative.tree_shape import TreeShape
-from tiny import tiny_target
+from tiny import ragged_requests, seeded_drafter, tiny_target
 
 SHAPE = TreeShape(4, 2, 8)
 
@@ -30,16 +27,7 @@ def _bf16_target():
     return tiny_target(seed=2).to(torch.bfloat16)
 
 
-def _drafter(kind, cfg):
-    if kind == "eagle2":
-        return EagleDrafter(EagleConfig.from_target(cfg), generator=torch.Generator().manual_seed(1))
-    return Eagle3Drafter(Eagle3Config.from_target(cfg), generator=torch.Generator().manual_seed(1))
-
-
-def _requests(n=12):
-    g = torch.Generator().manual_seed(4)
-    return [Request(tuple(torch.randint(3, 32, (int(torch.randint(3, 12, (1,), generator=g)),),
-                                        generator=g).tolist()), seq_id=i) for i in range(n)]
+_drafter, _requests = seeded_drafter, ragged_requests
 
 
 @pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
