@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from nemo_tlt.checks import check_float, check_int
+from nemo_tlt.model.kv_budget import budget_bytes
 
 VLLM_PACKAGE = "vllm"
 VLLM_VERSION = "0.32.0"
@@ -122,7 +123,7 @@ class VLLMEngineConfig:
         if self.drafter_dir is not None:  # vLLM refuses it without speculative decoding
             kwargs["per_request_spec_decode_metrics"] = "summary"
         if self.kv_cache_gib is not None:
-            kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gib * 2**30)
+            kwargs["kv_cache_memory_bytes"] = budget_bytes(self.kv_cache_gib)
         if self.enable_sleep_mode:
             kwargs["enable_sleep_mode"] = True
         if self.tensor_parallel_size == 1:

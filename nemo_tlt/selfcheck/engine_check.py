@@ -33,6 +33,7 @@ from nemo_tlt.model.hf_io import load_hf_folder, save_hf_folder
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
+from nemo_tlt.selfcheck.kernel_checks import sync
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.speculative.tree_shape import TreeShape
 
@@ -70,11 +71,6 @@ def random_case(config: LMConfig, folder: Path, num_prompts: int, prompt_len: in
     prompts = torch.randint(low, config.vocab_size, (num_prompts, prompt_len), generator=gen).tolist()
     return EngineCase(f"random_{config.num_layers}L_{config.hidden_size}H", folder, drafter, prompts,
                       TreeShape(depth=4, topk=2, num_verify=8), max_new_tokens)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _engine_tokens(engine: TorchRolloutEngine, prompts: list[list[int]], sp: SamplingParams, policy) -> tuple:
@@ -138,10 +134,10 @@ def throughput(engine: TorchRolloutEngine, hf_model, case: EngineCase, batch: in
     result: dict[str, Any] = {"batch": len(prompts), "order": names}
     for name in names:
         runs[name]()  # warm-up (allocator, kernels), not timed
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         value = runs[name]()
-        _sync(device)
+        sync(device)
         seconds = time.perf_counter() - t0
         tokens = value if isinstance(value, int) else sum(len(t) for t in value[0])
         result[f"{name}_tokens_per_s"] = tokens / seconds

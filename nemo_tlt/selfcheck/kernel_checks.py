@@ -46,6 +46,7 @@ QWEN25_7B = LMConfig(family="qwen2", vocab_size=152064, hidden_size=3584, interm
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA; the CPU computes in order)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
