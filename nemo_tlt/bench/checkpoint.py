@@ -184,10 +184,11 @@ def _worker(ctx: RankContext, method: str, cfg: LMConfig, dtype: torch.dtype, fo
     dist.barrier()
     written = sum(f.stat().st_size for f in target.glob(f"__{ctx.rank}_*.distcp"))
     return {"coords": list(policy.coords), "wall_s": wall, "rank_extra_bytes": peak,
-            "children_bytes": children.peak, "children_private_bytes": children.private_peak,
+            "children_bytes": children.figure, "children_measure": children.measure,
+            "children_pss_bytes": children.peak, "children_private_bytes": children.private_peak,
             "samples": children.samples, "dropped": children.dropped,
             "writers_end_s": writers_end_s(children.live), "most_children": max((n for _, n in children.live), default=0),
-            "policy_step": policy.step, "peak_extra_bytes": peak + children.peak, "written_bytes": written,
+            "policy_step": policy.step, "peak_extra_bytes": peak + children.figure, "written_bytes": written,
             "view_bytes": views, "live": {k: _bytes(v) for k, v in own.items()}, **during}
 
 
@@ -263,13 +264,16 @@ def rank_summary(rows: dict[str, list[dict]], layer: int) -> dict:
     budget = shard + layer
     peak = {m: _median(rows[m], "peak_extra_bytes") for m in METHODS}
     in_flight = {k: peak[during] - peak[alone] for k, (during, alone) in IN_FLIGHT.items()}
-    parts = {m: {k: _median(rows[m], k) for k in ("rank_extra_bytes", "children_bytes", "children_private_bytes")}
+    parts = {m: {k: _median(rows[m], k)
+                 for k in ("rank_extra_bytes", "children_bytes", "children_pss_bytes", "children_private_bytes")}
              for m in METHODS}
     timed = [m for pair in IN_FLIGHT.values() for m in pair]
     return {
         "coords": first["coords"], "own_shard_bytes": shard, "live_bytes": first["live"],
         "cloned_view_bytes": first["view_bytes"], "budget_bytes": budget, "peak_extra_bytes": peak,
         "peak_parts": parts, "write_in_flight_extra_bytes": in_flight,
+        # pss_anon; private where the rank shares pages with a live parent (forked ranks: tree_memory)
+        "children_measure": sorted({x["children_measure"] for m in METHODS for x in rows[m]}),
         "peak_over_shard": {m: round(peak[m] / shard, 3) for m in METHODS},
         "peak_over_budget": {m: round(peak[m] / budget, 3) for m in METHODS},
         "in_flight_over_shard": {k: round(v / shard, 3) for k, v in in_flight.items()},
@@ -298,7 +302,8 @@ def summarise(runs: list[tuple[str, list[dict]]], cfg: LMConfig, dtype: torch.dt
             "within_target": save_ok and in_flight_ok,
             "measure": "the rank's VmHWM - VmRSS at the start of the method (reset via /proc/self/clear_refs) "
                        "+ the sampled (10 ms) peak of the anonymous memory only its descendants map "
-                       "(children_private_bytes: their private resident bytes, the measure before); fresh "
+                       "(children_pss_bytes; for ranks forked from a live parent, whose shares make it "
+                       "meaningless, children_private_bytes: their private resident bytes); fresh "
                        "processes per trial; all ranks run the method at once; write in flight = "
                        "async_update - update_alone, async_step - step_alone, async_touch - touch_alone (medians); "
                        f"the target covers {', '.join(TARGET_WORK)} (touch: the rewrite the policy's wait prevents)"}

@@ -16,6 +16,14 @@ keeps two peaks of the descendants' memory, each the peak over samples every ``i
   no longer maps (megatron-core's writer forks its own writers, so the copies an update makes
   during a write are such pages). Kept to show the difference.
 
+``peak`` needs a measured process that shares no anonymous page with a process outside its
+tree (a spawned one): a process forked from a parent that still lives shares the parent's pages,
+so ``Pss_Anon(self) - Anonymous(self)`` is negative by far more than its descendants add, and
+forking a descendant shifts those shares again. ``outside_shared_bytes`` (``Anonymous -
+Pss_Anon`` of the process at ``__enter__``, when it has no descendants) says which case holds:
+``pss_valid`` is True when it is 0; the figure is then ``peak``, else ``private_peak``
+(``figure`` and ``measure`` name it).
+
 Not counted: page cache (the written files), file-backed pages. Linux only (``smaps_rollup``).
 """
 from __future__ import annotations
@@ -61,6 +69,7 @@ class ChildrenPeak:
 
         self._me, self._interval = psutil.Process(), interval_s
         self.peak = self.private_peak = self.samples = self.dropped = 0
+        self.outside_shared_bytes: int | None = None  # set at __enter__
         self.live: list[tuple[float, int]] = []  # (seconds since enter, live descendants) at each change
         self._start = time.perf_counter()
         self._stop = threading.Event()
@@ -103,7 +112,24 @@ class ChildrenPeak:
             self.sample()
             self._stop.wait(self._interval)
 
+    @property
+    def pss_valid(self) -> bool:
+        """Whether ``peak`` counts what it says (see the module docstring)."""
+        return self.outside_shared_bytes == 0
+
+    @property
+    def measure(self) -> str:
+        return "pss_anon" if self.pss_valid else "private"
+
+    @property
+    def figure(self) -> int:
+        """``peak`` where it is valid, else ``private_peak`` (a lower bound)."""
+        return self.peak if self.pss_valid else self.private_peak
+
     def __enter__(self) -> "ChildrenPeak":
+        mine = rollup(self._me.pid)
+        if mine is not None and self._descendants() == []:  # with descendants, their shares hide the outside's
+            self.outside_shared_bytes = mine["Anonymous"] - mine["Pss_Anon"]
         self._start = time.perf_counter()
         self._thread.start()
         return self

@@ -30,7 +30,7 @@ import torch
 
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.weights.layout import ParallelLayout
-from nemo_tlt.megatron.results_server import results_queue_dying_with_rank
+from nemo_tlt.megatron.results_server import PickledQueue, results_queue_dying_with_rank
 
 COMMON = "nemo_tlt"
 
@@ -97,6 +97,7 @@ def save_policy_shards(state: dict, directory: str | os.PathLike) -> None:
     from megatron.core import dist_checkpointing
 
     os.makedirs(directory, exist_ok=True)
+    _install_write_results_queue()
     try:
         dist_checkpointing.save(state, str(directory))
     finally:
@@ -132,12 +133,10 @@ def start_policy_save(state: dict, directory: str | os.PathLike, context) -> Pen
     (Linux), so a rank killed before ``wait()`` leaves no server behind; its forked writer
     outlives it until its write ends."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     os.makedirs(directory, exist_ok=True)
-    _shutdown_write_results_queue()
-    filesystem_async._results_queue = results_queue_dying_with_rank()
+    _install_write_results_queue()
     try:
         with context():
             request = dist_checkpointing.save(state, str(directory), async_sharded_save=True)
@@ -147,6 +146,17 @@ def start_policy_save(state: dict, directory: str | os.PathLike, context) -> Pen
         _shutdown_write_results_queue()
         raise
     return PendingPolicySave(calls, context)
+
+
+def _install_write_results_queue() -> None:
+    """Give megatron-core's torch_dist writer (``FileSystemWriterAsync``, synchronous saves
+    included) this save's results queue: ``results_server.results_queue_dying_with_rank``, whose
+    server dies with the rank and never imports torch, instead of the spawned manager megatron-core
+    would create on its first save and keep for the life of the process."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    _shutdown_write_results_queue()
+    filesystem_async._results_queue = results_queue_dying_with_rank()
 
 
 def _shutdown_write_results_queue() -> None:
@@ -164,9 +174,10 @@ def _shutdown_write_results_queue() -> None:
     if queue is None:
         return
     filesystem_async._results_queue = None
-    manager = getattr(queue, "_manager", None)
-    if manager is not None:
-        manager.shutdown()
+    if isinstance(queue, PickledQueue):
+        queue.shutdown()
+    elif getattr(queue, "_manager", None) is not None:  # megatron-core's own (a save outside these functions)
+        queue._manager.shutdown()
 
 
 def check_compatible(saved: dict, current: dict, where: str) -> None:

@@ -38,8 +38,8 @@ def _build(cfg: LMConfig, layout: ParallelLayout, dtype: torch.dtype, padded_voc
 
 def save_torch_dist(canonical: Mapping[str, torch.Tensor], cfg: LMConfig, layout: ParallelLayout,
                     out_dir: str | os.PathLike) -> None:
-    from megatron.core import dist_checkpointing
     from nemo_tlt.megatron.live import load_shard, rank_coords
+    from nemo_tlt.megatron.policy_checkpoint import save_policy_shards
 
     # The model is built in the weights' dtype (fp32 / bf16) so saving never casts.
     model = _build(cfg, layout, next(iter(canonical.values())).dtype)
@@ -47,8 +47,7 @@ def save_torch_dist(canonical: Mapping[str, torch.Tensor], cfg: LMConfig, layout
     load_shard(model, shards[rank_coords()])
     state = {_MODEL_KEY: model.sharded_state_dict(),
              _COMMON_KEY: {"lm_config": cfg.to_dict(), "tp": layout.tp, "pp": layout.pp}}
-    os.makedirs(out_dir, exist_ok=True)
-    dist_checkpointing.save(state, str(out_dir))
+    save_policy_shards(state, out_dir)  # megatron-core's save, with a results server that dies with the rank
 
 
 def read_lm_config(ckpt_dir: str | os.PathLike) -> LMConfig | None:

@@ -87,9 +87,34 @@ def test_children_peak_counts_the_pages_a_parent_rewrites_while_two_descendants_
     assert 64 * MB <= peak.peak < 64 * MB + 60 * MB, (peak.peak, peak.private_peak)
 
 
+def _measure_of_a_forked_process(out) -> None:
+    with ChildrenPeak(interval_s=0.005) as peak:
+        pass
+    out.put((peak.outside_shared_bytes, peak.measure))
+
+
+def test_children_peak_falls_back_to_private_bytes_in_a_process_sharing_its_parents_pages():
+    """The Pss figure presumes no page of the measured process is mapped outside its tree: a
+    process forked from a live parent shares the parent's pages, so it reports its descendants'
+    private bytes instead."""
+    pytest.importorskip("psutil")
+    shared = bytearray(64 * MB)  # resident in this process, shared with the forked one
+    for i in range(0, len(shared), 4096):
+        shared[i] = 1
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_measure_of_a_forked_process, args=(out,))
+    child.start()
+    outside, measure = out.get(timeout=60)
+    child.join()
+    assert outside >= 32 * MB and measure == "private"  # every shared page counts half in its Pss
+    del shared
+
+
 def _row(peak: int, shard: int = 1000) -> dict:
     return {"coords": [0, 0], "written_bytes": shard, "live": {}, "view_bytes": 0, "peak_extra_bytes": peak,
-            "rank_extra_bytes": peak, "children_bytes": 0, "children_private_bytes": 0, "wall_s": 1.0,
+            "rank_extra_bytes": peak, "children_bytes": 0, "children_pss_bytes": 0, "children_private_bytes": 0,
+            "children_measure": "pss_anon", "wall_s": 1.0,
             "update_end_s": 1.0, "writers_end_s": 2.0, "most_children": 4, "policy_step": 1, "samples": 10,
             "dropped": 0}
 
@@ -171,6 +196,9 @@ def test_bench_checkpoint_runs_every_kind_of_method_on_every_rank(tmp_path, monk
         assert peak["sharded"] > 0 and peak["async"] > 0
         for m in SMOKE_METHODS:  # one trial: the peak is the rank's part plus its descendants'
             assert peak[m] == parts[m]["rank_extra_bytes"] + parts[m]["children_bytes"]
+        # ranks forked from this test process share its pages: the descendants' figure is their
+        # private bytes (the Pss figure needs a spawned rank, tree_memory)
+        assert rank["children_measure"] == ["private"]
         # the writers and the results server during the update or step; no descendant without a save
         for work, (during, alone) in in_flight.items():
             # (the server and the forked writer live through the whole write, its 2 writers only

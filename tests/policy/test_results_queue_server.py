@@ -18,7 +18,7 @@ def _start_server_then_hang(pids) -> None:
     from nemo_tlt.megatron.results_server import results_queue_dying_with_rank
 
     queue = results_queue_dying_with_rank()
-    pids.put(queue._manager._process.pid)
+    pids.put(queue.server_pid)
     time.sleep(60)
 
 
@@ -46,3 +46,25 @@ def test_results_queue_server_dies_with_a_killed_rank():
     if alive:
         os.kill(server, signal.SIGKILL)
     assert not alive, "the results-queue server outlived its killed rank"
+
+
+def test_results_queue_server_holds_bytes_and_never_imports_torch():
+    """Write results cross the server pickled: what a writer puts (torch objects, as megatron-core's
+    ``WriteResult`` holds) comes back equal, and the server never loaded torch to unpickle it."""
+    import torch
+
+    from nemo_tlt.megatron.results_server import results_queue_dying_with_rank
+
+    queue = results_queue_dying_with_rank()
+    try:
+        sent = {"rank": 1, "size": torch.Size([2, 3]), "values": torch.arange(6).reshape(2, 3)}
+        queue.put(sent)
+        assert queue.qsize() == 1
+        got = queue.get(timeout=30)
+        assert got["rank"] == 1 and got["size"] == sent["size"] and torch.equal(got["values"], sent["values"])
+        assert queue.empty()
+        with open(f"/proc/{queue.server_pid}/maps") as f:
+            loaded = f.read()
+        assert "libtorch" not in loaded, "the results-queue server imported torch"
+    finally:
+        queue.shutdown()
