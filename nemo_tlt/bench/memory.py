@@ -17,7 +17,8 @@ per phase with ``nemo_tlt.bench.tracked_memory.PhaseMemory`` (what it counts and
 docstring).
 
 The prediction: the planner's terms for the same model, layout and batch
-(``nemo_tlt.plan.build.plan_shapes`` of a ``PlanConfig`` built from the same settings, SD off), with
+(``nemo_tlt.plan.build.plan_shapes`` of a ``PlanConfig`` built from the same settings, SD off,
+the layer spec the CPU ranks build: ``local``), with
 the GPU allowances (``reserve_gib``, ``workspace_gib``) at 0, as there is no CUDA context on a
 CPU rank, and the KV term at its worst case (every row at prompt + ``--max-new``), arranged per
 rank and phase by ``nemo_tlt.plan.rank_memory``; compared by ``nemo_tlt.plan.memory_check``.
@@ -130,6 +131,7 @@ def _worker(ctx: RankContext, folder: str, layout: tuple[int, int, int, int], st
 
 def predict(folder: str, layout: tuple[int, int, int, int], step: Step) -> dict[int, dict[str, dict[str, float]]]:
     """The planner's bytes per rank, phase and term for this benchmark's run (see the module docstring)."""
+    from nemo_tlt.megatron.gpt_builder import layer_spec_name
     from nemo_tlt.model.hf_io import read_config
     from nemo_tlt.plan.build import plan_inputs, plan_shapes
     from nemo_tlt.plan.cluster import ClusterSpec
@@ -140,7 +142,7 @@ def predict(folder: str, layout: tuple[int, int, int, int], step: Step) -> dict[
     plan = PlanConfig(model_config=folder, cluster=ClusterSpec(nodes=1, gpus_per_node=world),
                       training=TrainingPlan(tensor_parallel=tp, pipeline_parallel=pp, micro_batch=step.micro_batch,
                                             sequence_parallel=False, recompute="none", distributed_optimizer=True,
-                                            grad_bytes=4, reserve_gib=0.0),
+                                            grad_bytes=4, reserve_gib=0.0, layer_spec=layer_spec_name("cpu")),
                       rollout=RolloutPlan(tensor_parallel=rollout_tp, prompt_len=step.prompt_len, workspace_gib=0.0,
                                           training_state="all", reserve_gib=0.0),
                       batch=BatchPlan(prompts=step.prompts, group_size=step.group, max_response_len=step.max_new),

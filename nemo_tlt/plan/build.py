@@ -41,7 +41,7 @@ def plan_shapes(cfg: LMConfig, plan: PlanConfig, lengths: LengthModel) -> tuple[
                              num_micro_batches=max(1, per_dp // t.micro_batch),
                              sequence_parallel=t.sequence_parallel, recompute=t.recompute,
                              distributed_optimizer=t.distributed_optimizer, grad_bytes=t.grad_bytes,
-                             reserve_gib=t.reserve_gib)
+                             reserve_gib=t.reserve_gib, layer_spec=t.layer_spec)
     kv_tokens = paged_kv_peak_tokens(lengths, sequences // plan.replicas, plan.rollout.prompt_len,
                                      np.random.default_rng(plan.seed))
     rollout = RolloutShape(tp=plan.rollout.tensor_parallel, concurrency=sequences // plan.replicas, context=seq_len,

@@ -24,7 +24,7 @@ from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.config import load_config
 from nemo_tlt.structured import load_structured
 from nemo_tlt.plan.cluster import ClusterSpec
-from nemo_tlt.plan.memory import RECOMPUTE, TRAINING_STATE
+from nemo_tlt.plan.memory import LAYER_SPECS, RECOMPUTE, TRAINING_STATE
 
 # The memory and cost formulas are bf16's (2-byte weights, KV cache and activations; the GPU's bf16 peak).
 PLAN_DTYPES = ("bfloat16",)
@@ -44,6 +44,7 @@ class TrainingPlan:
     distributed_optimizer: bool = True
     grad_bytes: int = 4
     reserve_gib: float = 3.0
+    layer_spec: str = "transformer_engine"  # what megatron builds: TE on a GPU where it imports, else local
 
     def __post_init__(self) -> None:
         check_int("training.tensor_parallel", self.tensor_parallel, 1)
@@ -53,6 +54,8 @@ class TrainingPlan:
         check_float("training.reserve_gib", self.reserve_gib, 0.0)
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"training.recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
+        if self.layer_spec not in LAYER_SPECS:
+            raise ValueError(f"training.layer_spec must be one of {list(LAYER_SPECS)}, got {self.layer_spec!r}")
 
 
 @dataclass(frozen=True)

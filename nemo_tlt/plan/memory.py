@@ -9,17 +9,37 @@ Training (Megatron, bf16 weights, Adam), per GPU of the fullest pipeline stage:
   weights      2 B x P_rank           (P_rank: parameters of the stage / TP, vocab padded)
   gradients    grad_bytes x P_rank    (fp32 main grads by default)
   optimizer    12 B x P_rank / D      (fp32 master + Adam m, v; D = DP with the distributed optimizer, else 1)
-  activations  inflight x layers_stage x A_layer, with, per layer and micro-batch (bf16),
+  activations  inflight x layers_stage x A_layer, with, per layer and micro-batch (bf16), for
+               the layer spec megatron runs (``layer_spec``; nemo_tlt.megatron.gpt_builder):
+               ``transformer_engine`` (a GPU with Transformer Engine: fused norms, flash
+               attention, fused SwiGLU):
                A_layer = 2 s b (4h + 2q + 2kv + 3f) / t   (sequence parallel: every term split by TP)
                A_layer = 2 s b (4h + (2q + 2kv + 3f) / t) (no sequence parallel)
                i.e. the stored inputs of the two norms and the q/k/v, attention-output,
                fc1 (gate and up) and fc2 inputs; flash attention keeps no s x s scores.
+               ``local`` (megatron-core's local spec on torch ops: a CPU, or a GPU without
+               Transformer Engine), what autograd saves, counted op by op on the CPU:
+               A_layer = s b (20h / t_sp + (8q + 6 n_h s + 10f) / t + 2 d), t_sp = t with
+               sequence parallelism, else 1: each RMSNorm (torch's rms_norm) keeps its input
+               upcast to fp32, the fp32 normalised value and its bf16 output (10 h); the roped
+               query, key and value repeated to every query head (GQA), the attention context
+               (2 q each); the scores' fp32 softmax and its bf16 copy (6 n_h s, n_h query
+               heads); fc1's output (gate and up), silu(gate), up + offset, their product
+               (2 f each, 4 for fc1); the rotary table cast to bf16 (2 d, d = head_dim).
                Full recomputation stores each layer's input, 2 s b h / t (sequence parallel) or
                2 s b h (not), plus one layer's A_layer. Selective recomputation (megatron's:
                core attention only) stores what none does here: it drops the s x s scores
                that unfused attention keeps, which flash attention never stores.
-               inflight = min(pp, micro-batches) on the first stage (1F1B schedule).
-  logits       last stage: 2 x 4 B x s b V_pad / t (fp32 logits and their gradient)
+               inflight = 1: the policy runs megatron's schedule once per micro-batch
+               (micro-batches differ in length: nemo_tlt.policy.megatron_forward.run_schedule),
+               so every stage holds one micro-batch's activations (a 1F1B schedule over m
+               micro-batches would hold min(pp - p, m) on stage p, at the price of the bubble
+               this one pays in full).
+  logits       last stage: 6 B x s b V_pad / t: at the loss, the bf16 logits and their one fp32
+               copy (scaled in place, nemo_tlt.policy.megatron_forward); in the output layer's
+               backward, the bf16 gradient, its contiguous copy for the weight gradient and the
+               input gradient's matmul. (With the ``local`` spec the last stage's activations
+               count the final RMSNorm's 10 s b h / t_sp too.)
   reserve      CUDA context, NCCL buffers and allocator slack (a configured allowance)
 
 Rollout, per GPU of a rollout replica of TP r:
@@ -50,6 +70,7 @@ from nemo_tlt.plan.cluster import GIB
 from nemo_tlt.weights.layout import ParallelLayout
 
 RECOMPUTE = ("none", "selective", "full")  # policy.recompute's names
+LAYER_SPECS = ("transformer_engine", "local")  # nemo_tlt.megatron.gpt_builder.layer_spec_name's
 TRAINING_STATE = ("offload", "weights", "all")
 
 
@@ -105,13 +126,23 @@ class TrainingShape:
     grad_bytes: int = 4
     reserve_gib: float = 3.0
 
+    layer_spec: str = "transformer_engine"
+
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"training.recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
+        if self.layer_spec not in LAYER_SPECS:
+            raise ValueError(f"training.layer_spec must be one of {list(LAYER_SPECS)}, got {self.layer_spec!r}")
 
 
-def activation_bytes_per_layer(cfg: LMConfig, tokens: int, tp: int, sequence_parallel: bool) -> int:
+def activation_bytes_per_layer(cfg: LMConfig, tokens: int, tp: int, sequence_parallel: bool,
+                               layer_spec: str = "transformer_engine", seq_len: int = 0) -> int:
+    """A_layer (module docstring) of ``tokens`` = s x b tokens; ``seq_len`` (s) sizes the ``local``
+    spec's attention scores."""
     h, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    if layer_spec == "local":
+        per_token_tp = 8 * q + 6 * cfg.num_heads * seq_len + 10 * f
+        return tokens * (20 * h // (tp if sequence_parallel else 1) + per_token_tp // tp + 2 * cfg.head_dim)
     split = 2 * q + 2 * kv + 3 * f
     if sequence_parallel:
         return 2 * tokens * (4 * h + split) // tp
@@ -123,14 +154,19 @@ def stage_training_memory(cfg: LMConfig, shape: TrainingShape, p: int) -> dict[s
     layout, tokens = shape.layout, shape.micro_batch * shape.seq_len
     params = stage_rank_parameters(cfg, layout)[p]
     layers = layout.stage_layer_counts(cfg.num_layers)[p]
-    per_layer = activation_bytes_per_layer(cfg, tokens, layout.tp, shape.sequence_parallel)
-    inflight = min(layout.pp - p, shape.num_micro_batches)
+    per_layer = activation_bytes_per_layer(cfg, tokens, layout.tp, shape.sequence_parallel, shape.layer_spec,
+                                           shape.seq_len)
+    inflight = 1  # one schedule call per micro-batch (module docstring)
     if shape.recompute == "full":
         stored = 2 * tokens * cfg.hidden_size // (layout.tp if shape.sequence_parallel else 1)
         acts = inflight * layers * stored + per_layer
     else:
         acts = inflight * layers * per_layer
-    logits = 8 * tokens * layout.padded_vocab_size(cfg.vocab_size) // layout.tp if p == layout.pp - 1 else 0
+    logits = 0
+    if p == layout.pp - 1:
+        logits = 6 * tokens * layout.padded_vocab_size(cfg.vocab_size) // layout.tp
+        if shape.layer_spec == "local":  # the final RMSNorm's saves
+            acts += 10 * tokens * cfg.hidden_size // (layout.tp if shape.sequence_parallel else 1)
     terms = {"weights": 2 * params, "gradients": shape.grad_bytes * params,
              "optimizer": 12 * params / (shape.dp if shape.distributed_optimizer else 1),
              "activations": acts, "logits": logits, "reserve": shape.reserve_gib * GIB}

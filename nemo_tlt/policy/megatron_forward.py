@@ -24,7 +24,11 @@ def vocab_parallel_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, tempe
 
     if input_ids.shape[1] == 1:  # a lone token has no target; keep the graph for backward
         return logits.sum(-1) * 0.0
-    scaled = (logits[:, :-1].float() / temperature).contiguous()
+    # one fp32 copy of the logits, scaled in place (its cast's backward keeps nothing): a second
+    # fp32 copy would be the update's largest transient
+    scaled = logits[:, :-1].float().contiguous()
+    if temperature != 1.0:
+        scaled.div_(temperature)
     part = scaled.shape[-1]
     valid = vocab_size - parallel_state.get_tensor_model_parallel_rank() * part
     if valid < part:
