@@ -1,12 +1,11 @@
 """The sbatch scripts on a real SLURM cluster (tests/slurm/conftest.py) with a tiny config:
-the demo job completes and writes its report; a run on 2 nodes x 1 task (SLURM launch
-mode) equals the same run launched by the local spawn launcher, bit for bit; on 2 nodes x
-2 tasks the drafter is averaged through the node leaders, with the same rollouts and
-rewards as 4 local workers; USR1 sent
-to the batch shell stops the run at a step boundary with a checkpoint, and a
-requeue by the script itself resumes it to the end, equal to an uninterrupted run; a job
-that cannot be requeued says so; a 1-minute job stops before its time limit with a
-whole checkpoint."""
+the demo job completes and writes its report; on 2 nodes x 2 tasks the drafter is averaged
+through the node leaders, with the same rollouts and rewards as 4 local workers; on 2 nodes
+x 1 task (SLURM launch mode), USR1 sent to the batch shell stops the run at a step boundary
+with a checkpoint, and a requeue by the script itself resumes it to the end, equal bit for
+bit to the same run uninterrupted by the local spawn launcher (so an uninterrupted 2 x 1
+job, a strict part of it, has no test of its own); a job that cannot be requeued says so;
+a 1-minute job stops before its time limit with a whole checkpoint."""
 from __future__ import annotations
 
 import json
@@ -91,10 +90,6 @@ def slurm_and_spawn(cluster, tiny_models, tmp_path, nodes: int, tasks_per_node: 
     return slurm_run, local_run, a, b
 
 
-def test_two_nodes_equal_the_spawn_launcher(cluster, tiny_models, tmp_path):
-    slurm_and_spawn(cluster, tiny_models, tmp_path, nodes=2, tasks_per_node=1)
-
-
 def drafter(run: Path) -> dict[str, torch.Tensor]:
     manager = CheckpointManager(run / "checkpoints")
     try:
@@ -110,7 +105,7 @@ def test_two_nodes_of_two_average_the_drafter_through_node_leaders(cluster, tiny
     # lossless), so they equal a 4-worker local run's (one node, flat average). Its workers are
     # forked (the tests' default, tiny_overrides): 4 spawned ones would import torch again, about
     # 6 s of this 2-core machine beside the job's 4 tasks; the spawn launcher's equality with a
-    # SLURM job is test_two_nodes_equal_the_spawn_launcher's (and the USR1 test's).
+    # SLURM job is the USR1 test's.
     slurm_run, local_run, a, b = slurm_and_spawn(cluster, tiny_models, tmp_path, nodes=2, tasks_per_node=2,
                                                  timeout_s=500, start_method="fork")
     for r in a:
