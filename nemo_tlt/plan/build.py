@@ -176,11 +176,14 @@ def fixed_costs(cfg: LMConfig, plan: PlanConfig, shape: TrainingShape, train_mem
     b = plan.batch
     mean_len = float(np.mean(model.draw(100_000, np.random.default_rng(plan.seed))))
     tokens = int(b.prompts * b.group_size * (plan.rollout.prompt_len + mean_len))
-    train = training_seconds(cfg, plan.cluster, tokens, plan.training.pipeline_parallel, shape.num_micro_batches,
+    # the policy runs megatron's schedule once per micro-batch (nemo_tlt.policy.megatron_forward):
+    # no micro-batch fills another's pipeline bubble
+    train = training_seconds(cfg, plan.cluster, tokens, plan.training.pipeline_parallel, 1,
                              plan.training.recompute == "full")
     offload = 0.0
     if plan.rollout.training_state != "all":
-        moved = train_mem["gradients"] + train_mem["optimizer"]
+        # gradients are released, not moved (every update zeroes them first: nemo_tlt.model.offload)
+        moved = train_mem["optimizer"]
         if plan.rollout.training_state == "offload":
             moved += train_mem["weights"]
         offload = 2 * moved / (plan.cluster.pcie_gbps * 1e9)

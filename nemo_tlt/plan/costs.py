@@ -12,7 +12,8 @@ plus one target verify pass of ``num_verify + 1`` query tokens per row. Training
 phases are compute-bound: 2 x P FLOPs per token for log-probs, 6 x P for the update
 (8 x P with full recomputation; selective recomputation repeats only the core attention,
 whose FLOPs these training costs leave out, so 6 x P), spread over all GPUs, stretched by
-the pipeline bubble (1 + (pp - 1) / micro-batches).
+the pipeline bubble (1 + (pp - 1) / m for m micro-batches in one schedule; the policy runs one
+micro-batch per schedule call, so the plan passes m = 1: pp).
 """
 from __future__ import annotations
 
