@@ -19,13 +19,14 @@ Training (Megatron, bf16 weights, Adam), per GPU of the fullest pipeline stage:
                fc1 (gate and up) and fc2 inputs; flash attention keeps no s x s scores.
                ``local`` (megatron-core's local spec on torch ops: a CPU, or a GPU without
                Transformer Engine), what autograd saves, counted op by op on the CPU:
-               A_layer = s b (20h / t_sp + (8q + 6 n_h s + 10f) / t + 2 d), t_sp = t with
+               A_layer = s b (20h / t_sp + (8q + 6 n_h s + 10f) / t) + 8 s d, t_sp = t with
                sequence parallelism, else 1: each RMSNorm (torch's rms_norm) keeps its input
                upcast to fp32, the fp32 normalised value and its bf16 output (10 h); the roped
                query, key and value repeated to every query head (GQA), the attention context
                (2 q each); the scores' fp32 softmax and its bf16 copy (6 n_h s, n_h query
                heads); fc1's output (gate and up), silu(gate), up + offset, their product
-               (2 f each, 4 for fc1); the rotary table cast to bf16 (2 d, d = head_dim).
+               (2 f each, 4 for fc1); the rotary tables cast to bf16, cos and sin for the query
+               and for the key, [s, 1, 1, d] each whatever b (8 s d, d = head_dim).
                Full recomputation stores each layer's input, 2 s b h / t (sequence parallel) or
                2 s b h (not), plus one layer's A_layer. Selective recomputation (megatron's:
                core attention only) stores what none does here: it drops the s x s scores
@@ -35,11 +36,13 @@ Training (Megatron, bf16 weights, Adam), per GPU of the fullest pipeline stage:
                so every stage holds one micro-batch's activations (a 1F1B schedule over m
                micro-batches would hold min(pp - p, m) on stage p, at the price of the bubble
                this one pays in full).
-  logits       last stage: 6 B x s b V_pad / t: at the loss, the bf16 logits and their one fp32
-               copy (scaled in place, nemo_tlt.policy.megatron_forward); in the output layer's
-               backward, the bf16 gradient, its contiguous copy for the weight gradient and the
-               input gradient's matmul. (With the ``local`` spec the last stage's activations
-               count the final RMSNorm's 10 s b h / t_sp too.)
+  logits       last stage: c B x s b V_pad / t, c = 6: at the loss, the bf16 logits and their one
+               fp32 copy (scaled and masked in place, nemo_tlt.policy.megatron_forward); in its
+               backward, the fp32 gradient and its bf16 cast; in the output layer's backward,
+               the bf16 gradient and its contiguous copy for the weight gradient. c = 8 where the
+               vocabulary is padded (V_pad > V, the last TP rank's slice): the padding mask's
+               backward writes a second fp32 gradient beside the first. (With the ``local`` spec
+               the last stage's activations count the final RMSNorm's 10 s b h / t_sp too.)
   reserve      CUDA context, NCCL buffers and allocator slack (a configured allowance)
 
 Rollout, per GPU of a rollout replica of TP r:
@@ -142,7 +145,7 @@ def activation_bytes_per_layer(cfg: LMConfig, tokens: int, tp: int, sequence_par
     h, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     if layer_spec == "local":
         per_token_tp = 8 * q + 6 * cfg.num_heads * seq_len + 10 * f
-        return tokens * (20 * h // (tp if sequence_parallel else 1) + per_token_tp // tp + 2 * cfg.head_dim)
+        return tokens * (20 * h // (tp if sequence_parallel else 1) + per_token_tp // tp) + 8 * seq_len * cfg.head_dim
     split = 2 * q + 2 * kv + 3 * f
     if sequence_parallel:
         return 2 * tokens * (4 * h + split) // tp
@@ -164,7 +167,8 @@ def stage_training_memory(cfg: LMConfig, shape: TrainingShape, p: int) -> dict[s
         acts = inflight * layers * per_layer
     logits = 0
     if p == layout.pp - 1:
-        logits = 6 * tokens * layout.padded_vocab_size(cfg.vocab_size) // layout.tp
+        padded = layout.padded_vocab_size(cfg.vocab_size)
+        logits = (8 if padded > cfg.vocab_size else 6) * tokens * padded // layout.tp
         if shape.layer_spec == "local":  # the final RMSNorm's saves
             acts += 10 * tokens * cfg.hidden_size // (layout.tp if shape.sequence_parallel else 1)
     terms = {"weights": 2 * params, "gradients": shape.grad_bytes * params,

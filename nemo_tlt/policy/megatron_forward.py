@@ -34,8 +34,9 @@ def vocab_parallel_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, tempe
     if valid < part:
         # Megatron pads the vocabulary with zero rows; their logit 0 would join the partition
         # function, so they get probability exactly 0 (and no gradient) instead.
+        # in place: an out-of-place fill would hold a second fp32 copy beside the first
         pad = torch.arange(part, device=scaled.device) >= max(valid, 0)
-        scaled = scaled.masked_fill(pad, float("-inf"))
+        scaled.masked_fill_(pad, float("-inf"))
     # The megatron op subtracts the max in place: it gets a tensor nobody else reads.
     return -vocab_parallel_cross_entropy(scaled, input_ids[:, 1:].contiguous())
 

@@ -29,7 +29,7 @@ def test_training_terms_by_hand():
     p_rank = 2 * LAYER + 2 * 128 * 64 + 64  # padded vocab rows in embedding and output layer
     assert got == {"weights": 2 * p_rank, "gradients": 4 * p_rank, "optimizer": 12 * p_rank / 2,
                    "activations": 2 * (2 * 10 * (4 * 64 + 2 * 64 + 2 * 32 + 3 * 128)),
-                   "logits": 6 * 10 * 128, "reserve": 0.0}
+                   "logits": 8 * 10 * 128, "reserve": 0.0}
 
 
 def test_training_terms_split_by_tp_and_pp():
@@ -39,12 +39,21 @@ def test_training_terms_split_by_tp_and_pp():
                                                num_micro_batches=4, distributed_optimizer=False, reserve_gib=0.0))
     # The fullest of TP2 x PP2 is the last stage: one layer's TP half (norms whole), half the
     # (padded, 256-row) output layer and the final norm; it holds one micro-batch in flight,
-    # its activations split by TP (sequence parallel), plus the bf16 logits and their fp32 copy.
+    # its activations split by TP (sequence parallel), plus the bf16 logits and their fp32 copy,
+    # and, the vocabulary being padded, the padding mask's second fp32 gradient.
     last = (LAYER - 128) // 2 + 128 + 256 // 2 * 64 + 64
     assert split["weights"] == 2 * last and split["optimizer"] == 12 * last
     assert split["activations"] == 2 * 10 * (4 * 64 + 2 * 64 + 2 * 32 + 3 * 128) // 2
-    assert split["logits"] == 6 * 10 * 256 // 2
+    assert split["logits"] == 8 * 10 * 256 // 2
     assert one["weights"] > split["weights"]
+
+
+def test_logits_count_a_second_fp32_gradient_where_the_vocabulary_is_padded():
+    unpadded = LMConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2)
+    shape = TrainingShape(ParallelLayout(1, 1), dp=1, micro_batch=1, seq_len=10, num_micro_batches=1, reserve_gib=0.0)
+    assert training_memory(unpadded, shape)["logits"] == 6 * 10 * 128
+    assert training_memory(CFG, shape)["logits"] == 8 * 10 * 128  # 64 rows padded to 128
 
 
 def test_every_stage_holds_one_micro_batch():
@@ -63,20 +72,22 @@ def test_local_spec_activations_by_hand():
     """megatron-core's local spec (torch ops) keeps per token and layer: 10 h per RMSNorm (fp32
     input, fp32 normalised, bf16 output), 2 q each for the roped query, the repeated key and
     value and the context, 6 n_h s for the scores (fp32 softmax, bf16 copy), 10 f for the MLP and
-    2 head_dim for the rotary table; the last stage also the final norm's 10 h."""
+    8 s head_dim per layer for the rotary tables (cos, sin for q and k, whatever b); the last stage
+    also the final norm's 10 h."""
     def terms(tp: int, sp: bool) -> dict:
         return training_memory(CFG, TrainingShape(ParallelLayout(tp, 1), dp=1, micro_batch=2, seq_len=10,
                                                   num_micro_batches=4, sequence_parallel=sp, reserve_gib=0.0,
                                                   layer_spec="local"))
 
     tokens, s = 2 * 10, 10
-    one = 20 * 64 + 8 * 64 + 6 * 4 * s + 10 * 128 + 2 * 16
-    assert terms(1, False)["activations"] == 2 * tokens * one + tokens * 10 * 64
-    split = 20 * 64 + (8 * 64 + 6 * 4 * s + 10 * 128) // 2 + 2 * 16
-    assert terms(2, False)["activations"] == 2 * tokens * split + tokens * 10 * 64
-    split_sp = 20 * 64 // 2 + (8 * 64 + 6 * 4 * s + 10 * 128) // 2 + 2 * 16
-    assert terms(2, True)["activations"] == 2 * tokens * split_sp + tokens * 10 * 64 // 2
-    assert terms(2, True)["logits"] == 6 * tokens * 256 // 2
+    rope = 8 * s * 16
+    one = 20 * 64 + 8 * 64 + 6 * 4 * s + 10 * 128
+    assert terms(1, False)["activations"] == 2 * (tokens * one + rope) + tokens * 10 * 64
+    split = 20 * 64 + (8 * 64 + 6 * 4 * s + 10 * 128) // 2
+    assert terms(2, False)["activations"] == 2 * (tokens * split + rope) + tokens * 10 * 64
+    split_sp = 20 * 64 // 2 + (8 * 64 + 6 * 4 * s + 10 * 128) // 2
+    assert terms(2, True)["activations"] == 2 * (tokens * split_sp + rope) + tokens * 10 * 64 // 2
+    assert terms(2, True)["logits"] == 8 * tokens * 256 // 2  # vocab 64 padded to 256
     with pytest.raises(ValueError, match="training.layer_spec must be one of"):
         TrainingShape(ParallelLayout(1, 1), dp=1, micro_batch=1, seq_len=10, num_micro_batches=1, layer_spec="te")
 
