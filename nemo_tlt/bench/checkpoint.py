@@ -27,8 +27,9 @@ together by one method:
 * ``async_touch``: ``start_save_sharded``, then every element of the rank's own tensors (bf16
   weights, fp32 main params, both moments) rewritten in place with its own value
   (``mul_(1)``, far faster than the write), then ``wait()``: every page a step rewrites,
-  rewritten while the writers certainly live: what the policy's wait prevents, reported as
-  the unguarded bound and not part of the target;
+  rewritten while what is left of the write runs (``start_save_sharded`` itself takes most
+  of a save's time on the CPU): what the policy's wait prevents, reported as the unguarded
+  case and not part of the target;
 * ``touch_alone``: that rewrite with no save in flight.
 
 What is measured: the kernel's peak resident set of the rank's process (``VmHWM``, reset
