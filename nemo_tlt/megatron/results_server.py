@@ -4,8 +4,9 @@ and holding the results as pickled bytes.
 Contract: ``results_queue_dying_with_rank()`` -> ``PickledQueue``, a queue served by a spawned
 ``multiprocessing`` manager process. ``put(obj)`` pickles ``obj`` in the caller and the server
 stores the bytes; ``get`` / ``get_nowait`` unpickle in the caller. So the server never unpickles
-megatron-core's ``WriteResult`` objects, and never imports torch: it starts and serves with the
-interpreter alone (about 2 s of CPU less per rank and save than megatron-core's own spawned
+megatron-core's ``WriteResult`` objects and need not import torch: it starts and serves with the
+interpreter alone (unless the rank's main module imports torch at its top: a spawned process
+re-imports it) (about 2 s of CPU less per rank and save than megatron-core's own spawned
 manager, which imports torch to unpickle the first results). The kernel kills the server when
 the rank that started it dies (Linux ``PR_SET_PDEATHSIG``), so a rank killed mid-save leaves no
 server behind. This module imports no torch and no megatron-core: the spawned server imports

@@ -56,6 +56,9 @@ class TrainingPlan:
             raise ValueError(f"training.recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
         if self.layer_spec not in LAYER_SPECS:
             raise ValueError(f"training.layer_spec must be one of {list(LAYER_SPECS)}, got {self.layer_spec!r}")
+        if self.layer_spec == "local" and self.sequence_parallel:
+            raise ValueError("training.layer_spec=local cannot run with training.sequence_parallel=true "
+                             "(megatron-core's local norm refuses it: nemo_tlt.policy.megatron_checks)")
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ Training (Megatron, bf16 weights, Adam), per GPU of the fullest pipeline stage:
                fc1 (gate and up) and fc2 inputs; flash attention keeps no s x s scores.
                ``local`` (megatron-core's local spec on torch ops: a CPU, or a GPU without
                Transformer Engine), what autograd saves, counted op by op on the CPU:
-               A_layer = s b (20h / t_sp + (8q + 6 n_h s + 10f) / t) + 8 s d, t_sp = t with
-               sequence parallelism, else 1: each RMSNorm (torch's rms_norm) keeps its input
+               A_layer = s b (20h + (8q + 6 n_h s + 10f) / t) + 8 s d (no sequence
+               parallelism: the local spec refuses it): each RMSNorm (torch's rms_norm) keeps its input
                upcast to fp32, the fp32 normalised value and its bf16 output (10 h); the roped
                query, key and value repeated to every query head (GQA), the attention context
                (2 q each); the scores' fp32 softmax and its bf16 copy (6 n_h s, n_h query
@@ -41,8 +41,10 @@ Training (Megatron, bf16 weights, Adam), per GPU of the fullest pipeline stage:
                backward, the fp32 gradient and its bf16 cast; in the output layer's backward,
                the bf16 gradient and its contiguous copy for the weight gradient. c = 8 where the
                vocabulary is padded (V_pad > V, the last TP rank's slice): the padding mask's
-               backward writes a second fp32 gradient beside the first. (With the ``local`` spec
-               the last stage's activations count the final RMSNorm's 10 s b h / t_sp too.)
+               backward writes a second fp32 gradient beside the first. A sampling temperature
+               other than 1 does the same (its in-place scale's backward); the plan has no
+               temperature and assumes 1. (With the ``local`` spec
+               the last stage's activations count the final RMSNorm's 10 s b h too.)
   reserve      CUDA context, NCCL buffers and allocator slack (a configured allowance)
 
 Rollout, per GPU of a rollout replica of TP r:
@@ -136,6 +138,9 @@ class TrainingShape:
             raise ValueError(f"training.recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
         if self.layer_spec not in LAYER_SPECS:
             raise ValueError(f"training.layer_spec must be one of {list(LAYER_SPECS)}, got {self.layer_spec!r}")
+        if self.layer_spec == "local" and self.sequence_parallel:
+            raise ValueError("training.layer_spec=local cannot run with training.sequence_parallel=true "
+                             "(megatron-core's local norm refuses it: nemo_tlt.policy.megatron_checks)")
 
 
 def activation_bytes_per_layer(cfg: LMConfig, tokens: int, tp: int, sequence_parallel: bool,
@@ -145,7 +150,7 @@ def activation_bytes_per_layer(cfg: LMConfig, tokens: int, tp: int, sequence_par
     h, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     if layer_spec == "local":
         per_token_tp = 8 * q + 6 * cfg.num_heads * seq_len + 10 * f
-        return tokens * (20 * h // (tp if sequence_parallel else 1) + per_token_tp // tp) + 8 * seq_len * cfg.head_dim
+        return tokens * (20 * h + per_token_tp // tp) + 8 * seq_len * cfg.head_dim
     split = 2 * q + 2 * kv + 3 * f
     if sequence_parallel:
         return 2 * tokens * (4 * h + split) // tp
@@ -170,7 +175,7 @@ def stage_training_memory(cfg: LMConfig, shape: TrainingShape, p: int) -> dict[s
         padded = layout.padded_vocab_size(cfg.vocab_size)
         logits = (8 if padded > cfg.vocab_size else 6) * tokens * padded // layout.tp
         if shape.layer_spec == "local":  # the final RMSNorm's saves
-            acts += 10 * tokens * cfg.hidden_size // (layout.tp if shape.sequence_parallel else 1)
+            acts += 10 * tokens * cfg.hidden_size
     terms = {"weights": 2 * params, "gradients": shape.grad_bytes * params,
              "optimizer": 12 * params / (shape.dp if shape.distributed_optimizer else 1),
              "activations": acts, "logits": logits, "reserve": shape.reserve_gib * GIB}

@@ -376,6 +376,7 @@ class MegatronPolicy:
         ``dist_checkpointing``; nothing gathered on any rank)."""
         from nemo_tlt.megatron.policy_checkpoint import save_policy_shards
 
+        self.finish_writes()  # one save at a time: its results server is the process's only one
         with self._device_context():
             save_policy_shards(self._sharded_state(False), directory)
 

@@ -27,6 +27,8 @@ def vocab_parallel_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, tempe
     # one fp32 copy of the logits, scaled in place (its cast's backward keeps nothing): a second
     # fp32 copy would be the update's largest transient
     scaled = logits[:, :-1].float().contiguous()
+    if scaled.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
+        scaled = scaled.clone()  # fp32 logits of one row: no copy yet, and the model's output is not ours
     if temperature != 1.0:
         scaled.div_(temperature)
     part = scaled.shape[-1]

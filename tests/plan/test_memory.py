@@ -85,11 +85,11 @@ def test_local_spec_activations_by_hand():
     assert terms(1, False)["activations"] == 2 * (tokens * one + rope) + tokens * 10 * 64
     split = 20 * 64 + (8 * 64 + 6 * 4 * s + 10 * 128) // 2
     assert terms(2, False)["activations"] == 2 * (tokens * split + rope) + tokens * 10 * 64
-    split_sp = 20 * 64 // 2 + (8 * 64 + 6 * 4 * s + 10 * 128) // 2
-    assert terms(2, True)["activations"] == 2 * (tokens * split_sp + rope) + tokens * 10 * 64 // 2
-    assert terms(2, True)["logits"] == 8 * tokens * 256 // 2  # vocab 64 padded to 256
+    assert terms(2, False)["logits"] == 8 * tokens * 256 // 2  # vocab 64 padded to 256
     with pytest.raises(ValueError, match="training.layer_spec must be one of"):
         TrainingShape(ParallelLayout(1, 1), dp=1, micro_batch=1, seq_len=10, num_micro_batches=1, layer_spec="te")
+    with pytest.raises(ValueError, match="layer_spec=local cannot run with training.sequence_parallel"):
+        terms(2, True)
 
 
 def test_recomputed_activations_by_hand():
