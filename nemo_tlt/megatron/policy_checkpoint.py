@@ -151,7 +151,7 @@ def start_policy_save(state: dict, directory: str | os.PathLike, context) -> Pen
 def _install_write_results_queue() -> None:
     """Give megatron-core's torch_dist writer (``FileSystemWriterAsync``, synchronous saves
     included) this save's results queue: ``results_server.results_queue_dying_with_rank``, whose
-    server dies with the rank and never imports torch, instead of the spawned manager megatron-core
+    server dies with the rank and need not import torch, instead of the spawned manager megatron-core
     would create on its first save and keep for the life of the process."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 

@@ -5,9 +5,9 @@ Contract: ``results_queue_dying_with_rank()`` -> ``PickledQueue``, a queue serve
 ``multiprocessing`` manager process. ``put(obj)`` pickles ``obj`` in the caller and the server
 stores the bytes; ``get`` / ``get_nowait`` unpickle in the caller. So the server never unpickles
 megatron-core's ``WriteResult`` objects and need not import torch: it starts and serves with the
-interpreter alone (unless the rank's main module imports torch at its top: a spawned process
-re-imports it) (about 2 s of CPU less per rank and save than megatron-core's own spawned
-manager, which imports torch to unpickle the first results). The kernel kills the server when
+interpreter alone, about 2 s of CPU less per rank and save than megatron-core's own spawned
+manager, which imports torch to unpickle the first results. (A spawned process re-imports its
+parent's main module: under a script that imports torch at its top the server still does.) The kernel kills the server when
 the rank that started it dies (Linux ``PR_SET_PDEATHSIG``), so a rank killed mid-save leaves no
 server behind. This module imports no torch and no megatron-core: the spawned server imports
 it to find its initializer.
