@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_tlt.bench.common import add_start_method, megatron_bench_refusal, write_summary
+from nemo_tlt.bench.common import add_model_shape, add_start_method, megatron_bench_refusal, model_config, write_summary
 import torch.distributed as dist
 
 from nemo_tlt.bench.load import _DTYPES, _reset_peak, _status
@@ -80,12 +80,7 @@ TARGET_WORK = ("update", "step")  # what a run does while the writers live; "tou
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nemo-tlt bench checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--hidden", type=int, default=1536)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=4096)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_model_shape(p, hidden=1536, layers=16, heads=12, kv_heads=4, ffn=4096)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="weights dtype")
     p.add_argument("--trials", type=int, default=2, help="trials per method (the order alternates)")
     add_start_method(p)
@@ -319,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
     dtype = _DTYPES[args.dtype]
-    cfg = LMConfig(family="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
-                   num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads)
+    cfg = model_config(args)
     params = sum(torch.Size(s).numel() for s in expected_shapes(cfg).values())
     runs = []
     for method in _order(args.trials):

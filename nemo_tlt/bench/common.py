@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from nemo_tlt.atomic import write_json_atomic
+from nemo_tlt.model.config import LMConfig
 
 
 def machine_info() -> dict[str, Any]:
@@ -51,6 +52,21 @@ def megatron_bench_refusal(name: str, trials: int | None = None) -> str | None:
     if trials is not None and trials < 1:
         return f"--trials must be >= 1, got {trials}"
     return None
+
+
+def add_model_shape(p: argparse.ArgumentParser, *, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
+                    vocab: int = 32000) -> None:
+    """The random Llama-shaped model a benchmark builds: ``--hidden``, ``--layers``, ``--heads``,
+    ``--kv-heads``, ``--ffn``, ``--vocab`` with the benchmark's defaults (``model_config`` reads them)."""
+    for flag, default in (("--hidden", hidden), ("--layers", layers), ("--heads", heads), ("--kv-heads", kv_heads),
+                          ("--ffn", ffn), ("--vocab", vocab)):
+        p.add_argument(flag, type=int, default=default)
+
+
+def model_config(args: argparse.Namespace, **fields: Any) -> LMConfig:
+    """The ``LMConfig`` of ``add_model_shape``'s arguments (Llama family), plus ``fields``."""
+    return LMConfig(family="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+                    num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, **fields)
 
 
 def add_start_method(p: argparse.ArgumentParser) -> None:

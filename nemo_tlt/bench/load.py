@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from nemo_tlt.bench.common import add_start_method, megatron_bench_refusal, write_summary
+from nemo_tlt.bench.common import add_model_shape, add_start_method, megatron_bench_refusal, write_summary
 import torch.distributed as dist
 
 from nemo_tlt.dist import RankContext, launch_local
@@ -53,12 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nemo-tlt bench load", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--folder", default=None, help="HF folder to use (written there first if it has no config.json)")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=20)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_model_shape(p, hidden=2048, layers=20, heads=16, kv_heads=4, ffn=5632)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="stored and weights dtype")
     p.add_argument("--trials", type=int, default=2, help="trials per method (the order alternates)")
     add_start_method(p)

@@ -35,7 +35,9 @@ from pathlib import Path
 
 import torch
 
-from nemo_tlt.bench.common import add_start_method, format_table, machine_info, megatron_bench_refusal, write_summary
+from nemo_tlt.bench.common import (
+    add_model_shape, add_start_method, format_table, machine_info, megatron_bench_refusal, model_config, write_summary,
+)
 from nemo_tlt.dist import RankContext, launch_local
 from nemo_tlt.plan.rank_memory import PHASES
 
@@ -55,12 +57,7 @@ class Step:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nemo-tlt bench memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=704)
-    p.add_argument("--vocab", type=int, default=2048)
+    add_model_shape(p, hidden=256, layers=4, heads=8, kv_heads=4, ffn=704, vocab=2048)
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--group", type=int, default=4, help="sequences per prompt (grpo.group_size)")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -184,7 +181,6 @@ def run_layout(name: str, args: argparse.Namespace, cfg, step: Step) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nemo_tlt.model.config import LMConfig
     from nemo_tlt.plan.memory import parameter_count
 
     args = _parser().parse_args(argv)
@@ -194,9 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if refusal is not None:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
-    cfg = LMConfig(family="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
-                   num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                   max_position_embeddings=max(512, args.prompt_len + args.max_new + 8))
+    cfg = model_config(args, max_position_embeddings=max(512, args.prompt_len + args.max_new + 8))
     step = Step(args.prompts, args.group, args.prompt_len, args.max_new, args.micro_batch)
     layouts = {name: run_layout(name, args, cfg, step) for name in args.layouts}
     for name, result in layouts.items():

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from nemo_tlt.bench.common import add_start_method, megatron_bench_refusal, write_summary
+from nemo_tlt.bench.common import add_model_shape, add_start_method, megatron_bench_refusal, model_config, write_summary
 import torch.distributed as dist
 
 from nemo_tlt.dist import RankContext, launch_local
@@ -46,12 +46,7 @@ from nemo_tlt.weights.layout import ParallelLayout
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nemo-tlt bench reshard", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=20)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_model_shape(p, hidden=2048, layers=20, heads=16, kv_heads=4, ffn=5632)
     p.add_argument("--rollout-tps", default="1,2", help="comma-separated rollout TP sizes")
     p.add_argument("--receivers", choices=("first", "all"), default="first",
                    help="first: the first TP ranks receive; all: every rank does")
@@ -160,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {refusal}", file=sys.stderr)
         return 2
     rollout_tps = [int(x) for x in args.rollout_tps.split(",")]
-    cfg = LMConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
-                   num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads)
+    cfg = model_config(args)
     layout = ParallelLayout(tp=2, pp=2)
     per_rank = launch_local(_worker, 4, cfg, layout, rollout_tps, args.receivers, timeout_s=args.timeout_s,
                             start_method=args.start_method)

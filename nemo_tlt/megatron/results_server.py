@@ -7,9 +7,9 @@ stores the bytes; ``get`` / ``get_nowait`` unpickle in the caller. So the server
 megatron-core's ``WriteResult`` objects and need not import torch: it starts and serves with the
 interpreter alone, about 2 s of CPU less per rank and save than megatron-core's own spawned
 manager, which imports torch to unpickle the first results. (A spawned process re-imports its
-parent's main module: under a script that imports torch at its top the server still does.) The kernel kills the server when
-the rank that started it dies (Linux ``PR_SET_PDEATHSIG``), so a rank killed mid-save leaves no
-server behind. This module imports no torch and no megatron-core: the spawned server imports
+parent's main module: under a script that imports torch at its top the server still does.)
+The kernel kills the server when the rank that started it dies (Linux ``PR_SET_PDEATHSIG``), so
+a rank killed mid-save leaves no server behind. This module imports no torch and no megatron-core: the spawned server imports
 it to find its initializer.
 """
 from __future__ import annotations

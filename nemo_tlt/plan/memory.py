@@ -164,12 +164,12 @@ def stage_training_memory(cfg: LMConfig, shape: TrainingShape, p: int) -> dict[s
     layers = layout.stage_layer_counts(cfg.num_layers)[p]
     per_layer = activation_bytes_per_layer(cfg, tokens, layout.tp, shape.sequence_parallel, shape.layer_spec,
                                            shape.seq_len)
-    inflight = 1  # one schedule call per micro-batch (module docstring)
+    # one micro-batch in flight: one schedule call per micro-batch (module docstring)
     if shape.recompute == "full":
         stored = 2 * tokens * cfg.hidden_size // (layout.tp if shape.sequence_parallel else 1)
-        acts = inflight * layers * stored + per_layer
+        acts = layers * stored + per_layer
     else:
-        acts = inflight * layers * per_layer
+        acts = layers * per_layer
     logits = 0
     if p == layout.pp - 1:
         padded = layout.padded_vocab_size(cfg.vocab_size)
