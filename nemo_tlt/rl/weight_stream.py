@@ -87,6 +87,13 @@ def _bytes(tensor: torch.Tensor) -> bytes:
     return tensor.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def stream_tp(engine: Any, tp: "TensorParallel | None") -> int:
+    """The ``rollout_tp`` a policy's canonical stream is asked for: the replica's TP size where the
+    engine takes this rank's rollout slices (``accepts_rollout_slices``: the torch engine), else 1
+    (whole tensors, the contract's default: vLLM's workers cut their own shards)."""
+    return tp.size if tp is not None and getattr(engine, "accepts_rollout_slices", False) else 1
+
+
 def sync_weights(policy: Any, engine: Any, drafter: Any, sd_policy: Any, idle: Any, *,
                  tp: "TensorParallel | None", keep: bool, digest: bool) -> tuple[WeightStream, str | None]:
     """One step's weight sync: the policy's canonical weights (``tp``: the rollout replica's
@@ -96,7 +103,7 @@ def sync_weights(policy: Any, engine: Any, drafter: Any, sd_policy: Any, idle: A
     ``idle.drafter_sync_s`` (the SD policy is told when the drafter trained). Returns the
     stream (its ``kept`` weights, ``hexdigest()`` of policy and drafter, ``digest_s``) and the
     policy's digest alone (None without ``digest``)."""
-    stream = WeightStream(policy.canonical_weights(rollout_tp=tp.size if tp is not None else 1), keep=keep,
+    stream = WeightStream(policy.canonical_weights(rollout_tp=stream_tp(engine, tp)), keep=keep,
                           view=drafter.view if drafter is not None else None, tp=tp, digest=digest)
     engine.load_policy_weights(stream)
     policy_digest = stream.hexdigest()

@@ -89,9 +89,10 @@ class RolloutConfig(SpecDecodingConfig):
     fp32 copy of the weights, an fp32 KV cache and fp32 math, so that speculative and plain
     decoding give the same tokens in bf16 as they do in fp32 (measured:
     docs/benchmarks.md, "Precision"). ``tensor_parallel``: ranks per rollout replica (torch
-    engine): the loop groups consecutive ranks into replicas of this many, each rank holding
-    1/TP of the model's split weights (``nemo_tlt.weights.rollout``); every rank of a replica
-    decodes the replica's prompts together. ``training_state``: ``resident`` keeps the policy's
+    engine, or vLLM with each rank one of its TP workers): the loop groups consecutive ranks
+    into replicas of this many, each rank holding 1/TP of the model's split weights
+    (``nemo_tlt.weights.rollout``; vLLM's own split); every rank of a replica decodes the
+    replica's prompts together. ``training_state``: ``resident`` keeps the policy's
     training state on the device during the rollout; ``offload`` moves it to host memory (pinned
     where CUDA is available) before the rollout and back before the update, freeing its device
     memory for the engine (``nemo_tlt.rl.training_state``; the backend's
@@ -113,10 +114,10 @@ class RolloutConfig(SpecDecodingConfig):
         super().__post_init__()
         check_int("rollout.tensor_parallel", self.tensor_parallel, 1)
         ENGINES.check(self.engine)
-        if self.tensor_parallel > 1 and self.engine in ("trtllm", "vllm"):
+        if self.tensor_parallel > 1 and self.engine == "trtllm":
             raise ValueError(f"rollout.tensor_parallel={self.tensor_parallel} with rollout.engine={self.engine} is not "
                              "built (the engine places its own TP workers; the loop's replica ranks would have to "
-                             "hand it their GPUs): use rollout.engine=torch or rollout.tensor_parallel=1")
+                             "hand it their GPUs): use rollout.engine=torch or vllm, or rollout.tensor_parallel=1")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"RolloutConfig.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got "
                              f"{self.compute_dtype!r}")

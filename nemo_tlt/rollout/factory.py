@@ -68,7 +68,7 @@ def vllm_engine(config: RolloutConfig, model_dir: str, placement: Placement, *, 
                 drafter: Drafter | None = None, max_batch: int | None = None,
                 policy: SpecPolicy | None = None) -> RolloutEngine:
     """vLLM in this process (``rollout.engine=vllm``): see `_vllm_engine`."""
-    return _vllm_engine(config, model_dir, placement, drafter, max_batch)
+    return _vllm_engine(config, model_dir, placement, drafter, max_batch, tp)
 
 
 def _trtllm_engine(config: RolloutConfig, model_dir: str, placement: Placement,
@@ -99,12 +99,16 @@ def _trtllm_engine(config: RolloutConfig, model_dir: str, placement: Placement,
 
 
 def _vllm_engine(config: RolloutConfig, model_dir: str, placement: Placement, drafter: Drafter | None,
-                 max_batch: int | None) -> RolloutEngine:
+                 max_batch: int | None, tp: TensorParallel | None) -> RolloutEngine:
     """vLLM in this process serving ``model_dir``, built with ``drafter`` (exported to a
     temporary EAGLE-3 HF folder, which vLLM reads at start-up) when one is given; chains up to
-    the SD policy's deepest arm. On CUDA vLLM's in-process worker takes ``cuda:0`` of the
-    process: one GPU per rank, made visible as device 0 (written for CUDA, not run)."""
-    if placement.device.type == "cuda" and (placement.device.index or 0) != 0:
+    the SD policy's deepest arm. ``tp`` (size > 1): this rank is one of the replica's vLLM TP
+    workers (vLLM's ``external_launcher``; the replica is consecutive ranks, as vLLM groups
+    them). On CUDA the worker takes this rank's device: at TP 1 it must be ``cuda:0`` (one
+    GPU per rank, made visible as device 0); under ``external_launcher`` vLLM's worker takes
+    ``cuda:<index>`` of the rank's placement (written for CUDA, not run)."""
+    tp_size = tp.size if tp is not None else 1
+    if placement.device.type == "cuda" and tp_size == 1 and (placement.device.index or 0) != 0:
         raise ValueError(f"rollout.engine=vllm: this rank is placed on {placement.device}, but vLLM's in-process "
                          "worker uses cuda:0; give each rank one GPU (CUDA_VISIBLE_DEVICES) so that it is cuda:0")
     from nemo_tlt.rollout.vllm_config import VLLMEngineConfig
@@ -114,6 +118,9 @@ def _vllm_engine(config: RolloutConfig, model_dir: str, placement: Placement, dr
                   max_num_seqs=settings.max_num_seqs or max_batch or 256, kv_cache_gib=settings.kv_cache_gib,
                   gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager,
                   enable_sleep_mode=settings.enable_sleep_mode, dtype=str(placement.dtype).removeprefix("torch."))
+    if tp_size > 1:
+        kwargs.update(tensor_parallel_size=tp_size, external_launcher=True,
+                      local_rank=placement.device.index if placement.device.type == "cuda" else None)
     if drafter is None:
         return VLLMRolloutEngine(VLLMEngineConfig(**kwargs))
     from nemo_tlt.drafter.eagle3 import Eagle3Drafter

@@ -231,7 +231,10 @@ class RolloutEngine(Protocol):
         refuses to run (ValueError) until a complete load succeeds; a load refused
         before it wrote anything leaves the served model as it was. (How much an
         engine writes before the stream ends is its own: the torch engine writes
-        each tensor as it arrives, TensorRT-LLM's sends buckets.)
+        each tensor as it arrives, TensorRT-LLM's sends buckets.) A tensor-parallel engine
+        whose class sets ``accepts_rollout_slices = True`` (the torch engine) also takes only
+        its rank's rollout slices under the same names (``nemo_tlt.weights.rollout``); others
+        take whole tensors.
         """
         ...
 

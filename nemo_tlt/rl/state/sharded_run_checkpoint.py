@@ -47,7 +47,7 @@ from safetensors.torch import load_file, save_file
 
 from nemo_tlt.rl.reporting.records import RankState
 from nemo_tlt.rl.state.run_checkpoint import RunState, sharded_dir
-from nemo_tlt.rl.weight_stream import WeightStream
+from nemo_tlt.rl.weight_stream import WeightStream, stream_tp
 from nemo_tlt.spot.sharded_checkpoint import ShardedCheckpoints
 
 log = logging.getLogger(__name__)
@@ -133,8 +133,7 @@ def restore_sharded(state: RunState, rank: int, policy, engine, sd_policy, draft
     ``TensorParallel``, slices only), the SD policy and drafter side."""
     policy.load_sharded(str(state.policy_dir))
     # the same stream as every step's weight sync: the view was filled whole at build
-    rollout_tp = tp.size if tp is not None else 1
-    engine.load_policy_weights(WeightStream(policy.canonical_weights(rollout_tp=rollout_tp),
+    engine.load_policy_weights(WeightStream(policy.canonical_weights(rollout_tp=stream_tp(engine, tp)),
                                             view=drafter.view if drafter else None, tp=tp, digest=False))
     mine = rank_state_for(state, rank)
     if sd_policy is not None and mine.sd_policy is not None:
