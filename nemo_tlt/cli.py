@@ -10,6 +10,7 @@
     nemo-tlt bench load --out F.json      # per-rank peak host memory building a TP2 x PP2 policy from an HF folder
     nemo-tlt bench checkpoint --out F.json  # per-rank peak extra host memory writing a sharded policy checkpoint
     nemo-tlt bench memory --out F.json    # the plan's per-rank memory per RL phase against the tracked memory of CPU ranks
+    nemo-tlt bench spec-overhead --out F.json   # vLLM's plain steps with a drafter built in vs without, by target size
     nemo-tlt convert ...                  # checkpoint conversion (Megatron / HF / TensorRT-LLM)
     nemo-tlt drafter train --target DIR --prompts F.jsonl --out DIR   # a first drafter for your target
     nemo-tlt plan CONFIG.yaml [key=value ...]   # memory / reshard plan and simulated speedup (or --calibrate RUN_DIR)
@@ -31,6 +32,7 @@ _COMMANDS = {
     ("bench", "load"): "nemo_tlt.bench.load",
     ("bench", "checkpoint"): "nemo_tlt.bench.checkpoint",
     ("bench", "memory"): "nemo_tlt.bench.memory",
+    ("bench", "spec-overhead"): "nemo_tlt.bench.spec_overhead",
     ("convert",): "nemo_tlt.convert",
     ("drafter", "train"): "nemo_tlt.first_drafter.cli",
     ("train",): "nemo_tlt.train",
