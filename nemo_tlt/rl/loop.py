@@ -211,7 +211,7 @@ class RLWorker:
             update, t_logprob, t_update = self.sync_update(step, batch, rewards, gen_logprobs)
             t_work = t_logprob + t_update
         t0 = time.perf_counter()
-        # at rollout TP > 1 a model-parallel policy sends each rank only its slices (slice-only sync)
+        # rollout TP > 1: a model-parallel policy sends slices where the engine takes them (weight_stream.stream_tp)
         stream, policy_digest = sync_weights(self.policy, self.engine, self.drafter, self.sd_policy, idle,
                                              tp=self.engine_tp, keep=comm.rank == 0 and not self.saver.sharded,
                                              digest=self.cfg.debug.digest_at(step, self.cfg.steps - 1))

@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 
 def engine_tensor_parallel(config: RolloutConfig) -> int:
     """The tensor-parallel size of the engine the factory builds: ``rollout.tensor_parallel`` (the
-    torch engine over a replica of that many consecutive ranks), or for TensorRT-LLM the TP of its
-    own workers, ``rollout.trtllm.tensor_parallel_size`` (``nemo-tlt train`` runs 1:
+    torch engine, or vLLM's TP workers, over a replica of that many consecutive ranks), or for
+    TensorRT-LLM the TP of its own workers, ``rollout.trtllm.tensor_parallel_size`` (``nemo-tlt train`` runs 1:
     ``rollout.trtllm_run``). ``nemo-tlt plan`` refuses a plan whose rollout TP differs."""
     return config.trtllm.tensor_parallel_size if config.engine == "trtllm" else config.tensor_parallel
 
@@ -122,7 +122,7 @@ def _vllm_engine(config: RolloutConfig, model_dir: str, placement: Placement, dr
         kwargs.update(tensor_parallel_size=tp_size, external_launcher=True,
                       local_rank=placement.device.index if placement.device.type == "cuda" else None)
     if drafter is None:
-        return VLLMRolloutEngine(VLLMEngineConfig(**kwargs))
+        return _same_replica(VLLMRolloutEngine(VLLMEngineConfig(**kwargs)), tp)
     from nemo_tlt.drafter.eagle3 import Eagle3Drafter
     from nemo_tlt.drafter.eagle3_hf import write_eagle3_hf
     if not isinstance(drafter, Eagle3Drafter):
@@ -130,4 +130,17 @@ def _vllm_engine(config: RolloutConfig, model_dir: str, placement: Placement, dr
                          "(model.drafter_dir: train one with `nemo-tlt drafter train --type eagle3`)")
     with tempfile.TemporaryDirectory(prefix="nemo_tlt_vllm_drafter_") as folder:
         write_eagle3_hf(drafter, folder)
-        return VLLMRolloutEngine(VLLMEngineConfig(**kwargs, drafter_dir=folder))
+        return _same_replica(VLLMRolloutEngine(VLLMEngineConfig(**kwargs, drafter_dir=folder)), tp)
+
+
+def _same_replica(engine: RolloutEngine, tp: TensorParallel | None) -> RolloutEngine:
+    """``engine`` when vLLM's TP group is the replica ``tp`` (the same global ranks, in order)."""
+    built = getattr(engine, "tp", None)
+    if tp is None or tp.size == 1 or built is None:
+        return engine
+    theirs = [built.global_rank(r) for r in range(built.size)]
+    ours = [tp.global_rank(r) for r in range(tp.size)]
+    if theirs != ours:
+        raise ValueError(f"rollout.engine=vllm: vLLM grouped global ranks {theirs} into this rank's TP group, the "
+                         f"loop's rollout replica is {ours}")
+    return engine

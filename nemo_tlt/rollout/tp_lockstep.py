@@ -8,19 +8,24 @@ Given identical requests, sampling and weights, everything the engine does is
 deterministic on every rank (the hidden states after an all-reduce and the gathered
 logits are identical there), except the SD policy's choice: a policy measures wall time
 per rank. So `lead_shape` consults only TP rank 0's policy and broadcasts its choice
-(one broadcast of three ints per decode step); the other ranks' policies are not called
+(one broadcast of three ints per choice: every decode step of the torch engine; vLLM's
+steps that hold the last choice make none); the other ranks' policies are not called
 at all (``begin_rollout`` / ``choose`` / ``observe``), so nothing rank-local reaches the
-tokens. A policy that fails on rank 0 fails the step on every rank (no rank is left
+tokens. A ``choose`` that fails on rank 0 fails the step on every rank (no rank is left
 waiting in a collective).
 
 `check_ready` (before decoding) and `check_agreement` (after) each make one all-gather
 of one int64: a rank that cannot generate (its last weight load failed midway) stops
 every rank; results whose 64-bit digest (tokens and stop reasons, in request order)
 differs from TP rank 0's raise a RuntimeError naming the diverged ranks.
+`check_same_inputs` (before decoding, vLLM's members, which each run a scheduler of their
+own) does the same for a digest of the call's inputs: requests, sampling and whether a
+drafter is loaded.
 """
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 from nemo_tlt.adaptive.sd_policy import SpecPolicy
 from nemo_tlt.model.tensor_parallel import TensorParallel
@@ -56,6 +61,20 @@ def check_ready(tp: TensorParallel, error: BaseException | None) -> None:
     if failed:
         raise RuntimeError(f"tensor parallel generate: TP ranks {failed} (global {_global(tp, failed)}) cannot "
                            "generate (see their errors); this rank stops with them")
+
+
+def check_same_inputs(tp: TensorParallel, requests: list, sampling: Any, drafter_loaded: bool) -> None:
+    """Raise a RuntimeError on every rank unless every rank's call has TP rank 0's inputs."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr((sampling, drafter_loaded)).encode())
+    for r in requests:
+        h.update(f"{r.seq_id}:{','.join(map(str, r.prompt))};".encode())
+    digests = tp.gather_int(int.from_bytes(h.digest(), "little", signed=True))
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise RuntimeError(f"tensor parallel generate: TP ranks {differ} (global {_global(tp, differ)}) were called "
+                           "with other requests, sampling or drafter state than TP rank 0: every member of the "
+                           "group must make the same calls")
 
 
 def results_digest(results: list[RequestResult]) -> int:

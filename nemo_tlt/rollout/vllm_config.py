@@ -114,6 +114,8 @@ class VLLMEngineConfig:
                              "in-process worker already)")
         if self.local_rank is not None:
             check_int("VLLMEngineConfig.local_rank", self.local_rank, 0)
+            if not self.external_launcher:
+                raise ValueError("VLLMEngineConfig.local_rank is read under external_launcher only; leave it null")
 
     def speculative_config(self, start_schedule: list[tuple[int, int, int]]) -> dict[str, Any] | None:
         """vLLM's ``speculative_config`` (None: no drafter). ``start_schedule``: the

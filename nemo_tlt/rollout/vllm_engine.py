@@ -79,7 +79,7 @@ from nemo_tlt.model.tensor_parallel import TensorParallel
 from nemo_tlt.model.safetensors_folder import SafetensorsFolder
 from nemo_tlt.rollout import validate, vllm_tp
 from nemo_tlt.rollout.protocol import EngineLimits, FinishSink, GenerateOutput, GenerationStats, PolicyWeights, Request, RequestResult
-from nemo_tlt.rollout.tp_lockstep import check_agreement, check_ready, lead_shape
+from nemo_tlt.rollout.tp_lockstep import check_agreement, check_ready, check_same_inputs, lead_shape
 from nemo_tlt.rollout.trtllm_engine import request_seed, weight_buckets
 from nemo_tlt.rollout.vllm_config import VLLM_PACKAGE, VLLMEngineConfig, missing_package_message, vllm_cpu_build
 from nemo_tlt.rollout.vllm_schedule import start_schedule
@@ -395,18 +395,29 @@ class VLLMRolloutEngine:
         """See `RolloutEngine.generate` and the module docstring (coupled and return_hidden are
         refused; ``on_finish`` gets each request the step it finishes). Tensor-parallel
         (``external_launcher``): every member calls it alike; TP rank 0's ``policy`` decides
-        each step for all (the others' is not consulted), a call any member refuses stops
-        every member, and the members' tokens are checked equal (`tp_lockstep`)."""
-        error = self._refusal(requests, sampling, return_hidden)
-        if self.tp is not None:
-            check_ready(self.tp, error)
-        elif error is not None:
-            raise error
-        self._wake()
+        each step for all (the others' is not consulted); a call that any member refuses, or
+        whose inputs differ between members, stops every member before decoding; the members'
+        tokens are checked equal after. An error raised on one member while decoding (its
+        ``on_finish`` sink, rank 0's ``policy.observe``) is not passed to the others, which
+        then wait in vLLM's next collective: the RL loop's launchers stop every rank when one
+        fails."""
+        if self._closed:  # before any collective: a closed engine's TP group is gone
+            raise ValueError("generate: the engine was closed")
         if self.tp is not None and self.tp.rank != 0:
             policy = None
-        if policy is not None:
-            policy.begin_rollout()
+        error = self._refusal(requests, sampling, return_hidden)
+        if error is None:
+            try:
+                self._wake()
+                if policy is not None:
+                    policy.begin_rollout()
+            except Exception as err:  # noqa: BLE001 - passed to every member, then raised here
+                error = err
+        if self.tp is not None:
+            check_ready(self.tp, error)
+            check_same_inputs(self.tp, requests, sampling, self._drafter_loaded)
+        elif error is not None:
+            raise error
         eos, llm_engine = self._model_config.eos_token_id, self.llm.llm_engine
         self._calls += 1
         ids = [f"tlt-{self._calls}-{i}" for i in range(len(requests))]
@@ -442,8 +453,6 @@ class VLLMRolloutEngine:
     def _refusal(self, requests: list[Request], sampling: SamplingParams, return_hidden: bool) -> ValueError | None:
         """Why `generate` cannot run this call (None: it can)."""
         try:
-            if self._closed:
-                raise ValueError("generate: the engine was closed")
             if self._failed_load is not None:
                 raise ValueError(f"generate: the last load_policy_weights failed ({self._failed_load}); "
                                  "load complete weights first")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from nemo_tlt.adaptive.learned_policy import LearnedSDConfig, LearnedSDPolicy
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.model.hf_io import read_state_dict
+from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.vllm_engine import VLLMRolloutEngine
 from nemo_tlt.speculative.sampling import SamplingParams
 from nemo_tlt.speculative.tree_shape import TreeShape
@@ -32,7 +33,24 @@ def tp_replica(ctx, target: str, drafter: str, prompts: list, depth: int) -> dic
         out["flipped"] = engine.generate(prompts, greedy)
         engine.load_policy_weights(iter(weights.items()))
         out["restored"] = engine.generate(prompts, greedy, policy=chain)
+        # a call that one member refuses (a prompt past the context) stops both, and so does a
+        # call whose inputs differ between the members
+        long = [Request(prompts[0].prompt * 64, seq_id=0), *prompts[1:]]
+        out["refused"] = _error(engine, long if ctx.rank == 1 else prompts, greedy)
+        other = [Request(prompts[0].prompt[:-1], seq_id=0), *prompts[1:]]
+        out["other_inputs"] = _error(engine, other if ctx.rank == 1 else prompts, greedy)
+        out["after"] = engine.generate(prompts, greedy)
     finally:
         engine.close()
     return {k: [r.tokens for r in v.results] if hasattr(v, "results") else v for k, v in out.items()} | {
-        "sd_steps": out["sd"].stats.sd_steps, "accept": out["sd"].stats.mean_accept_len}
+        "sd_steps": out["sd"].stats.sd_steps, "accept": out["sd"].stats.mean_accept_len,
+        "plain_logprobs": [r.logprobs for r in out["plain"].results]}
+
+
+def _error(engine: VLLMRolloutEngine, prompts: list, sampling: SamplingParams) -> str:
+    """The error type ``generate`` raised (``"none"`` when it returned)."""
+    try:
+        engine.generate(prompts, sampling)
+    except (ValueError, RuntimeError) as err:
+        return type(err).__name__
+    return "none"

@@ -130,7 +130,8 @@ def rank_state_for(state: RunState, rank: int) -> RankState:
 def restore_sharded(state: RunState, rank: int, policy, engine, sd_policy, drafter, tp=None) -> None:
     """Collective: this rank's slice of the policy from ``state.policy_dir``, the engine's and the
     drafter view's weights from the policy's canonical stream (``tp``: the rollout replica's
-    ``TensorParallel``, slices only), the SD policy and drafter side."""
+    ``TensorParallel``; this rank's slices where the engine takes them, `stream_tp`), the SD
+    policy and drafter side."""
     policy.load_sharded(str(state.policy_dir))
     # the same stream as every step's weight sync: the view was filled whole at build
     engine.load_policy_weights(WeightStream(policy.canonical_weights(rollout_tp=stream_tp(engine, tp)),
