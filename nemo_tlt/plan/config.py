@@ -24,7 +24,7 @@ from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.config import load_config
 from nemo_tlt.structured import load_structured
 from nemo_tlt.plan.cluster import ClusterSpec
-from nemo_tlt.plan.memory import LAYER_SPECS, RECOMPUTE, TRAINING_STATE
+from nemo_tlt.plan.memory import TRAINING_STATE, check_training_choices
 
 # The memory and cost formulas are bf16's (2-byte weights, KV cache and activations; the GPU's bf16 peak).
 PLAN_DTYPES = ("bfloat16",)
@@ -52,13 +52,7 @@ class TrainingPlan:
         check_int("training.micro_batch", self.micro_batch, 1)
         check_int("training.grad_bytes", self.grad_bytes, 2, 4)
         check_float("training.reserve_gib", self.reserve_gib, 0.0)
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"training.recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
-        if self.layer_spec not in LAYER_SPECS:
-            raise ValueError(f"training.layer_spec must be one of {list(LAYER_SPECS)}, got {self.layer_spec!r}")
-        if self.layer_spec == "local" and self.sequence_parallel:
-            raise ValueError("training.layer_spec=local cannot run with training.sequence_parallel=true "
-                             "(megatron-core's local norm refuses it: nemo_tlt.policy.megatron_checks)")
+        check_training_choices(self.recompute, self.layer_spec, self.sequence_parallel)
 
 
 @dataclass(frozen=True)

@@ -130,17 +130,21 @@ class TrainingShape:
     distributed_optimizer: bool = True
     grad_bytes: int = 4
     reserve_gib: float = 3.0
-
     layer_spec: str = "transformer_engine"
 
     def __post_init__(self) -> None:
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"training.recompute must be one of {list(RECOMPUTE)}, got {self.recompute!r}")
-        if self.layer_spec not in LAYER_SPECS:
-            raise ValueError(f"training.layer_spec must be one of {list(LAYER_SPECS)}, got {self.layer_spec!r}")
-        if self.layer_spec == "local" and self.sequence_parallel:
-            raise ValueError("training.layer_spec=local cannot run with training.sequence_parallel=true "
-                             "(megatron-core's local norm refuses it: nemo_tlt.policy.megatron_checks)")
+        check_training_choices(self.recompute, self.layer_spec, self.sequence_parallel)
+
+
+def check_training_choices(recompute: str, layer_spec: str, sequence_parallel: bool) -> None:
+    """The ``training`` block's named choices (``PlanConfig`` and `TrainingShape` alike), refused by key."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"training.recompute must be one of {list(RECOMPUTE)}, got {recompute!r}")
+    if layer_spec not in LAYER_SPECS:
+        raise ValueError(f"training.layer_spec must be one of {list(LAYER_SPECS)}, got {layer_spec!r}")
+    if layer_spec == "local" and sequence_parallel:
+        raise ValueError("training.layer_spec=local cannot run with training.sequence_parallel=true "
+                         "(megatron-core's local norm refuses it: nemo_tlt.policy.megatron_checks)")
 
 
 def activation_bytes_per_layer(cfg: LMConfig, tokens: int, tp: int, sequence_parallel: bool,

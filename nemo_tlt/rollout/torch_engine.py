@@ -273,8 +273,6 @@ class TorchRolloutEngine:
 
     # ---- validation ---------------------------------------------------------
     def _validate(self, requests: list[Request], sampling: SamplingParams, slot_bytes: int) -> None:
-        if self.tp is None:
-            return self._validate_local(requests, sampling, slot_bytes)
         try:
             self._validate_local(requests, sampling, slot_bytes)
         except ValueError as err:

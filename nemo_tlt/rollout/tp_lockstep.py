@@ -53,8 +53,13 @@ def lead_shape(tp: TensorParallel, policy: SpecPolicy | None, running: int) -> T
     return shape
 
 
-def check_ready(tp: TensorParallel, error: BaseException | None) -> None:
-    """Raise on every rank if any rank of the group cannot generate (``error`` is this rank's reason)."""
+def check_ready(tp: TensorParallel | None, error: BaseException | None) -> None:
+    """Raise on every rank if any rank of the group cannot generate (``error`` is this rank's reason);
+    without a group (``tp`` None) raise ``error`` when there is one."""
+    if tp is None:
+        if error is not None:
+            raise error
+        return
     failed = [r for r, flag in enumerate(tp.gather_int(int(error is not None))) if flag]
     if error is not None:
         raise error

@@ -413,11 +413,9 @@ class VLLMRolloutEngine:
                     policy.begin_rollout()
             except Exception as err:  # noqa: BLE001 - passed to every member, then raised here
                 error = err
+        check_ready(self.tp, error)
         if self.tp is not None:
-            check_ready(self.tp, error)
             check_same_inputs(self.tp, requests, sampling, self._drafter_loaded)
-        elif error is not None:
-            raise error
         eos, llm_engine = self._model_config.eos_token_id, self.llm.llm_engine
         self._calls += 1
         ids = [f"tlt-{self._calls}-{i}" for i in range(len(requests))]
