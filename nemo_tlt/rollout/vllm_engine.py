@@ -166,20 +166,6 @@ def _refuse_shared_head(drafter: dict[str, torch.Tensor], target_dir: str, draft
 
 
 @contextlib.contextmanager
-def _engine_core_in_process() -> Iterator[None]:
-    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
-    old = os.environ.get(key)
-    os.environ[key] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = old
-
-
-@contextlib.contextmanager
 def _keep_set_num_threads() -> Iterator[None]:
     """vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole process
     (it binds its OpenMP threads first, in a worker process of its own); in the caller's process
@@ -249,7 +235,8 @@ class VLLMRolloutEngine:
         self._callers_group = dist.is_available() and dist.is_initialized()  # vLLM takes it as its world
         vllm_tp.check_world(config)
         start = start_schedule(config.num_speculative_tokens, config.max_num_seqs)
-        with _engine_core_in_process(), _keep_set_num_threads(), vllm_tp.building_workers(config):
+        with vllm_tp.build_environ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}), _keep_set_num_threads(), \
+                vllm_tp.building_workers(config):
             self.llm = vllm.LLM(**config.llm_kwargs(self._model_config.max_position_embeddings),
                                 speculative_config=config.speculative_config(start))
         self._vllm = vllm

@@ -6,7 +6,7 @@ Each of the ranks of an initialized ``torch.distributed`` world builds the engin
 ``initialize_model_parallel``). What the engine needs around vLLM's build for that:
 `check_world` (refused before vLLM is touched), `building_workers` (the environment vLLM's
 executor reads, and per-run names for the CPU build's shared memory) and `tp_group` (the group
-the members' lockstep uses, vLLM's own).
+the members' lockstep uses, vLLM's own); `build_environ` sets variables for any vLLM build.
 """
 from __future__ import annotations
 
@@ -48,6 +48,23 @@ def tp_group() -> TensorParallel:
 
 
 @contextlib.contextmanager
+def build_environ(values: dict[str, str]) -> Iterator[None]:
+    """``values`` set in ``os.environ`` while vLLM is built, then these keys restored (or removed)
+    and no others: variables vLLM sets for itself meanwhile stay (``mock.patch.dict`` would
+    restore the whole environment)."""
+    old = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
 def _launcher_env(config: VLLMEngineConfig) -> Iterator[None]:
     """``RANK`` and ``LOCAL_RANK`` as vLLM's ``external_launcher`` executor reads them while the
     engine is built (``ExecutorWithExternalLauncher._distributed_args``): the global rank, and
@@ -58,16 +75,8 @@ def _launcher_env(config: VLLMEngineConfig) -> Iterator[None]:
     import torch.distributed as dist
     rank = dist.get_rank()
     local = config.local_rank if config.local_rank is not None else int(os.environ.get("LOCAL_RANK", rank))
-    old = {key: os.environ.get(key) for key in ("RANK", "LOCAL_RANK")}
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local))
-    try:
+    with build_environ({"RANK": str(rank), "LOCAL_RANK": str(local)}):
         yield
-    finally:
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @contextlib.contextmanager
