@@ -19,8 +19,8 @@ from nemo_tlt.plan.config import PlanConfig
 from nemo_tlt.plan.measured import PlanInputs, read_measured, resolve_inputs
 from nemo_tlt.plan.costs import RolloutCosts, training_seconds
 from nemo_tlt.plan.memory import (
-    PlanDoesNotFit, RolloutShape, TrainingShape, check_fit, kv_budget_rows, parameter_count, rollout_memory, to_gib,
-    training_memory,
+    PlanDoesNotFit, RolloutShape, TrainingShape, check_fit, kv_budget_rows, parameter_count, resolve_kv_fraction,
+    rollout_memory, to_gib, training_memory,
 )
 from nemo_tlt.plan.rank_memory import PHASES, rank_phase_memory
 from nemo_tlt.plan.reshard_plan import plan_stream_reshard
@@ -50,7 +50,8 @@ def plan_shapes(cfg: LMConfig, plan: PlanConfig, lengths: LengthModel) -> tuple[
                            max_num_verify=max(s.num_verify for s in plan.sd.shapes),
                            drafter_training=plan.sd.drafter_training, harvest_bytes=plan.sd.harvest_mb * 2 ** 20,
                            workspace_gib=plan.rollout.workspace_gib, training_state=plan.rollout.training_state,
-                           reserve_gib=plan.rollout.reserve_gib, kv_cache_gib=plan.rollout.kv_cache_gib)
+                           reserve_gib=plan.rollout.reserve_gib, kv_cache_gib=plan.rollout.kv_cache_gib,
+                           kv_cache_fraction=plan.rollout.kv_cache_fraction, gpu_gib=plan.cluster.memory_gib)
     return training, rollout
 
 
@@ -83,6 +84,7 @@ def make_plan(plan: PlanConfig, simulate_steps: bool = False,
     training_shape, rollout_shape = plan_shapes(cfg, plan, inputs.lengths)
     train_mem = training_memory(cfg, training_shape)
     roll_mem = rollout_memory(cfg, rollout_shape, train_mem)
+    budgeted = resolve_kv_fraction(cfg, rollout_shape, train_mem)  # the fullest stage's ranks' budget
     memory = {"training": train_mem, "rollout": roll_mem}
     reshard = plan_stream_reshard(cfg, layout, plan.dp, plan.rollout.tensor_parallel, cluster=plan.cluster)
     out: dict[str, Any] = {
@@ -95,7 +97,9 @@ def make_plan(plan: PlanConfig, simulate_steps: bool = False,
         "memory_total_gib": {k: round(sum(v.values()) / GIB, 3) for k, v in memory.items()},
         "kv_cache_tokens_per_replica": {"paged_peak": rollout_shape.kv_tokens,
                                         "worst_case": rollout_shape.concurrency * rollout_shape.context,
-                                        "budget_rows": kv_budget_rows(cfg, rollout_shape)},
+                                        "budget_gib": (None if budgeted.kv_cache_gib is None
+                                                       else round(budgeted.kv_cache_gib, 3)),
+                                        "budget_rows": kv_budget_rows(cfg, budgeted)},
         "reshard": reshard.to_dict(),
         "assumptions": {"flops_efficiency": plan.cluster.flops_efficiency,
                         "hbm_efficiency": plan.cluster.hbm_efficiency,
@@ -109,7 +113,9 @@ def make_plan(plan: PlanConfig, simulate_steps: bool = False,
         out["fits"], out["refusal"] = False, str(err)
     if out["kv_cache_tokens_per_replica"]["budget_rows"] == 0:
         out["fits"] = False
-        out["refusal"] = (out["refusal"] or "") + (f" rollout.kv_cache_gib={plan.rollout.kv_cache_gib} holds no row of "
+        setting = (f"rollout.kv_cache_gib={plan.rollout.kv_cache_gib}" if plan.rollout.kv_cache_fraction is None else
+                   f"rollout.kv_cache_fraction={plan.rollout.kv_cache_fraction} ({budgeted.kv_cache_gib:.4g} GiB)")
+        out["refusal"] = (out["refusal"] or "") + (f" {setting} holds no row of "
                                                    f"{rollout_shape.context} tokens (prompt_len + max_response_len)")
     out["phases_gib"] = phase_fit(rank_phase_memory(cfg, training_shape, rollout_shape), plan.cluster.memory_gib)
     tight = [p for p, row in out["phases_gib"].items() if not row["fits"]]

@@ -8,7 +8,7 @@ disagreement is refused naming both keys and values. Compared: TP / PP, batch, r
 length, SD threshold and arms, GPUs = workers, the weights dtype (``model.dtype``),
 recompute and sequence parallelism (``policy.*``), the rollout engine's TP
 (``rollout.tensor_parallel``, as ``nemo_tlt.rollout.factory.engine_tensor_parallel`` builds it),
-the torch engine's KV budget (``rollout.kv_cache_gib``),
+the torch engine's KV budget (``rollout.kv_cache_gib`` or ``rollout.kv_cache_fraction``),
 what the trainer keeps on the GPU during the rollout (the run's ``rollout.training_state``:
 ``resident`` is the plan's ``all``, ``offload`` its ``offload``; the plan's ``weights`` has no run
 setting), and what the run's backends always do: the distributed optimizer (the megatron backend
@@ -63,11 +63,17 @@ class RolloutPlan:
     training_state: str = "offload"  # what the trainer keeps on the GPU during rollout
     reserve_gib: float = 3.0
     kv_cache_gib: Optional[float] = None  # the run's rollout.kv_cache_gib: KV budget per GPU (null: unbounded)
+    kv_cache_fraction: Optional[float] = None  # or the run's rollout.kv_cache_fraction: of the free memory
 
     def __post_init__(self) -> None:
         check_int("rollout.tensor_parallel", self.tensor_parallel, 1)
         if self.kv_cache_gib is not None:
             check_float("rollout.kv_cache_gib", self.kv_cache_gib, 0.0, lo_open=True)
+        if self.kv_cache_fraction is not None:
+            check_float("rollout.kv_cache_fraction", self.kv_cache_fraction, 0.0, 1.0, lo_open=True)
+            if self.kv_cache_gib is not None:
+                raise ValueError(f"rollout.kv_cache_gib={self.kv_cache_gib} and rollout.kv_cache_fraction="
+                                 f"{self.kv_cache_fraction} are two budgets for one KV cache: set one of them")
         check_int("rollout.prompt_len", self.prompt_len, 1)
         check_float("rollout.workspace_gib", self.workspace_gib, 0.0)
         check_float("rollout.reserve_gib", self.reserve_gib, 0.0)
@@ -241,6 +247,8 @@ def check_train_config(plan: PlanConfig) -> None:
         ("rollout.tensor_parallel", plan.rollout.tensor_parallel, "rollout.tensor_parallel",
          engine_tensor_parallel(train.rollout)),
         ("rollout.kv_cache_gib", plan.rollout.kv_cache_gib, "rollout.kv_cache_gib", train.rollout.kv_cache_gib),
+        ("rollout.kv_cache_fraction", plan.rollout.kv_cache_fraction, "rollout.kv_cache_fraction",
+         train.rollout.kv_cache_fraction),
     ]
     derived = [
         ("training.distributed_optimizer", plan.training.distributed_optimizer, "policy.backend", policy.backend,

@@ -55,7 +55,12 @@ Rollout, per GPU of a rollout replica of TP r:
                given, the worst case concurrency x (prompt + max response); with a KV budget
                (``rollout.kv_cache_gib``) min(budget, that), the replica decoding at most
                ``kv_budget_rows`` rows at once (the embedded engine's rule: nemo_tlt.model.kv_budget,
-               a slot counting the target's K and V and, with SD, the drafter's replicated layer)
+               a slot counting the target's K and V and, with SD, the drafter's replicated layer);
+               a budget given as ``rollout.kv_cache_fraction`` f is, as the engine reads it when a
+               rollout starts (nemo_tlt.rollout.kv_limit), f x (GPU memory - what is held then:
+               weights, drafter, the drafter trainer's 16 B per parameter, training_state, reserve),
+               the transients of decoding (logits, workspace, the harvest buffer) not held yet
+               (``resolve_kv_fraction``)
   drafter      2 B x drafter parameters (replicated on every rollout rank)
   drafter_training  16 B x drafter parameters (fp32 grads + master + Adam) + the harvest buffer
                (TLT with drafter training only)
@@ -67,7 +72,7 @@ Rollout, per GPU of a rollout replica of TP r:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nemo_tlt.model.config import LMConfig
 from nemo_tlt.model.kv_budget import budget_bytes, kv_slot_bytes, rows_within, slots_within
@@ -208,10 +213,20 @@ class RolloutShape:
     training_state: str = "offload"
     reserve_gib: float = 3.0
     kv_cache_gib: float | None = None  # KV budget per GPU (None: unbounded)
+    kv_cache_fraction: float | None = None  # or: that fraction of the GPU's free memory at rollout start
+    gpu_gib: float | None = None  # the GPU's memory (what a kv_cache_fraction is taken of)
 
     def __post_init__(self) -> None:
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"rollout.kv_cache_gib must be > 0 or null, got {self.kv_cache_gib!r}")
+        if self.kv_cache_fraction is not None:
+            if not 0 < self.kv_cache_fraction <= 1:
+                raise ValueError(f"rollout.kv_cache_fraction must be in (0, 1] or null, got {self.kv_cache_fraction!r}")
+            if self.kv_cache_gib is not None:
+                raise ValueError("rollout.kv_cache_gib and rollout.kv_cache_fraction are two budgets for one KV "
+                                 "cache: set one of them")
+            if self.gpu_gib is None or not self.gpu_gib > 0:
+                raise ValueError(f"RolloutShape.gpu_gib must be > 0 with a kv_cache_fraction, got {self.gpu_gib!r}")
         if self.training_state not in TRAINING_STATE:
             raise ValueError(f"rollout.training_state must be one of {list(TRAINING_STATE)}, "
                              f"got {self.training_state!r}")
@@ -245,11 +260,37 @@ def kv_budget_slots(cfg: LMConfig, shape: RolloutShape, rows: int, kv_bytes: int
                         rollout_kv_slot_bytes(cfg, shape.tp, shape.sd, kv_bytes))
 
 
+def held_at_rollout_start(cfg: LMConfig, shape: RolloutShape, training: dict[str, float]) -> float:
+    """Bytes a rollout GPU holds when the engine starts a rollout: the engine's weights, the
+    drafter, the drafter trainer's state (16 B per parameter; its harvest buffer fills later), the
+    training state kept resident and the reserve (CUDA context among it)."""
+    drafter = drafter_parameter_count(cfg, shape.fc_inputs) if shape.sd else 0
+    trainer = 16 * drafter if (shape.sd and shape.drafter_training) else 0
+    return float(2 * parameter_count(cfg) / shape.tp + 2 * drafter + trainer
+                 + resident_training_state(shape, training) + shape.reserve_gib * GIB)
+
+
+def resident_training_state(shape: RolloutShape, training: dict[str, float]) -> float:
+    return {"offload": 0.0, "weights": training["weights"],
+            "all": training["weights"] + training["gradients"] + training["optimizer"]}[shape.training_state]
+
+
+def resolve_kv_fraction(cfg: LMConfig, shape: RolloutShape, training: dict[str, float]) -> RolloutShape:
+    """``shape`` with a ``kv_cache_fraction`` turned into the ``kv_cache_gib`` the engine would
+    take: the fraction of the GPU's memory less what is held at rollout start, in whole bytes as
+    ``nemo_tlt.rollout.kv_limit`` floors it (at least 1 B: a GPU with nothing free holds no row).
+    Unchanged without a fraction."""
+    if shape.kv_cache_fraction is None:
+        return shape
+    free = max(0.0, shape.gpu_gib * GIB - held_at_rollout_start(cfg, shape, training))
+    budget = int(shape.kv_cache_fraction * free)
+    return replace(shape, kv_cache_fraction=None, kv_cache_gib=max(budget, 1) / GIB)
+
+
 def rollout_memory(cfg: LMConfig, shape: RolloutShape, training: dict[str, float]) -> dict[str, float]:
+    shape = resolve_kv_fraction(cfg, shape, training)
     drafter = drafter_parameter_count(cfg, shape.fc_inputs) if shape.sd else 0
     rows = max(shape.concurrency, shape.sd_rows * (shape.max_num_verify + 1) if shape.sd else 0)
-    resident = {"offload": 0.0, "weights": training["weights"],
-                "all": training["weights"] + training["gradients"] + training["optimizer"]}[shape.training_state]
     terms = {
         "weights": 2 * parameter_count(cfg) / shape.tp,
         "kv_cache": kv_cache_bytes(cfg, shape),
@@ -257,7 +298,7 @@ def rollout_memory(cfg: LMConfig, shape: RolloutShape, training: dict[str, float
         "drafter_training": (16 * drafter + shape.harvest_bytes) if (shape.sd and shape.drafter_training) else 0,
         "logits": 4 * cfg.vocab_size * rows / shape.tp,
         "workspace": shape.workspace_gib * GIB,
-        "training_state": resident,
+        "training_state": resident_training_state(shape, training),
         "reserve": shape.reserve_gib * GIB,
     }
     return {k: float(v) for k, v in terms.items()}

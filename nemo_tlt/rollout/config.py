@@ -99,7 +99,10 @@ class RolloutConfig(SpecDecodingConfig):
     ``OffloadsTrainingState``). ``kv_cache_gib``: the torch engine's KV budget per rank, in GiB
     (null: unbounded), the target's cache and the drafter's together: the caches never grow past
     it, and requests that do not fit together are decoded in waves (``rollout.kv_admission``;
-    vLLM's is ``vllm.kv_cache_gib``). The SD fields are
+    vLLM's is ``vllm.kv_cache_gib``). ``kv_cache_fraction``: the same budget as a fraction in
+    (0, 1] of the memory free on the rank's device when each rollout starts (read anew every
+    call, the smallest of a TP replica's ranks: ``rollout.kv_limit``); at most one of the two is
+    set (vLLM's fraction is ``vllm.gpu_memory_utilization``, of the GPU's whole memory). The SD fields are
     :class:`~nemo_tlt.adaptive.config.SpecDecodingConfig`'s."""
 
     engine: str = "torch"
@@ -107,6 +110,7 @@ class RolloutConfig(SpecDecodingConfig):
     tensor_parallel: int = 1
     training_state: str = "resident"
     kv_cache_gib: Optional[float] = None
+    kv_cache_fraction: Optional[float] = None
     vllm: VLLMRolloutSettings = field(default_factory=VLLMRolloutSettings)
     trtllm: TRTLLMRolloutSettings = field(default_factory=TRTLLMRolloutSettings)
 
@@ -126,6 +130,14 @@ class RolloutConfig(SpecDecodingConfig):
             if self.engine in ("trtllm", "vllm"):
                 raise ValueError(f"rollout.kv_cache_gib bounds the torch engine's KV cache; with rollout.engine="
                                  f"{self.engine} leave it null (vLLM's budget: rollout.vllm.kv_cache_gib)")
+        if self.kv_cache_fraction is not None:
+            check_float("rollout.kv_cache_fraction", self.kv_cache_fraction, 0, 1, lo_open=True)
+            if self.engine in ("trtllm", "vllm"):
+                raise ValueError(f"rollout.kv_cache_fraction bounds the torch engine's KV cache; with rollout.engine="
+                                 f"{self.engine} leave it null (vLLM's fraction: rollout.vllm.gpu_memory_utilization)")
+            if self.kv_cache_gib is not None:
+                raise ValueError(f"rollout.kv_cache_gib={self.kv_cache_gib} and rollout.kv_cache_fraction="
+                                 f"{self.kv_cache_fraction} are two budgets for one KV cache: set one of them")
         if self.training_state not in TRAINING_STATES:
             raise ValueError(f"rollout.training_state must be one of {', '.join(TRAINING_STATES)}, got "
                              f"{self.training_state!r}")

@@ -47,7 +47,8 @@ def torch_engine(config: RolloutConfig, model_dir: str, placement: Placement, *,
     from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
     return TorchRolloutEngine.from_hf_folder(model_dir, device=placement.device, dtype=placement.dtype,
                                              tp=tp, compute_dtype=config.engine_compute_dtype,
-                                             kv_cache_gib=config.kv_cache_gib)
+                                             kv_cache_gib=config.kv_cache_gib,
+                                             kv_cache_fraction=config.kv_cache_fraction)
 
 
 def trtllm_engine(config: RolloutConfig, model_dir: str, placement: Placement, *, tp: TensorParallel | None = None,

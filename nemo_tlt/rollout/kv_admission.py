@@ -1,5 +1,6 @@
 """Which requests of a ``generate`` call the embedded engine decodes together under a KV budget
-(``rollout.kv_cache_gib``, per rank), by the rule of ``nemo_tlt.model.kv_budget``.
+(``rollout.kv_cache_gib`` or ``rollout.kv_cache_fraction``, per rank, resolved to bytes for the
+call: ``nemo_tlt.rollout.kv_limit``), by the rule of ``nemo_tlt.model.kv_budget``.
 
 Without a budget all requests are one wave, decoded as the engine always has. With one, the
 requests are taken in the engine's prefill order (by prompt length) and cut into consecutive
@@ -20,8 +21,9 @@ replaced by plain steps (``TorchRolloutEngine._tree_fits``).
 from __future__ import annotations
 
 from nemo_tlt.drafter.base import Drafter
-from nemo_tlt.model.kv_budget import GIB, admission_waves, budget_bytes, slots_within
+from nemo_tlt.model.kv_budget import GIB, admission_waves, slots_within
 from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.rollout.kv_limit import KVBudget
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.row_batch import draft_kv_bytes
 from nemo_tlt.speculative.sampling import SamplingParams
@@ -35,29 +37,30 @@ def engine_slot_bytes(target: DecoderLM, drafter: Drafter | None) -> int:
     return slot + (draft_kv_bytes(drafter.init_state(1, 1)) if drafter is not None else 0)
 
 
-def check_fits(requests: list[Request], sampling: SamplingParams, budget_gib: float, slot_bytes: int) -> None:
-    """A ValueError naming ``rollout.kv_cache_gib`` and the numbers if the longest request cannot
+def check_fits(requests: list[Request], sampling: SamplingParams, budget: KVBudget, slot_bytes: int) -> None:
+    """A ValueError naming the budget's setting and the numbers if the longest request cannot
     be decoded alone within the budget."""
     i = max(range(len(requests)), key=lambda j: len(requests[j].prompt))
-    prompt, budget = len(requests[i].prompt), budget_bytes(budget_gib)
-    need, room = prompt + sampling.max_new_tokens, slots_within(budget, 1, slot_bytes)
+    prompt = len(requests[i].prompt)
+    need, room = prompt + sampling.max_new_tokens, slots_within(budget.bytes, 1, slot_bytes)
     if need > room:
-        raise ValueError(f"rollout.kv_cache_gib={budget_gib} ({budget} B) holds {room} cache slots for one row "
+        raise ValueError(f"{budget.source} ({budget.bytes} B) holds {room} cache slots for one row "
                          f"at {slot_bytes} B per slot (target and drafter KV), but request {i} needs its prompt "
                          f"({prompt}) + sampling.max_new_tokens ({sampling.max_new_tokens}) = {need}: raise "
-                         f"rollout.kv_cache_gib to at least {need * slot_bytes / GIB:.6g} or shorten the request")
+                         f"{budget.key} to a budget of at least {need * slot_bytes / GIB:.6g} GiB or shorten "
+                         "the request")
 
 
-def admission(requests: list[Request], sampling: SamplingParams, budget_gib: float | None,
+def admission(requests: list[Request], sampling: SamplingParams, budget: KVBudget | None,
               slot_bytes: int) -> list[list[int]]:
     """The waves, each a list of request indices (one wave of every request, in order, when
     they fit together or there is no budget)."""
     everything = [list(range(len(requests)))]
-    if budget_gib is None:
+    if budget is None:
         return everything
     order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt))  # the prefill's order
     needs = [len(requests[i].prompt) + sampling.max_new_tokens for i in order]
-    waves = admission_waves(needs, budget_bytes(budget_gib), slot_bytes)
+    waves = admission_waves(needs, budget.bytes, slot_bytes)
     return everything if len(waves) == 1 else [order[a:b] for a, b in waves]
 
 
@@ -67,6 +70,6 @@ def wave_requests(requests: list[Request], rows: list[int]) -> list[Request]:
     return [requests[i] if requests[i].seq_id is not None else Request(requests[i].prompt, seq_id=i) for i in rows]
 
 
-def wave_slots(budget_gib: float | None, rows: int, slot_bytes: int) -> int | None:
+def wave_slots(budget: KVBudget | None, rows: int, slot_bytes: int) -> int | None:
     """The most cache slots per row a wave of ``rows`` rows may grow to (None: no budget)."""
-    return None if budget_gib is None else slots_within(budget_bytes(budget_gib), rows, slot_bytes)
+    return None if budget is None else slots_within(budget.bytes, rows, slot_bytes)

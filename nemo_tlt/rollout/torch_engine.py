@@ -13,8 +13,10 @@ Fixed costs per rollout are kept small, because every method pays them alike:
 prompts are prefilled in length-sorted chunks (little padding), a finished row's
 place is taken by the last running row (one row moves, not all), and the caches
 start at the longest prompt + `initial_slots` and double only as rows lengthen.
-With a KV budget (``kv_cache_gib``, ``rollout.kv_cache_gib``) the caches never grow past it:
-the requests are decoded in waves of rows that fit it together (nemo_tlt.rollout.kv_admission).
+With a KV budget (``kv_cache_gib``, ``rollout.kv_cache_gib``, or ``kv_cache_fraction``,
+``rollout.kv_cache_fraction``: a fraction of the device's free memory at each call,
+nemo_tlt.rollout.kv_limit) the caches never grow past it: the requests are decoded in waves
+of rows that fit it together (nemo_tlt.rollout.kv_admission).
 
 Per row b the engine keeps (see nemo_tlt.drafter.base): committed length L[b]
 (slots in the target KV cache), tokens[b, :L+1] (x_L is the root, produced but not
@@ -69,6 +71,7 @@ from nemo_tlt.model.host import host_list, host_syncs
 from nemo_tlt.model.layers import padded_causal_mask
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout.kv_admission import admission, check_fits, engine_slot_bytes, wave_requests, wave_slots
+from nemo_tlt.rollout.kv_limit import KVBudget, KVLimit
 from nemo_tlt.rollout.prefill import prefill_chunks
 from nemo_tlt.rollout.row_batch import RowBatch
 from nemo_tlt.rollout.row_steps import commit_tokens, done_rows, longest_running, retire_rows
@@ -93,8 +96,10 @@ class TorchRolloutEngine:
     prefill forward (see prefill_chunks) and ``initial_slots`` is how many cache slots
     per row are allocated past the longest prompt at first (None: room for
     max_new_tokens up front); none of them changes a token generated.
-    ``kv_cache_gib`` (``rollout.kv_cache_gib``; None: unbounded) bounds the KV bytes this rank's
-    caches hold, the target's and the drafter's (see nemo_tlt.rollout.kv_admission).
+    ``kv_cache_gib`` (``rollout.kv_cache_gib``) or ``kv_cache_fraction`` (``rollout.kv_cache_fraction``,
+    of the memory free on the device when a call starts; both None: unbounded) bounds the KV bytes
+    this rank's caches hold, the target's and the drafter's (see nemo_tlt.rollout.kv_limit and
+    nemo_tlt.rollout.kv_admission).
     ``compute_dtype`` (None: the target's own dtype) is the dtype the engine computes
     and caches in (see the module docstring); a target in another dtype is copied and
     cast, the caller's model is left as it is."""
@@ -104,7 +109,8 @@ class TorchRolloutEngine:
 
     def __init__(self, target: DecoderLM, drafter: Drafter | None = None, *, max_tree_nodes: int = 256,
                  prefill_overhead_tokens: int = 64, initial_slots: int | None = 128,
-                 compute_dtype: torch.dtype | None = None, kv_cache_gib: float | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, kv_cache_gib: float | None = None,
+                 kv_cache_fraction: float | None = None) -> None:
         if max_tree_nodes < 1:
             raise ValueError(f"TorchRolloutEngine.max_tree_nodes must be >= 1, got {max_tree_nodes}")
         if prefill_overhead_tokens < 0:
@@ -112,14 +118,13 @@ class TorchRolloutEngine:
                              f"{prefill_overhead_tokens}")
         if initial_slots is not None and initial_slots < 1:
             raise ValueError(f"TorchRolloutEngine.initial_slots must be >= 1 or None, got {initial_slots}")
-        if kv_cache_gib is not None and not kv_cache_gib > 0:
-            raise ValueError(f"TorchRolloutEngine.kv_cache_gib (rollout.kv_cache_gib) must be > 0 or None, got "
-                             f"{kv_cache_gib!r}")
-        self.kv_cache_gib = kv_cache_gib
+        self.kv_limit = KVLimit(kv_cache_gib, kv_cache_fraction)
+        self.last_kv_budget: KVBudget | None = None  # the budget the last generate call decoded under
         self.weights_dtype = target.lm_head_weight.dtype
         self.target = compute_copy(target, compute_dtype).eval()
         self.tp: TensorParallel | None = target.tp
         self._full_shapes = canonical_shapes(target.config) if self.tp is not None else None
+        self.kv_limit.check_device(self.device)
         self.max_tree_nodes = max_tree_nodes
         self.initial_slots = initial_slots
         self.prefill_overhead_tokens = prefill_overhead_tokens
@@ -192,8 +197,9 @@ class TorchRolloutEngine:
                  return_hidden: bool = False, on_finish: FinishSink | None = None) -> GenerateOutput:
         """See `RolloutEngine.generate` (``on_finish`` runs as each row retires). With TP,
         every rank of the group calls it alike (nemo_tlt.rollout.tp_lockstep)."""
-        slot_bytes = engine_slot_bytes(self.target, self.drafter) if self.kv_cache_gib is not None else 0
-        self._validate(requests, sampling, slot_bytes)
+        budget = self.last_kv_budget = self.kv_limit.budget(self.device, self.tp)  # None: unbounded
+        slot_bytes = engine_slot_bytes(self.target, self.drafter) if budget is not None else 0
+        self._validate(requests, sampling, budget, slot_bytes)
         lead = self.tp is None or self.tp.rank == 0  # whose policy is consulted
         stats = GenerationStats()
         t_start, syncs_start = time.perf_counter(), host_syncs()
@@ -202,11 +208,11 @@ class TorchRolloutEngine:
         accepted: list[torch.Tensor] = []  # per SD step, tokens per row: read back once at the end
         if policy is not None and lead:
             policy.begin_rollout()
-        for rows in admission(requests, sampling, self.kv_cache_gib, slot_bytes):
+        for rows in admission(requests, sampling, budget, slot_bytes):
             wave = requests if len(rows) == len(requests) else wave_requests(requests, rows)
             sink = None if on_finish is None else (lambda i, result, rows=rows: on_finish(rows[i], result))
             done = self._decode(wave, sampling, gen, stats, policy if lead else None, accepted, return_hidden, sink,
-                                wave_slots(self.kv_cache_gib, len(rows), slot_bytes))
+                                wave_slots(budget, len(rows), slot_bytes))
             for i, result in zip(rows, done):
                 results[i] = result
         if accepted:
@@ -272,20 +278,22 @@ class TorchRolloutEngine:
         return shape
 
     # ---- validation ---------------------------------------------------------
-    def _validate(self, requests: list[Request], sampling: SamplingParams, slot_bytes: int) -> None:
+    def _validate(self, requests: list[Request], sampling: SamplingParams, budget: KVBudget | None,
+                  slot_bytes: int) -> None:
         try:
-            self._validate_local(requests, sampling, slot_bytes)
+            self._validate_local(requests, sampling, budget, slot_bytes)
         except ValueError as err:
             return check_ready(self.tp, err)
         check_ready(self.tp, None)
 
-    def _validate_local(self, requests: list[Request], sampling: SamplingParams, slot_bytes: int) -> None:
+    def _validate_local(self, requests: list[Request], sampling: SamplingParams, budget: KVBudget | None,
+                        slot_bytes: int) -> None:
         if self._failed_load is not None:
             raise ValueError(f"generate: the last load_policy_weights failed midway ({self._failed_load}); "
                              "the model is half-written: load complete weights first")
         validate_requests(requests, sampling, self.target.config)
-        if self.kv_cache_gib is not None:
-            check_fits(requests, sampling, self.kv_cache_gib, slot_bytes)
+        if budget is not None:
+            check_fits(requests, sampling, budget, slot_bytes)
 
     @staticmethod
     def _tree_slots(shape: TreeShape) -> int:

@@ -92,6 +92,7 @@ DRY_RUN_SIZES = Sizes(demo_prompts=4, demo_max_new=24, batch_sizes=(1, 4),
 # Estimated seconds of each --gpu check on one H100 (not measured: no GPU run of these sizes yet),
 # printed with their sum at the start so that a run is planned within a 10-minute slot.
 BUDGET_S = {"engine_demo_float32": 40, "engine_demo_bfloat16": 40, "engine_demo_bfloat16_compute_float32": 20,
+            "kv_fraction": 15,
             "sdpa_probe": 15, "decode_cost": 150, "verify_vs_decode": 25, "batch_invariance": 30,
             "weight_sync": 30, "main_job": 120, "megatron_world1": 30, "checkpoint_roundtrip": 10}
 
@@ -123,6 +124,7 @@ def plan(device: torch.device, sizes: Sizes, work: Path, cache_dir: str | None) 
     checks["engine_demo_bfloat16_compute_float32"] = (  # rollout.compute_dtype=float32: identity again
         lambda: ec.engine_check(demo(), device, torch.bfloat16, sizes.batch_sizes[:1], with_hf=False,
                                 compute_dtype=torch.float32))
+    checks["kv_fraction"] = lambda: ec.kv_fraction_check(demo(), device)
     m, dt, n = sizes.kernel_model, sizes.kernel_dtype, sizes.prompt_len
     checks["sdpa_probe"] = lambda: kc.sdpa_probe(m, device, dt, n)
     checks["decode_cost"] = lambda: kc.decode_cost(m, device, dt, sizes.decode_batches, n, sizes.decode_max_new,

@@ -10,6 +10,9 @@ on ``device`` in ``dtype`` and returns, as plain values:
   method timed once after an untimed warm-up, in an order that alternates per batch size;
   ``accept_len`` is SD's mean accepted length (tokens per verify step).
 
+``kv_fraction_check`` runs the engine under ``rollout.kv_cache_fraction`` on the device (the
+free memory read there, its budget binding).
+
 Cases: ``demo_case`` (the shipped demo target and EAGLE drafter, task prompts) and
 ``random_case`` (a randomly initialised model of a given ``LMConfig``, built here with an
 untrained drafter: it measures the mechanics, not acceptance; its identity is a rate to
@@ -29,8 +32,10 @@ import torch
 from nemo_tlt.adaptive.sd_policy import FixedSDPolicy
 from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
 from nemo_tlt.model.config import LMConfig
+from nemo_tlt.model.free_memory import free_bytes
 from nemo_tlt.model.hf_io import load_hf_folder, save_hf_folder
 from nemo_tlt.model.lm import DecoderLM
+from nemo_tlt.rollout.kv_admission import engine_slot_bytes
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.selfcheck.kernel_checks import sync
@@ -169,6 +174,31 @@ def engine_check(case: EngineCase, device: torch.device, dtype: torch.dtype, bat
                            "identity": identity(engine, case, seed)}
     out["throughput"] = [throughput(engine, hf_model, case, b, device, i) for i, b in enumerate(batch_sizes)]
     return out
+
+
+def kv_fraction_check(case: EngineCase, device: torch.device, rows_at_once: int = 2) -> dict[str, Any]:
+    """``rollout.kv_cache_fraction`` on ``device``: the fraction of the free memory read here
+    (``free_bytes``) that holds ``rows_at_once`` of the case's longest rows, SD greedy in fp32.
+    Raises unless the KV bytes held stay within the budget the engine read for the call, the
+    requests ran in more than one wave, and the tokens equal an unbounded engine's."""
+    target = load_hf_folder(case.hf_dir, torch.float32).to(device)
+    drafter = case.drafter.to(device)
+    reqs = [Request(p, seq_id=i) for i, p in enumerate(case.prompts)]
+    sp = SamplingParams("greedy", max_new_tokens=case.max_new_tokens, stop_on_eos=False)
+    policy = FixedSDPolicy(case.shape)
+    unbounded = TorchRolloutEngine(target, drafter).generate(reqs, sp, policy=policy)
+    need = max(map(len, case.prompts)) + case.max_new_tokens
+    fraction = rows_at_once * need * engine_slot_bytes(target, drafter) / free_bytes(device)
+    engine = TorchRolloutEngine(target, drafter, kv_cache_fraction=fraction)
+    out = engine.generate(reqs, sp, policy=policy)
+    budget, peak = engine.last_kv_budget, max(t.kv_bytes for t in out.stats.trace)
+    result = {"device": str(device), "fraction": fraction, "budget": budget.source, "budget_bytes": budget.bytes,
+              "kv_bytes_peak": peak,
+              "prefill_forwards": out.stats.prefill_forwards,
+              "identical_to_unbounded": [r.tokens for r in out.results] == [r.tokens for r in unbounded.results]}
+    if peak > budget.bytes or out.stats.prefill_forwards < 2 or not result["identical_to_unbounded"]:
+        raise AssertionError(f"rollout.kv_cache_fraction on {device}: {result}")
+    return result
 
 
 def scratch_folder() -> tempfile.TemporaryDirectory:

@@ -1,7 +1,9 @@
 """The torch engine under a KV budget (``rollout.kv_cache_gib``): the KV bytes it holds never
 pass the budget, a budget that binds changes no token (greedy and coupled, plain and
 speculative), a budget that does not bind changes nothing at all, a request that can never fit
-is refused by name, and the planner's rule gives the engine's slot and row counts."""
+is refused by name, and the planner's rule gives the engine's slot and row counts. The same
+budget as ``rollout.kv_cache_fraction``: that fraction of the free memory read at every call (a
+stand-in gives the free memory), the smallest of a TP group's ranks."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +15,7 @@ from nemo_tlt.model.kv_budget import GIB, admission_waves
 from nemo_tlt.plan.memory import RolloutShape, kv_budget_rows, kv_budget_slots, rollout_kv_slot_bytes
 from nemo_tlt.rollout.config import RolloutConfig
 from nemo_tlt.rollout.kv_admission import engine_slot_bytes
+from nemo_tlt.rollout.kv_limit import KVLimit
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.row_batch import RowBatch
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
@@ -158,3 +161,101 @@ def test_admission_waves_by_hand():
     assert admission_waves([], 100, 1) == []
     with pytest.raises(ValueError, match="row 1 needs 101 slots"):
         admission_waves([1, 101], 100, 1)
+
+
+class _Free:
+    """A stand-in for the device's free memory (``kv_limit.free_bytes``): the values given, one per
+    read, and the devices it was read on."""
+
+    def __init__(self, *values: int) -> None:
+        self.values, self.devices = list(values), []
+
+    def __call__(self, device) -> int:
+        self.devices.append(torch.device(device))
+        return self.values.pop(0)
+
+
+def test_a_fraction_of_free_memory_is_read_at_every_call(setup, monkeypatch):
+    """``kv_cache_fraction`` f with F bytes free is the budget of int(f x F) bytes (same waves, caps
+    and KV bytes step by step as ``kv_cache_gib`` of that many bytes), read anew each call: the
+    memory freed between calls is the next call's."""
+    target, drafter, reqs = setup
+    budget = int(BUDGET_GIB * GIB)
+    free = _Free(4 * budget, 2 * budget + 1, 10 ** 12)
+    monkeypatch.setattr("nemo_tlt.rollout.kv_limit.free_bytes", free)
+    engine = TorchRolloutEngine(target, drafter, initial_slots=4, kv_cache_fraction=0.5)
+    sp = SamplingParams(mode="coupled", temperature=1.0, max_new_tokens=NEW, seed=4, stop_on_eos=False)
+    calls, budgets = [], []
+    for _ in range(3):
+        calls.append(engine.generate(reqs, sp, policy=_policy()))
+        budgets.append(engine.last_kv_budget.bytes)
+    assert free.devices == [torch.device("cpu")] * 3 and budgets == [2 * budget, budget, 10 ** 12 // 2]
+    fixed = _run(target, drafter, reqs, "coupled", BUDGET_GIB, True)
+    unbounded = _run(target, drafter, reqs, "coupled", None, True)
+    for out, like in zip(calls, (None, fixed, unbounded)):
+        assert [r.tokens for r in out.results] == [r.tokens for r in fixed.results]
+        if like is not None:
+            assert [t.kv_bytes for t in out.stats.trace] == [t.kv_bytes for t in like.stats.trace]
+    assert max(t.kv_bytes for t in calls[0].stats.trace) <= 2 * budget  # f x F of the first read
+    assert max(t.kv_bytes for t in calls[0].stats.trace) > max(t.kv_bytes for t in fixed.stats.trace)
+    assert calls[0].stats.prefill_forwards < fixed.stats.prefill_forwards  # fewer, larger waves
+
+
+def test_a_fraction_too_small_for_a_request_is_refused_by_name(setup, monkeypatch):
+    target, drafter, reqs = setup
+    monkeypatch.setattr("nemo_tlt.rollout.kv_limit.free_bytes", _Free(2 * 40 * 384 + 1))
+    engine = TorchRolloutEngine(target, drafter, kv_cache_fraction=0.5)
+    with pytest.raises(ValueError, match=r"rollout\.kv_cache_fraction=0\.5 of .* GiB free on cpu \(15360 B\) holds "
+                                         r"40 cache slots for one row .* raise rollout\.kv_cache_fraction to a "
+                                         r"budget of at least"):
+        engine.generate(reqs, SamplingParams(mode="greedy", max_new_tokens=NEW))
+
+
+class _Group:
+    """A TensorParallel stand-in: ``gather_int`` returns this rank's value beside the others'."""
+    size, rank = 3, 1
+
+    def __init__(self, others: list[int]) -> None:
+        self.others, self.gathered = others, []
+
+    def gather_int(self, value: int) -> list[int]:
+        self.gathered.append(value)
+        return [self.others[0], value, *self.others[1:]]
+
+
+def test_tensor_parallel_ranks_take_the_smallest_free_memory(monkeypatch):
+    monkeypatch.setattr("nemo_tlt.rollout.kv_limit.free_bytes", _Free(1000, 1000))
+    limit = KVLimit(fraction=0.5)
+    group = _Group([1200, 800])
+    assert limit.budget(torch.device("cpu"), group).bytes == 400 and group.gathered == [1000]
+    assert limit.budget(torch.device("cpu"), None).bytes == 500  # alone: its own
+    assert KVLimit(gib=1.0).budget(torch.device("cpu"), group).bytes == GIB and group.gathered == [1000]
+    assert KVLimit().budget(torch.device("cpu"), group) is None
+
+
+def test_fraction_settings_are_checked_by_name():
+    for bad in (0.0, 1.5, True):
+        with pytest.raises(ValueError, match=r"rollout\.kv_cache_fraction must be"):
+            RolloutConfig(kv_cache_fraction=bad)
+    with pytest.raises(ValueError, match=r"two budgets for one KV cache"):
+        RolloutConfig(kv_cache_gib=1.0, kv_cache_fraction=0.5)
+    with pytest.raises(ValueError, match=r"rollout\.kv_cache_fraction bounds the torch engine.*"
+                                         r"rollout\.vllm\.gpu_memory_utilization"):
+        RolloutConfig(engine="vllm", kv_cache_fraction=0.5)
+    assert RolloutConfig(kv_cache_fraction=1.0).kv_cache_fraction == 1.0
+    with pytest.raises(ValueError, match=r"TorchRolloutEngine\.kv_cache_fraction \(rollout\.kv_cache_fraction\) "
+                                         r"must be <= 1"):
+        TorchRolloutEngine(tiny_target(), kv_cache_fraction=2.0)
+    with pytest.raises(ValueError, match=r"TorchRolloutEngine: kv_cache_gib=1\.0 and kv_cache_fraction=0\.5"):
+        TorchRolloutEngine(tiny_target(), kv_cache_gib=1.0, kv_cache_fraction=0.5)
+    with pytest.raises(ValueError, match=r"kv_cache_fraction .* free memory is read on cuda or cpu devices, not on "
+                                         r"'meta'"):
+        TorchRolloutEngine(tiny_target().to("meta"), kv_cache_fraction=0.5)
+
+
+def test_the_factory_builds_the_runs_budget():
+    from nemo_tlt.demo.shipped_assets import SHIPPED_DIR
+    from nemo_tlt.rollout.factory import build_rollout_engine
+    for config in (RolloutConfig(kv_cache_fraction=0.3), RolloutConfig(kv_cache_gib=0.5), RolloutConfig()):
+        engine = build_rollout_engine(config, str(SHIPPED_DIR / "target"))
+        assert engine.kv_limit == KVLimit(config.kv_cache_gib, config.kv_cache_fraction)
