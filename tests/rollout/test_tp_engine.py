@@ -24,6 +24,7 @@ from nemo_tlt.model.tensor_parallel import TensorParallel
 from nemo_tlt.model.tp_layout import rollout_slice
 from nemo_tlt.rollout.config import RolloutConfig
 from nemo_tlt.rollout.factory import build_rollout_engine
+from nemo_tlt.rollout.kv_admission import engine_slot_bytes
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
 from nemo_tlt.rollout.weight_load import load_tp_source
@@ -99,6 +100,16 @@ def _decoding(tp: TensorParallel, target: str, drafter: str) -> dict:
         if tp.rank == 1 and i == 2:
             result.tokens[-1] += 1
     out["tampered"] = _error(lambda: engine.generate(_requests(), SHORT, on_finish=tamper))
+    # rollout.kv_cache_fraction: each rank reads its own free memory (rank 1 more), both take rank 0's
+    import nemo_tlt.rollout.kv_limit as kv_limit
+    row = (max(len(r.prompt) for r in _requests()) + GREEDY.max_new_tokens) * engine_slot_bytes(engine.target,
+                                                                                                 engine.drafter)
+    kv_limit.free_bytes = lambda device: 2 * (2 + tp.rank) * row  # at 0.5: two rows on rank 0, three on rank 1
+    engine.kv_limit = kv_limit.KVLimit(fraction=0.5)
+    out["fraction"], stats = _tokens(engine, GREEDY, FixedSDPolicy(SHAPE))
+    out["fraction_budget"], out["fraction_prefills"] = (engine.last_kv_budget.bytes // row,
+                                                        stats.prefill_forwards)
+    engine.kv_limit = kv_limit.KVLimit()
     # the other drafters, replicated on every rank
     cfg = engine.model_config
     torch.manual_seed(0)
@@ -186,6 +197,14 @@ def test_the_sd_choice_is_tp_rank_0s_and_divergence_raises(ranks):
     assert d1["lead_shapes"] == d0["lead_shapes"] and set(d0["lead_shapes"]) == {SHAPE.name}
     for d in (d0, d1):
         assert "TP ranks [1]" in d["tampered"] and "diverged" in d["tampered"]
+
+
+@pytest.mark.timeout(180)
+def test_a_kv_fraction_gives_every_rank_the_smallest_free_memorys_budget(ranks):
+    d0, d1 = ranks[0]["decoding"], ranks[1]["decoding"]
+    assert d0["fraction_budget"] == d1["fraction_budget"] == 2  # rows of the longest request: rank 0's
+    assert d0["fraction_prefills"] == d1["fraction_prefills"] == 2  # 4 requests in waves of 2
+    assert d0["fraction"] == d1["fraction"] == d0["plain"]
 
 
 @pytest.mark.timeout(180)
