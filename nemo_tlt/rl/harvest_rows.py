@@ -14,11 +14,16 @@ class InOrderHarvest:
     device, is freed as the row finishes, not when the rollout ends; the copies go into the
     buffer (``add``) in request order, each as soon as every earlier row is in, so the host
     holds at most the rows that finished ahead of an earlier one besides the buffer. Rows an
-    engine did not hand over through ``on_finish`` are taken from the results (`finish`)."""
+    engine did not hand over through ``on_finish`` are taken from the results (`finish`).
+    ``keep(index)`` (default: every row) picks the rows this rank harvests; the others' features
+    are dropped as they finish (a tensor-parallel replica's members split its rows:
+    ``RolloutReplicas.harvests``)."""
 
     def __init__(self, requests: Sequence[Request],
-                 make_sample: Callable[[list[int], torch.Tensor], Any], add: Callable[[Any], Any]) -> None:
+                 make_sample: Callable[[list[int], torch.Tensor], Any], add: Callable[[Any], Any],
+                 keep: Callable[[int], bool] | None = None) -> None:
         self.requests, self.make_sample, self.add = requests, make_sample, add
+        self.keep = keep
         self._next = 0
         self._ready: dict[int, Any] = {}
 
@@ -26,12 +31,12 @@ class InOrderHarvest:
         """Row ``index`` finished (an ``on_finish`` sink): its copy, then every row now in order."""
         if index < self._next or index in self._ready:
             return  # taken already
+        self._ready[index] = None
         if result.hidden_states is not None:
-            self._ready[index] = self.make_sample(list(self.requests[index].prompt) + result.tokens,
-                                                  result.hidden_states)
+            if self.keep is None or self.keep(index):
+                self._ready[index] = self.make_sample(list(self.requests[index].prompt) + result.tokens,
+                                                      result.hidden_states)
             result.hidden_states = None
-        else:
-            self._ready[index] = None
         while self._next in self._ready:
             sample = self._ready.pop(self._next)
             if sample is not None:

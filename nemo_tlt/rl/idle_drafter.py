@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
 import torch
 
@@ -90,7 +90,7 @@ class IdleDrafter:
         if sample is not None:
             self.buffer.add_sample(sample)
 
-    def policy_sink(self, step: int, own: range | None) -> Callable:
+    def policy_sink(self, step: int, own: Collection[int] | None) -> Callable:
         """An ``on_hidden`` sink for drafter data from the policy's own forward
         (``drafter.harvest_from=policy``): this rank's sequences ``own`` of the batch (None: all)."""
         self.buffer.advance_step(step)

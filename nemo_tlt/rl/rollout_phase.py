@@ -5,7 +5,8 @@ with p % replicas == q, G samples each, sequence ids ``p * G + g``), samples the
 step's seed (a function of (seed, step)), speculating as ``sd_policy`` decides (None: plain),
 hands each finished row to ``on_finish`` (the pipelined update's collector, bound to the
 requests first) and, when ``drafter`` harvests from the rollout, its features to the drafter's
-buffer in request order (``InOrderHarvest``), and returns the ``Rollout`` with its decode
+buffer in request order (``InOrderHarvest``; a tensor-parallel replica's members each keep their
+share of the rows, ``RolloutReplicas.harvests``), and returns the ``Rollout`` with its decode
 segments on ``clock``.
 """
 from __future__ import annotations
@@ -38,7 +39,8 @@ def rollout_phase(engine: Any, task: Any, cfg: Any, replicas: RolloutReplicas, s
     harvest = None
     if drafter is not None:
         drafter.buffer.advance_step(step)
-        harvest = InOrderHarvest(requests, partial(drafter.sample, step), drafter.buffer.add_sample)
+        harvest = InOrderHarvest(requests, partial(drafter.sample, step), drafter.buffer.add_sample,
+                                 keep=replicas.harvests)
         on_finish = then(on_finish, harvest.take)
     out = engine.generate(requests, sampling, policy=sd_policy, return_hidden=harvest is not None,
                           on_finish=on_finish)

@@ -21,6 +21,10 @@ Contract
   - any other overlap is refused, naming both layouts.
 * The step's token count (the GRPO loss's global token mean) counts each replica's rollout
   once: ``counted_tokens`` is the leader's own count and 0 on the other members.
+* Drafter features: the members of a replica see the same sequences' features (each decodes the
+  replica's rollout; with whole replicas in a training group each runs the forward of the same
+  batch), so member ``local`` keeps sequences i with i % tp == local (``harvests``): every
+  sequence is in one rank's harvest buffer, not in tp of them.
 """
 from __future__ import annotations
 
@@ -68,6 +72,13 @@ class RolloutReplicas:
 
     def counted_tokens(self, tokens: int) -> int:
         return tokens if self.leader else 0
+
+    def harvests(self, index: int) -> bool:
+        """Whether this member keeps the drafter features of sequence ``index`` of a batch that
+        every member of the replica sees alike (its rollout, or the policy forward's share of it):
+        ``index % tp == local``, so the members split the sequences and each is harvested, and
+        trained on, by one rank only (every sequence at ``tp`` 1)."""
+        return index % self.tp == self.local
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,22 @@ def test_rows_go_in_request_order_as_soon_as_every_earlier_row_is_in():
     assert added[-1] == [6, 7, 8] and len(added) == 4
 
 
+def test_rows_this_rank_does_not_keep_are_dropped_as_they_finish():
+    """``keep``: a tensor-parallel member's share; the other rows' features are freed at once and
+    never copied, and the kept ones still go in request order."""
+    reqs = [Request([i]) for i in range(5)]
+    added, made = [], []
+    harvest = InOrderHarvest(reqs, lambda tokens, hidden: made.append(tokens) or tokens, added.append,
+                             keep=lambda i: i % 2 == 1)
+    results = [RequestResult([9], "length", hidden_states=torch.zeros(1)) for _ in reqs]
+    for i in (4, 3, 0, 2):
+        harvest.take(i, results[i])
+        assert results[i].hidden_states is None
+    assert added == [] and made == [[3, 9]]  # row 1 is not in yet
+    harvest.finish(results)
+    assert added == [[1, 9], [3, 9]] and made == [[3, 9], [1, 9]]
+
+
 def test_the_buffer_gets_the_samples_it_got_after_the_rollout():
     target = tiny_target()
     engine = TorchRolloutEngine(target)

@@ -87,3 +87,46 @@ def test_megatron_update_pass_feeds_an_eagle3_drafter_like_the_torch_rollout(tin
     target, drafter = tiny_eagle3
     config = Eagle3Config.from_target(load_hf_folder(target).config)
     _same_harvest(tmp_path, target, drafter, (len(config.capture_layers) + 1) * config.layer.hidden_size)
+
+
+def _by_sequence(ranks: list[dict]) -> list[tuple[list[int], torch.Tensor]]:
+    return sorted(((t, h) for r in ranks for t, h in zip(r["tokens"], r["hidden"])), key=lambda x: x[0])
+
+
+def _split_once(split: list[dict], whole: list[dict]) -> None:
+    """``split``'s two ranks hold disjoint halves-or-so of the sequences, together each sequence
+    of ``whole`` once, with its features (bf16 in the buffer: one rounding step apart)."""
+    assert all(r["tokens"] for r in split), "a member harvested nothing"
+    assert not {tuple(t) for t in split[0]["tokens"]} & {tuple(t) for t in split[1]["tokens"]}
+    got, want = _by_sequence(split), _by_sequence(whole)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=1e-2)
+
+
+def test_a_tensor_parallel_replicas_members_split_its_rows(tiny_models, tmp_path):
+    """Rollout TP 2 (one replica over both ranks, each decoding every row): member j keeps rows
+    i with i % 2 == j, so the two buffers hold each sequence once, as two TP-1 replicas do."""
+    target, drafter = tiny_models
+    whole = _harvest(tmp_path, target, drafter, "tp1", [])
+    _split_once(_harvest(tmp_path, target, drafter, "tp2", ["rollout.tensor_parallel=2"]), whole)
+
+
+def test_megatron_ranks_of_one_rollout_replica_split_the_policy_forwards_rows(tiny_models, tmp_path):
+    """Policy TP 2 over rollout TP 2: both ranks run the forward of the one replica's batch;
+    each keeps its half of the rows from it."""
+    target, drafter = tiny_models
+    whole = _harvest(tmp_path, target, drafter, "tp1", [])
+    _split_once(_harvest(tmp_path, target, drafter, "megatron_tp2", [
+        "policy.backend=megatron", "policy.tensor_parallel=2", "drafter.harvest_from=policy",
+        "policy.pipelined_update=false", "policy.micro_batch_tokens=0", "rollout.tensor_parallel=2"]), whole)
+
+
+def test_policy_replicas_inside_one_rollout_replica_keep_their_own_part(tiny_models, tmp_path):
+    """Policy TP 1 under rollout TP 2: each rank's forward runs its own part of the replica's
+    groups (no row twice), and it keeps every row of it."""
+    target, drafter = tiny_models
+    whole = _harvest(tmp_path, target, drafter, "tp1", [])
+    _split_once(_harvest(tmp_path, target, drafter, "megatron_tp1", [
+        "policy.backend=megatron", "drafter.harvest_from=policy", "policy.pipelined_update=false",
+        "policy.micro_batch_tokens=0", "rollout.tensor_parallel=2"]), whole)

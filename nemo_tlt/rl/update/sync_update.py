@@ -12,6 +12,7 @@ sums: one member per replica reports), and the seconds of the log-prob pass and 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from typing import Any, Callable
 
 import torch
@@ -24,11 +25,12 @@ from nemo_tlt.rl.rollout_replicas import RolloutReplicas, TrainShare, by_replica
 
 class SyncUpdate:
     """``harvest(step, own)``: the drafter's sink for the policy forward's hidden states of the
-    sequences ``own`` (None: no harvest from the policy)."""
+    sequences ``own`` (None: no harvest from the policy): this rank's sequences, split among the
+    members of its rollout replica where they all run them (``RolloutReplicas.harvests``)."""
 
     def __init__(self, cfg: Any, policy: Any, comm: Any, advantages: Callable[[list, list], Advantages],
                  replicas: RolloutReplicas, share: TrainShare,
-                 harvest: Callable[[int, range], HiddenSink] | None = None,
+                 harvest: Callable[[int, Collection[int]], HiddenSink] | None = None,
                  capture_layers: tuple[int, ...] | None = None) -> None:
         self.cfg, self.policy, self.comm, self._advantages = cfg, policy, comm, advantages
         self.replicas, self.share, self.harvest, self.capture_layers = replicas, share, harvest, capture_layers
@@ -54,7 +56,10 @@ class SyncUpdate:
         batch, rewards, own = share.select(shares, replicas.replica, G)
         if share.parts == 1 and not replicas.leader:
             gen_logprobs = None  # the leader reports the replica's logprob_gap sums
-        on_hidden = self.harvest(step, own) if self.harvest is not None else None
+        harvested = own  # with whole replicas every member runs the forward of `own`: they split it
+        if share.parts == 1 and replicas.tp > 1:
+            harvested = frozenset(i for i in own if replicas.harvests(i))
+        on_hidden = self.harvest(step, harvested) if self.harvest is not None else None
         t0 = time.perf_counter()
         logp_old, logp_ref = self.policy.logprobs(batch, self.cfg.policy.separate_logprob_pass)
         t_logprob, t0 = time.perf_counter() - t0, time.perf_counter()
