@@ -58,9 +58,9 @@ Rollout, per GPU of a rollout replica of TP r:
                a slot counting the target's K and V and, with SD, the drafter's replicated layer);
                a budget given as ``rollout.kv_cache_fraction`` f is, as the engine reads it when a
                rollout starts (nemo_tlt.rollout.kv_limit), f x (GPU memory - what is held then:
-               weights, drafter, the drafter trainer's 16 B per parameter, training_state, reserve),
-               the transients of decoding (logits, workspace, the harvest buffer) not held yet
-               (``resolve_kv_fraction``)
+               weights, drafter, the drafter trainer's 16 B per parameter, training_state, reserve;
+               not the transients of decoding, logits and workspace, nor the harvest allowance:
+               the harvest buffer is in host memory) (``resolve_kv_fraction``)
   drafter      2 B x drafter parameters (replicated on every rollout rank)
   drafter_training  16 B x drafter parameters (fp32 grads + master + Adam) + the harvest buffer
                (TLT with drafter training only)
@@ -244,8 +244,15 @@ def rollout_kv_slot_bytes(cfg: LMConfig, tp: int, sd: bool, kv_bytes: int = 2) -
     return kv_bytes_per_token(cfg, tp, kv_bytes) + drafter
 
 
+def _unresolved(shape: RolloutShape, what: str) -> None:
+    if shape.kv_cache_fraction is not None:
+        raise ValueError(f"{what}: the shape's rollout.kv_cache_fraction is not resolved to a budget "
+                         "(resolve_kv_fraction(cfg, shape, training) first)")
+
+
 def kv_budget_rows(cfg: LMConfig, shape: RolloutShape, kv_bytes: int = 2) -> int | None:
     """Rows of ``shape.context`` slots a replica decodes at once within its KV budget (None: no budget)."""
+    _unresolved(shape, "kv_budget_rows")
     if shape.kv_cache_gib is None:
         return None
     return rows_within(budget_bytes(shape.kv_cache_gib), shape.context,
@@ -254,6 +261,7 @@ def kv_budget_rows(cfg: LMConfig, shape: RolloutShape, kv_bytes: int = 2) -> int
 
 def kv_budget_slots(cfg: LMConfig, shape: RolloutShape, rows: int, kv_bytes: int = 2) -> int | None:
     """Cache slots per row that ``rows`` rows may grow to within the KV budget (None: no budget)."""
+    _unresolved(shape, "kv_budget_slots")
     if shape.kv_cache_gib is None:
         return None
     return slots_within(budget_bytes(shape.kv_cache_gib), rows,
@@ -262,8 +270,8 @@ def kv_budget_slots(cfg: LMConfig, shape: RolloutShape, rows: int, kv_bytes: int
 
 def held_at_rollout_start(cfg: LMConfig, shape: RolloutShape, training: dict[str, float]) -> float:
     """Bytes a rollout GPU holds when the engine starts a rollout: the engine's weights, the
-    drafter, the drafter trainer's state (16 B per parameter; its harvest buffer fills later), the
-    training state kept resident and the reserve (CUDA context among it)."""
+    drafter, the drafter trainer's state (16 B per parameter; its harvest buffer is in host
+    memory), the training state kept resident and the reserve (CUDA context among it)."""
     drafter = drafter_parameter_count(cfg, shape.fc_inputs) if shape.sd else 0
     trainer = 16 * drafter if (shape.sd and shape.drafter_training) else 0
     return float(2 * parameter_count(cfg) / shape.tp + 2 * drafter + trainer
@@ -306,6 +314,7 @@ def rollout_memory(cfg: LMConfig, shape: RolloutShape, training: dict[str, float
 
 def kv_cache_bytes(cfg: LMConfig, shape: RolloutShape) -> int:
     """The rollout's KV term: what the rows need, capped by the KV budget where one is set."""
+    _unresolved(shape, "kv_cache_bytes")
     need = kv_bytes_per_token(cfg, shape.tp) * (shape.kv_tokens or shape.concurrency * shape.context)
     return need if shape.kv_cache_gib is None else min(need, budget_bytes(shape.kv_cache_gib))
 

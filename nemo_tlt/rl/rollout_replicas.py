@@ -23,12 +23,14 @@ Contract
   once: ``counted_tokens`` is the leader's own count and 0 on the other members.
 * Drafter features: the members of a replica see the same sequences' features (each decodes the
   replica's rollout; with whole replicas in a training group each runs the forward of the same
-  batch), so member ``local`` keeps sequences i with i % tp == local (``harvests``): every
-  sequence is in one rank's harvest buffer, not in tp of them.
+  batch), so member ``local`` keeps sequences i with i % tp == local (``harvests``); the ranks of
+  a training group inside a replica run the forward of the same part, and split it alike
+  (``harvested``): every sequence is in one rank's harvest buffer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Collection
 from typing import Sequence, TypeVar
 
 T = TypeVar("T")
@@ -113,6 +115,23 @@ class TrainShare:
         if num_seqs % group_size:
             raise ValueError(f"{num_seqs} sequences are not whole groups of grpo.group_size={group_size}")
         return [i for i in range(num_seqs) if (i // group_size) % self.parts == self.part]
+
+
+def harvested(own: Collection[int], replicas: RolloutReplicas, share: TrainShare, train_ranks: Sequence[int],
+              rank: int) -> Collection[int]:
+    """Which of ``own`` (the sequences of the policy forward this rank hands to the drafter) it
+    keeps. The ranks that run that forward over the same ``own`` split it, the one at place j of
+    n keeping i % n == j: with whole rollout replicas in the training group (``share.parts`` 1),
+    the members of this rank's rollout replica (`RolloutReplicas.harvests`); inside one rollout
+    replica (``parts`` > 1), the ranks of this rank's training group (``train_ranks``: the
+    policy's TP x PP ranks, each of which runs its part's forward)."""
+    if share.parts == 1:
+        return own if replicas.tp == 1 else frozenset(i for i in own if replicas.harvests(i))
+    group = sorted(train_ranks)
+    if len(group) == 1:
+        return own
+    place = group.index(rank)
+    return frozenset(i for i in own if i % len(group) == place)
 
 
 def training_share(groups: Sequence[Sequence[int]], rank: int, tp: int) -> TrainShare:

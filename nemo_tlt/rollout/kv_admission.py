@@ -21,7 +21,7 @@ replaced by plain steps (``TorchRolloutEngine._tree_fits``).
 from __future__ import annotations
 
 from nemo_tlt.drafter.base import Drafter
-from nemo_tlt.model.kv_budget import GIB, admission_waves, slots_within
+from nemo_tlt.model.kv_budget import admission_waves, slots_within
 from nemo_tlt.model.lm import DecoderLM
 from nemo_tlt.rollout.kv_limit import KVBudget
 from nemo_tlt.rollout.protocol import Request
@@ -46,9 +46,8 @@ def check_fits(requests: list[Request], sampling: SamplingParams, budget: KVBudg
     if need > room:
         raise ValueError(f"{budget.source} ({budget.bytes} B) holds {room} cache slots for one row "
                          f"at {slot_bytes} B per slot (target and drafter KV), but request {i} needs its prompt "
-                         f"({prompt}) + sampling.max_new_tokens ({sampling.max_new_tokens}) = {need}: raise "
-                         f"{budget.key} to a budget of at least {need * slot_bytes / GIB:.6g} GiB or shorten "
-                         "the request")
+                         f"({prompt}) + sampling.max_new_tokens ({sampling.max_new_tokens}) = {need}: "
+                         f"{budget.advice(need * slot_bytes)}, or shorten the request")
 
 
 def admission(requests: list[Request], sampling: SamplingParams, budget: KVBudget | None,

@@ -11,7 +11,10 @@ Two forms, at most one set (neither: unbounded):
   the replica takes the smallest free memory of the group (one all-gather of an int per call):
   the ranks decode the same waves in lockstep, so they must agree on one budget. Like vLLM's
   ``gpu_memory_utilization``, the fraction leaves the rest for what decoding allocates beside
-  the caches (logits, activations, kernel workspaces), which the engine does not count.
+  the caches (logits, activations, kernel workspaces), which the engine does not count. On the
+  CPU every process of a host reads the same available memory, so the fraction is per process:
+  N ranks on one host may take N x f of it between them (use f <= 1/N there). A rank that cannot
+  read its free memory fails the call on every rank of its group (none is left waiting).
 
 `KVBudget` is the resolved budget: bytes and the setting it came from, for error messages.
 """
@@ -31,10 +34,20 @@ OWNER = "TorchRolloutEngine"
 
 class KVBudget(NamedTuple):
     """One call's budget in bytes per rank; ``source`` says which setting gave it (and the free
-    memory it was a fraction of), ``key`` the setting a user raises."""
+    memory it was a fraction of), ``key`` the setting a user raises, ``free`` the free bytes a
+    fraction was taken of (None for a fixed budget)."""
     bytes: int
     source: str
     key: str
+    free: int | None = None
+
+    def advice(self, need: int) -> str:
+        """What would hold ``need`` bytes: the setting's value, or that the device has not the room."""
+        if self.free is None:
+            return f"raise {self.key} to at least {need / GIB:.6g}"
+        if need <= self.free:
+            return f"raise {self.key} to at least {need / self.free:.4g}"
+        return f"no {self.key} holds it: {need} B is more than the {self.free} B free; free memory first"
 
 
 @dataclass(frozen=True)
@@ -70,10 +83,28 @@ class KVLimit:
             return KVBudget(budget_bytes(self.gib), f"rollout.kv_cache_gib={self.gib}", "rollout.kv_cache_gib")
         if self.fraction is None:
             return None
-        free = free_bytes(device)
-        where = f"{free / GIB:.4g} GiB free on {device}"
-        if tp is not None and tp.size > 1:
-            free = min(tp.gather_int(free))
+        if tp is None or tp.size == 1:
+            free = free_bytes(device)
+            where = f"{free / GIB:.4g} GiB free on {device}"
+        else:
+            free = self._group_free(device, tp)
             where = f"{free / GIB:.4g} GiB free on the fullest {device.type} device of the TP group"
         return KVBudget(int(self.fraction * free), f"rollout.kv_cache_fraction={self.fraction} of {where}",
-                        "rollout.kv_cache_fraction")
+                        "rollout.kv_cache_fraction", free)
+
+    @staticmethod
+    def _group_free(device: torch.device, tp: Any) -> int:
+        """The smallest free memory of the group's ranks; a rank that cannot read its own sends -1
+        and every rank raises."""
+        try:
+            mine, error = free_bytes(device), None
+        except Exception as err:  # re-raised below, after the collective every rank makes
+            mine, error = -1, err
+        gathered = tp.gather_int(mine)
+        if error is not None:
+            raise error
+        failed = [r for r, v in enumerate(gathered) if v < 0]
+        if failed:
+            raise RuntimeError(f"rollout.kv_cache_fraction: TP ranks {failed} could not read their free memory "
+                               "(see their errors); this rank stops with them")
+        return min(gathered)

@@ -123,3 +123,10 @@ def test_the_plans_fraction_is_its_runs(tmp_path, monkeypatch):
                                          r"rollout\.kv_cache_fraction=0\.8"):
         load_plan_config(PLAN, [f"train_config={path}"])
     assert load_plan_config(PLAN, [f"train_config={path}", "rollout.kv_cache_fraction=0.8"]).rollout.kv_cache_fraction == 0.8
+
+
+def test_an_unresolved_fraction_is_not_taken_for_no_budget():
+    shape = RolloutShape(tp=1, concurrency=4, context=10, sd=True, gpu_gib=1.0, kv_cache_fraction=0.5)
+    for fn in (lambda: kv_budget_rows(CFG, shape), lambda: kv_budget_slots(CFG, shape, 4)):
+        with pytest.raises(ValueError, match="kv_cache_fraction is not resolved"):
+            fn()

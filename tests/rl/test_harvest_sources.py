@@ -130,3 +130,38 @@ def test_policy_replicas_inside_one_rollout_replica_keep_their_own_part(tiny_mod
     _split_once(_harvest(tmp_path, target, drafter, "megatron_tp1", [
         "policy.backend=megatron", "drafter.harvest_from=policy", "policy.pipelined_update=false",
         "policy.micro_batch_tokens=0", "rollout.tensor_parallel=2"]), whole)
+
+
+@pytest.fixture(scope="module")
+def four_kv_heads(tmp_path_factory):
+    """A random 2-layer target with 4 KV heads (rollout TP 4 divides them) and an EAGLE drafter."""
+    from nemo_tlt.demo.tokenizer import CharTokenizer
+    from nemo_tlt.drafter.eagle import EagleConfig, EagleDrafter
+    from nemo_tlt.model.config import LMConfig
+    from nemo_tlt.model.hf_io import save_hf_folder
+    from nemo_tlt.model.lm import DecoderLM
+
+    root = tmp_path_factory.mktemp("four_kv_heads")
+    lm = LMConfig(vocab_size=CharTokenizer().vocab_size, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=4, max_position_embeddings=256)
+    save_hf_folder(DecoderLM(lm).init_weights_(torch.Generator().manual_seed(0)), root / "target")
+    torch.manual_seed(0)
+    save_drafter(EagleDrafter(EagleConfig.from_target(lm)), root / "drafter")
+    return root / "target", root / "drafter"
+
+
+def test_the_policy_tp_ranks_of_a_part_of_a_rollout_replica_split_it(four_kv_heads, tmp_path):
+    """Policy TP 2 under rollout TP 4 (4 ranks): two training groups inside the one replica, each
+    running its part's forward on both of its ranks, which split that part's rows."""
+    target, drafter = four_kv_heads
+    whole = _harvest(tmp_path, target, drafter, "tp1_4", ["workers.num_workers=4"])
+    split = _harvest(tmp_path, target, drafter, "megatron_tp2_rollout_tp4", [
+        "workers.num_workers=4", "policy.backend=megatron", "policy.tensor_parallel=2",
+        "drafter.harvest_from=policy", "policy.pipelined_update=false", "policy.micro_batch_tokens=0",
+        "rollout.tensor_parallel=4"])
+    tokens = [tuple(t) for r in split for t in r["tokens"]]
+    assert len(tokens) == len(set(tokens)) and all(r["tokens"] for r in split)  # each row once, every rank some
+    got, want = _by_sequence(split), _by_sequence(whole)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=1e-2)

@@ -202,13 +202,21 @@ def test_a_fraction_of_free_memory_is_read_at_every_call(setup, monkeypatch):
 
 
 def test_a_fraction_too_small_for_a_request_is_refused_by_name(setup, monkeypatch):
+    """The refusal names the setting and the free memory, and says which fraction would hold the
+    longest request, or that none would."""
     target, drafter, reqs = setup
-    monkeypatch.setattr("nemo_tlt.rollout.kv_limit.free_bytes", _Free(2 * 40 * 384 + 1))
+    free = 2 * 40 * 384 + 1
+    monkeypatch.setattr("nemo_tlt.rollout.kv_limit.free_bytes", _Free(free, 500))
     engine = TorchRolloutEngine(target, drafter, kv_cache_fraction=0.5)
-    with pytest.raises(ValueError, match=r"rollout\.kv_cache_fraction=0\.5 of .* GiB free on cpu \(15360 B\) holds "
-                                         r"40 cache slots for one row .* raise rollout\.kv_cache_fraction to a "
-                                         r"budget of at least"):
-        engine.generate(reqs, SamplingParams(mode="greedy", max_new_tokens=NEW))
+    sp = SamplingParams(mode="greedy", max_new_tokens=NEW)
+    need = (max(len(r.prompt) for r in reqs) + NEW) * 384
+    with pytest.raises(ValueError, match=rf"rollout\.kv_cache_fraction=0\.5 of .* GiB free on cpu \(15360 B\) holds "
+                                         rf"40 cache slots for one row .* raise rollout\.kv_cache_fraction to at "
+                                         rf"least {need / free:.4g}, or shorten"):
+        engine.generate(reqs, sp)
+    with pytest.raises(ValueError, match=rf"no rollout\.kv_cache_fraction holds it: {need} B is more than the 500 B "
+                                         r"free"):
+        engine.generate(reqs, sp)
 
 
 class _Group:
@@ -231,6 +239,20 @@ def test_tensor_parallel_ranks_take_the_smallest_free_memory(monkeypatch):
     assert limit.budget(torch.device("cpu"), None).bytes == 500  # alone: its own
     assert KVLimit(gib=1.0).budget(torch.device("cpu"), group).bytes == GIB and group.gathered == [1000]
     assert KVLimit().budget(torch.device("cpu"), group) is None
+
+
+def test_a_rank_that_cannot_read_its_free_memory_stops_the_group(monkeypatch):
+    """It still takes part in the gather (with -1), so no rank waits, and every rank raises."""
+    def broken(device):
+        raise RuntimeError("CUDA error: device unavailable")
+    monkeypatch.setattr("nemo_tlt.rollout.kv_limit.free_bytes", broken)
+    group = _Group([1200, 800])
+    with pytest.raises(RuntimeError, match="device unavailable"):
+        KVLimit(fraction=0.5).budget(torch.device("cpu"), group)
+    assert group.gathered == [-1]
+    monkeypatch.setattr("nemo_tlt.rollout.kv_limit.free_bytes", _Free(1000))
+    with pytest.raises(RuntimeError, match=r"TP ranks \[2\] could not read their free memory"):
+        KVLimit(fraction=0.5).budget(torch.device("cpu"), _Group([1200, -1]))
 
 
 def test_fraction_settings_are_checked_by_name():

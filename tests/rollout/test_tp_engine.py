@@ -104,12 +104,13 @@ def _decoding(tp: TensorParallel, target: str, drafter: str) -> dict:
     import nemo_tlt.rollout.kv_limit as kv_limit
     row = (max(len(r.prompt) for r in _requests()) + GREEDY.max_new_tokens) * engine_slot_bytes(engine.target,
                                                                                                  engine.drafter)
-    kv_limit.free_bytes = lambda device: 2 * (2 + tp.rank) * row  # at 0.5: two rows on rank 0, three on rank 1
+    read, kv_limit.free_bytes = kv_limit.free_bytes, lambda device: 2 * (2 + tp.rank) * row  # 2 rows / 3 rows
     engine.kv_limit = kv_limit.KVLimit(fraction=0.5)
-    out["fraction"], stats = _tokens(engine, GREEDY, FixedSDPolicy(SHAPE))
-    out["fraction_budget"], out["fraction_prefills"] = (engine.last_kv_budget.bytes // row,
-                                                        stats.prefill_forwards)
-    engine.kv_limit = kv_limit.KVLimit()
+    try:
+        out["fraction"], stats = _tokens(engine, GREEDY, FixedSDPolicy(SHAPE))
+    finally:
+        kv_limit.free_bytes, engine.kv_limit = read, kv_limit.KVLimit()
+    out["fraction_budget"], out["fraction_prefills"] = engine.last_kv_budget.bytes // row, stats.prefill_forwards
     # the other drafters, replicated on every rank
     cfg = engine.model_config
     torch.manual_seed(0)

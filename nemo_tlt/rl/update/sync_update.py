@@ -20,13 +20,13 @@ import torch
 from nemo_tlt.algorithms.protocol import Advantages, counted_kwarg
 from nemo_tlt.policy.protocol import HiddenSink
 from nemo_tlt.rl.reporting.logprob_gap import comparable, gap_sums
-from nemo_tlt.rl.rollout_replicas import RolloutReplicas, TrainShare, by_replica
+from nemo_tlt.rl.rollout_replicas import RolloutReplicas, TrainShare, by_replica, harvested
 
 
 class SyncUpdate:
     """``harvest(step, own)``: the drafter's sink for the policy forward's hidden states of the
     sequences ``own`` (None: no harvest from the policy): this rank's sequences, split among the
-    members of its rollout replica where they all run them (``RolloutReplicas.harvests``)."""
+    ranks that run the same forward over them (``rollout_replicas.harvested``)."""
 
     def __init__(self, cfg: Any, policy: Any, comm: Any, advantages: Callable[[list, list], Advantages],
                  replicas: RolloutReplicas, share: TrainShare,
@@ -56,10 +56,9 @@ class SyncUpdate:
         batch, rewards, own = share.select(shares, replicas.replica, G)
         if share.parts == 1 and not replicas.leader:
             gen_logprobs = None  # the leader reports the replica's logprob_gap sums
-        harvested = own  # with whole replicas every member runs the forward of `own`: they split it
-        if share.parts == 1 and replicas.tp > 1:
-            harvested = frozenset(i for i in own if replicas.harvests(i))
-        on_hidden = self.harvest(step, harvested) if self.harvest is not None else None
+        on_hidden = None
+        if self.harvest is not None:  # the ranks that run this forward over `own` split its rows
+            on_hidden = self.harvest(step, harvested(own, replicas, share, self.policy.train_ranks, self.comm.rank))
         t0 = time.perf_counter()
         logp_old, logp_ref = self.policy.logprobs(batch, self.cfg.policy.separate_logprob_pass)
         t_logprob, t0 = time.perf_counter() - t0, time.perf_counter()
