@@ -20,6 +20,7 @@ Two forms, at most one set (neither: unbounded):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -46,8 +47,14 @@ class KVBudget(NamedTuple):
         if self.free is None:
             return f"raise {self.key} to at least {need / GIB:.6g}"
         if need <= self.free:
-            return f"raise {self.key} to at least {need / self.free:.4g}"
+            return f"raise {self.key} to at least {round_up(need / self.free)}"
         return f"no {self.key} holds it: {need} B is more than the {self.free} B free; free memory first"
+
+
+def round_up(x: float, digits: int = 4) -> float:
+    """``x`` > 0 rounded up to ``digits`` significant digits (a setting that holds at least ``x``)."""
+    scale = 10.0 ** (digits - 1 - math.floor(math.log10(x)))
+    return math.ceil(x * scale) / scale
 
 
 @dataclass(frozen=True)

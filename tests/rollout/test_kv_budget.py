@@ -15,7 +15,7 @@ from nemo_tlt.model.kv_budget import GIB, admission_waves
 from nemo_tlt.plan.memory import RolloutShape, kv_budget_rows, kv_budget_slots, rollout_kv_slot_bytes
 from nemo_tlt.rollout.config import RolloutConfig
 from nemo_tlt.rollout.kv_admission import engine_slot_bytes
-from nemo_tlt.rollout.kv_limit import KVLimit
+from nemo_tlt.rollout.kv_limit import KVLimit, round_up
 from nemo_tlt.rollout.protocol import Request
 from nemo_tlt.rollout.row_batch import RowBatch
 from nemo_tlt.rollout.torch_engine import TorchRolloutEngine
@@ -212,7 +212,7 @@ def test_a_fraction_too_small_for_a_request_is_refused_by_name(setup, monkeypatc
     need = (max(len(r.prompt) for r in reqs) + NEW) * 384
     with pytest.raises(ValueError, match=rf"rollout\.kv_cache_fraction=0\.5 of .* GiB free on cpu \(15360 B\) holds "
                                          rf"40 cache slots for one row .* raise rollout\.kv_cache_fraction to at "
-                                         rf"least {need / free:.4g}, or shorten"):
+                                         rf"least {round_up(need / free)}, or shorten"):
         engine.generate(reqs, sp)
     with pytest.raises(ValueError, match=rf"no rollout\.kv_cache_fraction holds it: {need} B is more than the 500 B "
                                          r"free"):
@@ -239,6 +239,11 @@ def test_tensor_parallel_ranks_take_the_smallest_free_memory(monkeypatch):
     assert limit.budget(torch.device("cpu"), None).bytes == 500  # alone: its own
     assert KVLimit(gib=1.0).budget(torch.device("cpu"), group).bytes == GIB and group.gathered == [1000]
     assert KVLimit().budget(torch.device("cpu"), group) is None
+
+
+def test_round_up_never_advises_a_setting_below_the_need():
+    assert round_up(0.123412) == 0.1235 and round_up(0.1234) == 0.1234 and round_up(5.00001e-5) == 5.001e-5
+    assert all(round_up(x) >= x for x in (1 / 3, 2 / 3, 0.99999, 1e-7 / 3))
 
 
 def test_a_rank_that_cannot_read_its_free_memory_stops_the_group(monkeypatch):
