@@ -266,10 +266,7 @@ class TorchRolloutEngine:
         return results
 
     def _choose(self, policy: SpecPolicy | None, running: int) -> TreeShape | None:
-        if self.tp is None:
-            shape = policy.choose(running) if policy is not None else None
-        else:
-            shape = lead_shape(self.tp, policy, running)
+        shape = lead_shape(self.tp, policy, running)
         if shape is not None and self.drafter is None:
             raise ValueError(f"generate: the policy chose tree shape {shape.name} but no drafter is loaded "
                              "(load_drafter(...) first, or pass policy=None for plain decoding)")

@@ -36,8 +36,11 @@ _PLAIN = [0, 0, 0]
 _FAILED = [-1, -1, -1]
 
 
-def lead_shape(tp: TensorParallel, policy: SpecPolicy | None, running: int) -> TreeShape | None:
-    """TP rank 0's ``policy.choose(running)``, on every rank (None: plain)."""
+def lead_shape(tp: TensorParallel | None, policy: SpecPolicy | None, running: int) -> TreeShape | None:
+    """TP rank 0's ``policy.choose(running)``, on every rank (None: plain); without a group
+    (``tp`` None) this process's ``policy.choose(running)``."""
+    if tp is None:
+        return policy.choose(running) if policy is not None else None
     if tp.rank != 0:
         code = tp.broadcast_ints(_PLAIN)
         if code == _FAILED:

@@ -417,7 +417,7 @@ class VLLMRolloutEngine:
 
         control = StepControl(policy, self.config.num_speculative_tokens, self._drafter_loaded,
                               self._set_draft_len if self._scheduler is not None else None, self.config.max_num_seqs,
-                              choose=partial(lead_shape, self.tp, policy) if self.tp is not None else None)
+                              choose=partial(lead_shape, self.tp, policy))
         added: list[str] = []
         try:
             for i, (rid, r) in enumerate(zip(ids, requests)):
