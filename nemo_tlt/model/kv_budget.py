@@ -18,7 +18,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from nemo_tlt.checks import check_float
+
 GIB = 2 ** 30
+
+
+def check_budget_keys(gib: float | None, fraction: float | None) -> None:
+    """``rollout.kv_cache_gib`` (> 0) and ``rollout.kv_cache_fraction`` (in (0, 1]), each None when
+    unset and at most one set: a ValueError naming the key otherwise (the run's and the plan's
+    ``rollout`` blocks, and the planner's rollout shape, check them alike)."""
+    if gib is not None:
+        check_float("rollout.kv_cache_gib", gib, 0, lo_open=True)
+    if fraction is not None:
+        check_float("rollout.kv_cache_fraction", fraction, 0, 1, lo_open=True)
+        if gib is not None:
+            raise ValueError(f"rollout.kv_cache_gib={gib} and rollout.kv_cache_fraction={fraction} are two budgets "
+                             "for one KV cache: set one of them")
 
 
 def budget_bytes(gib: float) -> int:

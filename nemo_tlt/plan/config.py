@@ -22,6 +22,7 @@ from typing import List, Optional, Sequence
 
 from nemo_tlt.checks import check_float, check_int
 from nemo_tlt.config import load_config
+from nemo_tlt.model.kv_budget import check_budget_keys
 from nemo_tlt.structured import load_structured
 from nemo_tlt.plan.cluster import ClusterSpec
 from nemo_tlt.plan.memory import TRAINING_STATE, check_training_choices
@@ -67,13 +68,7 @@ class RolloutPlan:
 
     def __post_init__(self) -> None:
         check_int("rollout.tensor_parallel", self.tensor_parallel, 1)
-        if self.kv_cache_gib is not None:
-            check_float("rollout.kv_cache_gib", self.kv_cache_gib, 0.0, lo_open=True)
-        if self.kv_cache_fraction is not None:
-            check_float("rollout.kv_cache_fraction", self.kv_cache_fraction, 0.0, 1.0, lo_open=True)
-            if self.kv_cache_gib is not None:
-                raise ValueError(f"rollout.kv_cache_gib={self.kv_cache_gib} and rollout.kv_cache_fraction="
-                                 f"{self.kv_cache_fraction} are two budgets for one KV cache: set one of them")
+        check_budget_keys(self.kv_cache_gib, self.kv_cache_fraction)
         check_int("rollout.prompt_len", self.prompt_len, 1)
         check_float("rollout.workspace_gib", self.workspace_gib, 0.0)
         check_float("rollout.reserve_gib", self.reserve_gib, 0.0)

@@ -75,7 +75,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from nemo_tlt.model.config import LMConfig
-from nemo_tlt.model.kv_budget import budget_bytes, kv_slot_bytes, rows_within, slots_within
+from nemo_tlt.model.kv_budget import budget_bytes, check_budget_keys, kv_slot_bytes, rows_within, slots_within
 from nemo_tlt.plan.cluster import GIB
 from nemo_tlt.weights.layout import ParallelLayout
 
@@ -217,14 +217,8 @@ class RolloutShape:
     gpu_gib: float | None = None  # the GPU's memory (what a kv_cache_fraction is taken of)
 
     def __post_init__(self) -> None:
-        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
-            raise ValueError(f"rollout.kv_cache_gib must be > 0 or null, got {self.kv_cache_gib!r}")
+        check_budget_keys(self.kv_cache_gib, self.kv_cache_fraction)
         if self.kv_cache_fraction is not None:
-            if not 0 < self.kv_cache_fraction <= 1:
-                raise ValueError(f"rollout.kv_cache_fraction must be in (0, 1] or null, got {self.kv_cache_fraction!r}")
-            if self.kv_cache_gib is not None:
-                raise ValueError("rollout.kv_cache_gib and rollout.kv_cache_fraction are two budgets for one KV "
-                                 "cache: set one of them")
             if self.gpu_gib is None or not self.gpu_gib > 0:
                 raise ValueError(f"RolloutShape.gpu_gib must be > 0 with a kv_cache_fraction, got {self.gpu_gib!r}")
         if self.training_state not in TRAINING_STATE:

@@ -9,6 +9,7 @@ import torch
 
 from nemo_tlt.adaptive.config import SpecDecodingConfig
 from nemo_tlt.checks import check_float, check_int
+from nemo_tlt.model.kv_budget import check_budget_keys
 from nemo_tlt.registry import Registry
 
 # rollout.engine: a name here or an import path 'package.module:factory'. A factory is called as
@@ -125,19 +126,13 @@ class RolloutConfig(SpecDecodingConfig):
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"RolloutConfig.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got "
                              f"{self.compute_dtype!r}")
-        if self.kv_cache_gib is not None:
-            check_float("rollout.kv_cache_gib", self.kv_cache_gib, 0, lo_open=True)
-            if self.engine in ("trtllm", "vllm"):
-                raise ValueError(f"rollout.kv_cache_gib bounds the torch engine's KV cache; with rollout.engine="
-                                 f"{self.engine} leave it null (vLLM's budget: rollout.vllm.kv_cache_gib)")
-        if self.kv_cache_fraction is not None:
-            check_float("rollout.kv_cache_fraction", self.kv_cache_fraction, 0, 1, lo_open=True)
-            if self.engine in ("trtllm", "vllm"):
-                raise ValueError(f"rollout.kv_cache_fraction bounds the torch engine's KV cache; with rollout.engine="
-                                 f"{self.engine} leave it null (vLLM's fraction: rollout.vllm.gpu_memory_utilization)")
-            if self.kv_cache_gib is not None:
-                raise ValueError(f"rollout.kv_cache_gib={self.kv_cache_gib} and rollout.kv_cache_fraction="
-                                 f"{self.kv_cache_fraction} are two budgets for one KV cache: set one of them")
+        check_budget_keys(self.kv_cache_gib, self.kv_cache_fraction)
+        if self.kv_cache_gib is not None and self.engine in ("trtllm", "vllm"):
+            raise ValueError(f"rollout.kv_cache_gib bounds the torch engine's KV cache; with rollout.engine="
+                             f"{self.engine} leave it null (vLLM's budget: rollout.vllm.kv_cache_gib)")
+        if self.kv_cache_fraction is not None and self.engine in ("trtllm", "vllm"):
+            raise ValueError(f"rollout.kv_cache_fraction bounds the torch engine's KV cache; with rollout.engine="
+                             f"{self.engine} leave it null (vLLM's fraction: rollout.vllm.gpu_memory_utilization)")
         if self.training_state not in TRAINING_STATES:
             raise ValueError(f"rollout.training_state must be one of {', '.join(TRAINING_STATES)}, got "
                              f"{self.training_state!r}")

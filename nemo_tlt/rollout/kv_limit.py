@@ -63,9 +63,8 @@ class KVLimit:
     fraction: float | None = None
 
     def __post_init__(self) -> None:
-        if self.gib is not None and not (isinstance(self.gib, (int, float)) and not isinstance(self.gib, bool)
-                                         and self.gib > 0):
-            raise ValueError(f"{OWNER}.kv_cache_gib (rollout.kv_cache_gib) must be > 0 or None, got {self.gib!r}")
+        if self.gib is not None:
+            check_float(f"{OWNER}.kv_cache_gib (rollout.kv_cache_gib)", self.gib, 0, lo_open=True)
         if self.fraction is not None:
             check_float(f"{OWNER}.kv_cache_fraction (rollout.kv_cache_fraction)", self.fraction, 0, 1, lo_open=True)
             if self.gib is not None:
