@@ -83,8 +83,8 @@ def make_plan(plan: PlanConfig, simulate_steps: bool = False,
     layout.stage_layer_counts(cfg.num_layers)  # refuses a PP that does not split the layers
     training_shape, rollout_shape = plan_shapes(cfg, plan, inputs.lengths)
     train_mem = training_memory(cfg, training_shape)
-    roll_mem = rollout_memory(cfg, rollout_shape, train_mem)
     budgeted = resolve_kv_fraction(cfg, rollout_shape, train_mem)  # the fullest stage's ranks' budget
+    roll_mem = rollout_memory(cfg, budgeted, train_mem)
     memory = {"training": train_mem, "rollout": roll_mem}
     reshard = plan_stream_reshard(cfg, layout, plan.dp, plan.rollout.tensor_parallel, cluster=plan.cluster)
     out: dict[str, Any] = {

@@ -262,14 +262,13 @@ def kv_budget_slots(cfg: LMConfig, shape: RolloutShape, rows: int, kv_bytes: int
                         rollout_kv_slot_bytes(cfg, shape.tp, shape.sd, kv_bytes))
 
 
-def held_at_rollout_start(cfg: LMConfig, shape: RolloutShape, training: dict[str, float]) -> float:
-    """Bytes a rollout GPU holds when the engine starts a rollout: the engine's weights, the
-    drafter, the drafter trainer's state (16 B per parameter; its harvest buffer is in host
-    memory), the training state kept resident and the reserve (CUDA context among it)."""
-    drafter = drafter_parameter_count(cfg, shape.fc_inputs) if shape.sd else 0
-    trainer = 16 * drafter if (shape.sd and shape.drafter_training) else 0
-    return float(2 * parameter_count(cfg) / shape.tp + 2 * drafter + trainer
-                 + resident_training_state(shape, training) + shape.reserve_gib * GIB)
+def held_at_rollout_start(terms: dict[str, float], shape: RolloutShape) -> float:
+    """Bytes a rollout GPU holds when the engine starts a rollout, from ``terms`` (`rollout_memory`'s,
+    the KV cache aside): the engine's weights, the drafter, the drafter trainer's state (its term
+    less the harvest allowance: the harvest buffer is in host memory), the training state kept
+    resident and the reserve (CUDA context among it)."""
+    trainer = terms["drafter_training"] - shape.harvest_bytes if terms["drafter_training"] else 0.0
+    return terms["weights"] + terms["drafter"] + trainer + terms["training_state"] + terms["reserve"]
 
 
 def resident_training_state(shape: RolloutShape, training: dict[str, float]) -> float:
@@ -282,20 +281,22 @@ def resolve_kv_fraction(cfg: LMConfig, shape: RolloutShape, training: dict[str, 
     take: the fraction of the GPU's memory less what is held at rollout start, in whole bytes as
     ``nemo_tlt.rollout.kv_limit`` floors it (at least 1 B: a GPU with nothing free holds no row).
     Unchanged without a fraction."""
+    return _resolved(shape, _terms_but_kv(cfg, shape, training))
+
+
+def _resolved(shape: RolloutShape, terms: dict[str, float]) -> RolloutShape:
     if shape.kv_cache_fraction is None:
         return shape
-    free = max(0.0, shape.gpu_gib * GIB - held_at_rollout_start(cfg, shape, training))
+    free = max(0.0, shape.gpu_gib * GIB - held_at_rollout_start(terms, shape))
     budget = int(shape.kv_cache_fraction * free)
     return replace(shape, kv_cache_fraction=None, kv_cache_gib=max(budget, 1) / GIB)
 
 
-def rollout_memory(cfg: LMConfig, shape: RolloutShape, training: dict[str, float]) -> dict[str, float]:
-    shape = resolve_kv_fraction(cfg, shape, training)
+def _terms_but_kv(cfg: LMConfig, shape: RolloutShape, training: dict[str, float]) -> dict[str, float]:
     drafter = drafter_parameter_count(cfg, shape.fc_inputs) if shape.sd else 0
     rows = max(shape.concurrency, shape.sd_rows * (shape.max_num_verify + 1) if shape.sd else 0)
     terms = {
         "weights": 2 * parameter_count(cfg) / shape.tp,
-        "kv_cache": kv_cache_bytes(cfg, shape),
         "drafter": 2 * drafter,
         "drafter_training": (16 * drafter + shape.harvest_bytes) if (shape.sd and shape.drafter_training) else 0,
         "logits": 4 * cfg.vocab_size * rows / shape.tp,
@@ -304,6 +305,12 @@ def rollout_memory(cfg: LMConfig, shape: RolloutShape, training: dict[str, float
         "reserve": shape.reserve_gib * GIB,
     }
     return {k: float(v) for k, v in terms.items()}
+
+
+def rollout_memory(cfg: LMConfig, shape: RolloutShape, training: dict[str, float]) -> dict[str, float]:
+    terms = _terms_but_kv(cfg, shape, training)
+    kv = float(kv_cache_bytes(cfg, _resolved(shape, terms)))
+    return {"weights": terms.pop("weights"), "kv_cache": kv, **terms}
 
 
 def kv_cache_bytes(cfg: LMConfig, shape: RolloutShape) -> int:
